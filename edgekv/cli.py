@@ -1,0 +1,108 @@
+"""The `edgekv` command. Errors meant for the user print as one line and exit non-zero."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from edgekv.errors import EdgeKVError
+
+
+class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    pass
+
+
+def _add_sampling(p, temperature: float):
+    p.add_argument("--temperature", type=float, default=temperature, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0, help="divide logits of recent tokens (1 = off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+
+
+def _add_runtime(p):
+    p.add_argument("--ctx", type=int, default=None, help="KV cache capacity in tokens (default: min(2048, bundle max))")
+    p.add_argument("--backend", default="auto", help="auto | ort-cpu")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all available)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="edgekv", formatter_class=Formatter,
+                                 description="Small chat LLMs with an INT8 KV cache, from workstation export to Jetson.")
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("export", formatter_class=Formatter, help="checkpoint -> verified bundle (needs torch)",
+                       description="Export a model to a bundle: ONNX graph with an explicit KV cache, tokenizer, "
+                                   "manifest. ONNX is checked against PyTorch before anything is written.")
+    p.add_argument("model", nargs="?", default=None,
+                   help="recipe name from models/, a Hugging Face folder, or a .gguf file (default: smollm2-135m-instruct)")
+    p.add_argument("--kv", default="int8", help="KV scheme: int8 | float")
+    p.add_argument("--out", default=None, help="bundle folder (default: models/bundles/NAME-KV)")
+    p.add_argument("--max-context", type=int, default=None, help="longest context the bundle is verified for (default: recipe, else min(model, 4096))")
+    p.add_argument("--dtype", default="float32", choices=["float32"], help="weights and compute dtype")
+    p.add_argument("--steps", type=int, default=32, help="decode steps in the parity check")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads for the check")
+
+    p = sub.add_parser("generate", formatter_class=Formatter, help="answer one prompt, streaming",
+                       description="Stream the answer to one prompt, then print time to first token, decode tokens/s "
+                                   "and KV cache bytes.")
+    p.add_argument("bundle")
+    p.add_argument("prompt")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
+    p.add_argument("--system", default=None, help="system message (default: the template's own)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    _add_sampling(p, 0.0)
+    _add_runtime(p)
+
+    p = sub.add_parser("bench", formatter_class=Formatter, help="time to first token, decode tokens/s, memory",
+                       description="Benchmark a bundle: TTFT and decode tokens/s at batch 1 for several prompt lengths "
+                                   "and capacities, KV memory, peak RSS. Medians of --repeat runs.")
+    p.add_argument("bundle")
+    p.add_argument("--prompt-lengths", default="64,1024", help="comma-separated prompt lengths")
+    p.add_argument("--capacities", default="256,4096", help="comma-separated cache capacities (--ctx)")
+    p.add_argument("--fill", default="64,1800", help="context fill levels at which decode speed is measured")
+    p.add_argument("--decode-tokens", type=int, default=64, help="tokens decoded per measurement")
+    p.add_argument("--rss-tokens", type=int, default=1000, help="tokens decoded while watching RSS")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON here")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.cmd == "export":
+            return cmd_export(args)
+        if args.cmd == "generate":
+            from edgekv.commands import cmd_generate
+            return cmd_generate(args)
+        if args.cmd == "bench":
+            from edgekv.bench import cmd_bench
+            return cmd_bench(args)
+    except EdgeKVError as e:
+        print(f"edgekv {args.cmd}: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"\nedgekv {args.cmd}: interrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    return 2
+
+
+def cmd_export(args) -> int:
+    try:
+        import torch  # noqa: F401
+        from export.bundle import export_bundle
+    except ImportError as e:
+        raise EdgeKVError(f"export needs the exporter's dependencies ({e.name} missing): "
+                          "pip install -e '.[export]'") from None
+    export_bundle(args.model, kv=args.kv, out=args.out, max_context=args.max_context, dtype=args.dtype,
+                  steps=args.steps, threads=args.threads)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,141 @@
+"""Generation: chunked prefill, decode steps, sampling."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from edgekv.cache import KVCache
+from edgekv.errors import ContextOverflow, EdgeKVError
+
+
+@dataclass
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int | None = None
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    ttft_s: float = 0.0  # prompt in -> first token out
+    prefill_s: float = 0.0
+    decode_s: float = 0.0  # after the first token
+    stop_reason: str = ""
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return (self.new_tokens - 1) / self.decode_s if self.decode_s > 0 and self.new_tokens > 1 else 0.0
+
+
+class Generator:
+    def __init__(self, backend, cache: KVCache, prefill_chunk: int = 256):
+        self.backend, self.cache = backend, cache
+        self.prefill_chunk = prefill_chunk
+        self.pos = 0  # next RoPE position (equals cache.n for a linear cache)
+        self._one = np.zeros((1, 1), np.int64)
+        self._pos1 = np.zeros((1, 1), np.int64)
+        self._idx0 = np.zeros((1, 1), np.int64)
+
+    def reset(self) -> None:
+        self.cache.reset()
+        self.pos = 0
+
+    def truncate(self, n: int) -> None:
+        self.cache.truncate(n)
+        self.pos = n
+
+    def prefill(self, ids: list[int], all_logits: bool = False) -> np.ndarray:
+        """Feed ids in chunks; return the last token's logits [V] (or every token's [S, V])."""
+        if not ids:
+            raise EdgeKVError("empty prompt: nothing to feed the model")
+        self.cache.check_room(len(ids))
+        out = []
+        last = None
+        for start in range(0, len(ids), self.prefill_chunk):
+            chunk = np.asarray(ids[start: start + self.prefill_chunk], np.int64)[None]  # [1, S]
+            s = chunk.shape[1]
+            pos = np.arange(self.pos, self.pos + s, dtype=np.int64)[None]
+            idx = (np.arange(s) if all_logits else np.array([s - 1]))[None].astype(np.int64)
+            logits = self.backend.run(chunk, pos, idx, self.cache)
+            self.pos += s
+            if all_logits:
+                out.append(logits[0].copy())
+            else:
+                last = logits[0, -1]
+        return np.concatenate(out) if all_logits else last
+
+    def decode_step(self, token: int) -> np.ndarray:
+        """One token in, its logits [V] out (a view; valid until the next call)."""
+        self._one[0, 0] = token
+        self._pos1[0, 0] = self.pos
+        logits = self.backend.run(self._one, self._pos1, self._idx0, self.cache)
+        self.pos += 1
+        return logits[0, 0]
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
+                 stop_ids: set[int], stats: Stats | None = None, history: list[int] | None = None):
+        """Yield new token ids. Stops at a stop token (not yielded), max_new_tokens or a full cache."""
+        stats = stats if stats is not None else Stats()
+        rng = np.random.default_rng(params.seed)
+        history = list(history or []) + list(prompt_ids)
+        t0 = time.perf_counter()
+        logits = self.prefill(prompt_ids)
+        stats.prompt_tokens = len(prompt_ids)
+        stats.prefill_s = time.perf_counter() - t0
+        t_first = None
+        for i in range(max_new_tokens):
+            tok = sample(logits, params, rng, history)
+            if i == 0:
+                t_first = time.perf_counter()
+                stats.ttft_s = t_first - t0
+            if tok in stop_ids:
+                stats.stop_reason = "stop"
+                break
+            stats.new_tokens += 1
+            history.append(tok)
+            yield tok
+            if i == max_new_tokens - 1:
+                stats.stop_reason = "length"
+                break
+            if self.cache.room() < 1:
+                stats.stop_reason = "context"
+                break
+            logits = self.decode_step(tok)
+            stats.decode_s = time.perf_counter() - t_first
+        else:
+            stats.stop_reason = stats.stop_reason or "length"
+
+
+def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator, history: list[int]) -> int:
+    if p.repeat_penalty != 1.0 and history:
+        logits = logits.copy()
+        recent = np.unique(np.asarray(history[-p.repeat_last_n:], np.int64))
+        vals = logits[recent]
+        logits[recent] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+    if p.temperature <= 0:
+        return int(np.argmax(logits))
+    x = logits.astype(np.float64) / p.temperature
+    if p.top_k and p.top_k < x.shape[0]:
+        kth = np.partition(x, -p.top_k)[-p.top_k]
+        x = np.where(x < kth, -np.inf, x)
+    probs = np.exp(x - x.max())
+    probs /= probs.sum()
+    if p.top_p < 1.0:
+        order = np.argsort(-probs)
+        cum = np.cumsum(probs[order])
+        keep = order[: int(np.searchsorted(cum, p.top_p)) + 1]  # smallest set with mass >= top_p
+        mask = np.zeros_like(probs)
+        mask[keep] = probs[keep]
+        probs = mask / mask.sum()
+    return int(rng.choice(probs.shape[0], p=probs))

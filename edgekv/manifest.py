@@ -1,0 +1,110 @@
+"""The bundle: a folder with edgekv.json (the manifest), model.onnx (+ .data), tokenizer.json.
+
+The manifest is the only thing the runtime trusts about a bundle. It is versioned; an unknown
+version is refused, not guessed at."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from edgekv.kvschemes import KVScheme, get_scheme
+
+FORMAT_VERSION = 1
+MANIFEST = "edgekv.json"
+INPUTS = ["input_ids", "position_ids", "key_mask", "logits_index"]
+
+
+from edgekv.errors import EdgeKVError
+
+
+class BundleError(EdgeKVError):
+    """A bundle that cannot be used."""
+
+
+def io_names(n_layers: int, scheme: KVScheme) -> dict[str, list[str]]:
+    past = [n for i in range(n_layers) for n in scheme.names(i, "past")]
+    present = [n for i in range(n_layers) for n in scheme.names(i, "present")]
+    return {"inputs": list(INPUTS), "past": past, "present": present, "outputs": ["logits"] + present}
+
+
+@dataclass
+class Bundle:
+    path: Path
+    manifest: dict
+
+    @property
+    def model(self) -> dict:
+        return self.manifest["model"]
+
+    @property
+    def scheme(self) -> KVScheme:
+        return get_scheme(self.manifest["kv"]["scheme"])
+
+    @property
+    def dtype(self) -> str:
+        return self.manifest["dtype"]
+
+    @property
+    def max_context(self) -> int:
+        return int(self.manifest["max_context"])
+
+    @property
+    def onnx_path(self) -> Path:
+        return self.path / self.manifest["files"]["onnx"]
+
+    @property
+    def tokenizer_path(self) -> Path:
+        return self.path / self.manifest["files"]["tokenizer"]
+
+    @property
+    def special(self) -> dict:
+        return self.manifest["special"]
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.manifest.get("chat_template")
+
+    def kv_bytes_per_token(self) -> int:
+        m = self.model
+        fb = 2 if self.dtype == "float16" else 4
+        return self.scheme.bytes_per_token(m["n_layers"], m["n_kv_heads"], m["head_dim"], fb)
+
+
+_REQUIRED = ("format_version", "model", "kv", "dtype", "max_context", "files", "special", "io")
+
+
+def load_bundle(path: str | os.PathLike) -> Bundle:
+    path = Path(path)
+    if not path.exists():
+        raise BundleError(f"{path}: no such bundle (export one with `edgekv export`)")
+    if not path.is_dir():
+        raise BundleError(f"{path}: a bundle is a folder with {MANIFEST}, not a file")
+    mpath = path / MANIFEST
+    if not mpath.is_file():
+        raise BundleError(f"{path}: not an edgekv bundle (no {MANIFEST})")
+    try:
+        man = json.loads(mpath.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BundleError(f"{mpath}: corrupt manifest ({e})") from None
+    if not isinstance(man, dict) or "format_version" not in man:
+        raise BundleError(f"{mpath}: not an edgekv manifest (no format_version)")
+    if man["format_version"] != FORMAT_VERSION:
+        raise BundleError(f"{mpath}: bundle format_version {man['format_version']!r} is not supported by this "
+                          f"edgekv (reads version {FORMAT_VERSION}); re-export the model with this version")
+    missing = [k for k in _REQUIRED if k not in man]
+    if missing:
+        raise BundleError(f"{mpath}: corrupt manifest (missing {', '.join(missing)})")
+    try:
+        get_scheme(man["kv"]["scheme"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise BundleError(f"{mpath}: {e}") from None
+    b = Bundle(path, man)
+    for key, size in man["files"].get("sizes", {}).items():
+        f = path / key
+        if not f.is_file():
+            raise BundleError(f"{path}: corrupt bundle ({key} is missing)")
+        if f.stat().st_size != size:
+            raise BundleError(f"{path}: corrupt bundle ({key} is {f.stat().st_size} bytes, manifest says {size})")
+    return b

@@ -1,0 +1,286 @@
+"""Checkpoint loaders: a Hugging Face folder (config.json + *.safetensors + tokenizer.json) or a
+GGUF file. Each returns a `Source`: the config, a state dict named for export/model.py, the
+tokenizer JSON, the chat template and the special tokens. Weight names go through an explicit
+table; counts and shapes are asserted against the model."""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from export.model import ModelConfig, Transformer, UnsupportedModel
+
+# checkpoint name (per layer with {i}) -> our module name
+HF_NAMES = {
+    "model.embed_tokens.weight": "embed.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "lm_head.weight",
+    "model.layers.{i}.input_layernorm.weight": "layers.{i}.attn_norm.weight",
+    "model.layers.{i}.self_attn.q_proj.weight": "layers.{i}.attn.wq.weight",
+    "model.layers.{i}.self_attn.k_proj.weight": "layers.{i}.attn.wk.weight",
+    "model.layers.{i}.self_attn.v_proj.weight": "layers.{i}.attn.wv.weight",
+    "model.layers.{i}.self_attn.q_proj.bias": "layers.{i}.attn.wq.bias",
+    "model.layers.{i}.self_attn.k_proj.bias": "layers.{i}.attn.wk.bias",
+    "model.layers.{i}.self_attn.v_proj.bias": "layers.{i}.attn.wv.bias",
+    "model.layers.{i}.self_attn.o_proj.weight": "layers.{i}.attn.wo.weight",
+    "model.layers.{i}.post_attention_layernorm.weight": "layers.{i}.mlp_norm.weight",
+    "model.layers.{i}.mlp.gate_proj.weight": "layers.{i}.mlp.w_gate.weight",
+    "model.layers.{i}.mlp.up_proj.weight": "layers.{i}.mlp.w_up.weight",
+    "model.layers.{i}.mlp.down_proj.weight": "layers.{i}.mlp.w_down.weight",
+}
+
+GGUF_NAMES = {
+    "token_embd.weight": "embed.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+    "blk.{i}.attn_norm.weight": "layers.{i}.attn_norm.weight",
+    "blk.{i}.attn_q.weight": "layers.{i}.attn.wq.weight",
+    "blk.{i}.attn_k.weight": "layers.{i}.attn.wk.weight",
+    "blk.{i}.attn_v.weight": "layers.{i}.attn.wv.weight",
+    "blk.{i}.attn_q.bias": "layers.{i}.attn.wq.bias",
+    "blk.{i}.attn_k.bias": "layers.{i}.attn.wk.bias",
+    "blk.{i}.attn_v.bias": "layers.{i}.attn.wv.bias",
+    "blk.{i}.attn_output.weight": "layers.{i}.attn.wo.weight",
+    "blk.{i}.ffn_norm.weight": "layers.{i}.mlp_norm.weight",
+    "blk.{i}.ffn_gate.weight": "layers.{i}.mlp.w_gate.weight",
+    "blk.{i}.ffn_up.weight": "layers.{i}.mlp.w_up.weight",
+    "blk.{i}.ffn_down.weight": "layers.{i}.mlp.w_down.weight",
+}
+
+
+class SourceError(ValueError):
+    pass
+
+
+@dataclass
+class Source:
+    config: ModelConfig
+    state_dict: dict[str, torch.Tensor]
+    tokenizer_json: str
+    chat_template: str | None
+    special: dict = field(default_factory=dict)  # bos_token_id, eos_token_id, stop_token_ids
+    path: str = ""
+    sha256: str = ""
+    kind: str = ""  # "hf" | "gguf"
+
+
+def _expand(table: dict[str, str], n_layers: int) -> dict[str, str]:
+    out = {}
+    for src, dst in table.items():
+        if "{i}" in src:
+            for i in range(n_layers):
+                out[src.format(i=i)] = dst.format(i=i)
+        else:
+            out[src] = dst
+    return out
+
+
+def rename(weights: dict[str, torch.Tensor], table: dict[str, str], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Map checkpoint names to ours; refuse unknown or missing tensors and wrong shapes."""
+    names = _expand(table, cfg.n_layers)
+    unknown = [k for k in weights if k not in names and not k.endswith("rotary_emb.inv_freq")]
+    if unknown:
+        raise SourceError(f"unexpected tensors in checkpoint: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
+    sd = {names[k]: v for k, v in weights.items() if k in names}
+    expected = _expected_shapes(cfg)
+    if cfg.tie_word_embeddings:
+        sd.pop("lm_head.weight", None)
+    missing = [k for k in expected if k not in sd]
+    if missing:
+        raise SourceError(f"checkpoint lacks tensors: {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+    for k, shape in expected.items():
+        if tuple(sd[k].shape) != shape:
+            raise SourceError(f"tensor {k}: shape {tuple(sd[k].shape)}, config says {shape}")
+    assert len(sd) == len(expected), (len(sd), len(expected))
+    return sd
+
+
+def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
+    with torch.device("meta"):
+        m = Transformer(cfg)
+    return {k: tuple(v.shape) for k, v in m.state_dict().items()
+            if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+
+
+def file_sha256(paths: list[Path]) -> str:
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        with open(p, "rb") as f:
+            while chunk := f.read(1 << 22):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+# --- Hugging Face folder -------------------------------------------------------------------
+
+def load_hf_folder(folder: str | Path) -> Source:
+    from safetensors.torch import load_file
+
+    folder = Path(folder)
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        raise SourceError(f"{folder}: not a model folder (no config.json)")
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise SourceError(f"{folder}: no *.safetensors weights (only safetensors checkpoints are read)")
+    tok = folder / "tokenizer.json"
+    if not tok.is_file():
+        raise SourceError(f"{folder}: no tokenizer.json")
+    raw_cfg = json.loads(cfg_path.read_text())
+    cfg = ModelConfig.from_hf_dict(raw_cfg)
+    weights = {}
+    for f in files:
+        weights.update(load_file(str(f)))
+    sd = rename({k: v.float() for k, v in weights.items()}, HF_NAMES, cfg)
+
+    tcfg_path = folder / "tokenizer_config.json"
+    tcfg = json.loads(tcfg_path.read_text()) if tcfg_path.is_file() else {}
+    template = tcfg.get("chat_template")
+    if (folder / "chat_template.jinja").is_file():
+        template = (folder / "chat_template.jinja").read_text()
+    if isinstance(template, list):  # named templates: take the default one
+        template = next((t["template"] for t in template if t.get("name") == "default"), template[0]["template"])
+    tok_json = tok.read_text()
+    vocab = _token_ids(tok_json)
+    gen_path = folder / "generation_config.json"
+    gen = json.loads(gen_path.read_text()) if gen_path.is_file() else {}
+    eos = gen.get("eos_token_id", cfg.eos_token_id)
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    eos_tok = tcfg.get("eos_token")
+    if isinstance(eos_tok, dict):
+        eos_tok = eos_tok.get("content")
+    if eos_tok in vocab and vocab[eos_tok] not in eos:
+        eos.append(vocab[eos_tok])
+    bos = gen.get("bos_token_id", cfg.bos_token_id)
+    special = _special(vocab, bos, eos, tcfg.get("bos_token"), eos_tok)
+    return Source(cfg, sd, tok_json, template, special, str(folder), file_sha256(files), "hf")
+
+
+def _token_ids(tok_json: str) -> dict[str, int]:
+    d = json.loads(tok_json)
+    vocab = dict(d.get("model", {}).get("vocab", {}) or {})
+    if isinstance(d.get("model", {}).get("vocab"), list):  # unigram: [[piece, score], ...]
+        vocab = {p[0]: i for i, p in enumerate(d["model"]["vocab"])}
+    for t in d.get("added_tokens", []):
+        vocab[t["content"]] = t["id"]
+    return vocab
+
+
+def _special(vocab: dict[str, int], bos, eos: list[int], bos_tok=None, eos_tok=None) -> dict:
+    inv = {i: t for t, i in vocab.items()}
+    stop = list(eos)
+    for name in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>", "</s>", "<|end_of_text|>"):
+        if name in vocab and vocab[name] not in stop:
+            stop.append(vocab[name])
+    if isinstance(bos_tok, dict):
+        bos_tok = bos_tok.get("content")
+    return {
+        "bos_token_id": bos,
+        "bos_token": inv.get(bos, bos_tok) if bos is not None else bos_tok,
+        "eos_token_id": eos[0] if eos else None,
+        "eos_token": inv.get(eos[0]) if eos else eos_tok,
+        "stop_token_ids": stop,
+    }
+
+
+# --- GGUF ----------------------------------------------------------------------------------
+
+def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """Undo llama.cpp's convert permutation of q/k rows (it interleaves the rotary halves)."""
+    shape = w.shape
+    return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
+
+
+def load_gguf(path: str | Path) -> Source:
+    import gguf
+
+    path = Path(path)
+    try:
+        r = gguf.GGUFReader(str(path))
+    except Exception as e:  # the gguf package raises assorted errors on a bad file
+        raise SourceError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+    def field(key, default=None):
+        f = r.fields.get(key)
+        return default if f is None else f.contents()
+
+    arch = field("general.architecture")
+    if arch not in ("llama", "qwen2"):
+        raise UnsupportedModel(f"unsupported GGUF architecture {arch!r}; supported: llama, qwen2")
+    if any(t.name == "rope_freqs.weight" for t in r.tensors):
+        raise UnsupportedModel("GGUF with rope_freqs (Llama-3.1+ rope scaling) is not read yet; export the HF folder")
+    tok_model = field("tokenizer.ggml.model")
+    if tok_model != "gpt2":
+        raise UnsupportedModel(f"GGUF tokenizer {tok_model!r} is not supported (byte-level BPE 'gpt2' is); export the HF folder")
+    n_head = field(f"{arch}.attention.head_count")
+    n_embd = field(f"{arch}.embedding_length")
+    tensors = {t.name: t for t in r.tensors}
+    tokens = field("tokenizer.ggml.tokens")
+    cfg = ModelConfig(
+        arch=arch,
+        vocab_size=int(field(f"{arch}.vocab_size", len(tokens))),
+        hidden_size=n_embd,
+        intermediate_size=field(f"{arch}.feed_forward_length"),
+        n_layers=field(f"{arch}.block_count"),
+        n_heads=n_head,
+        n_kv_heads=field(f"{arch}.attention.head_count_kv", n_head),
+        head_dim=field(f"{arch}.attention.key_length", n_embd // n_head),
+        rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        max_position_embeddings=field(f"{arch}.context_length", 2048),
+        bos_token_id=field("tokenizer.ggml.bos_token_id"),
+        eos_token_id=[field("tokenizer.ggml.eos_token_id")],
+    )
+    weights = {}
+    for name, t in tensors.items():
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        w = w.reshape([int(x) for x in reversed(t.shape)])  # GGUF lists dims innermost first
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_q.bias")):
+            w = _unpermute(w, cfg.n_heads)
+        elif arch == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):
+            w = _unpermute(w, cfg.n_kv_heads)
+        weights[name] = torch.from_numpy(np.ascontiguousarray(w))
+    sd = rename(weights, GGUF_NAMES, cfg)
+
+    tok_json = gguf_tokenizer_json(field, tokens)
+    vocab = {t: i for i, t in enumerate(tokens)}
+    special = _special(vocab, cfg.bos_token_id, cfg.eos_token_id)
+    return Source(cfg, sd, tok_json, field("tokenizer.chat_template"), special, str(path), file_sha256([path]), "gguf")
+
+
+def gguf_tokenizer_json(field, tokens: list[str]) -> str:
+    """Byte-level BPE tokenizer.json from GGUF metadata, for the `tokenizers` library."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+
+    merges = [tuple(m.split(" ", 1)) for m in field("tokenizer.ggml.merges")]
+    types = field("tokenizer.ggml.token_type")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+    pre = field("tokenizer.ggml.pre", "default")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("smollm", "starcoder", "refact", "default", "gpt-2", "gpt2"):
+        # llama.cpp splits digits one by one for these, then the GPT-2 regex
+        steps = [pre_tokenizers.Digits(individual_digits=True), byte_level] if pre != "gpt-2" else [byte_level]
+    elif pre in ("qwen2", "llama-bpe", "llama3"):
+        pat = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+               if pre == "qwen2" else r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}")
+        pat += r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+        steps = [pre_tokenizers.Split(Regex(pat), behavior="isolated"),
+                 pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    else:
+        raise UnsupportedModel(f"GGUF pre-tokenizer {pre!r} is not supported; export the HF folder")
+    tok.pre_tokenizer = pre_tokenizers.Sequence(steps)
+    tok.decoder = decoders.ByteLevel()
+    from tokenizers import AddedToken
+    # token_type 3 = control, 4 = user-defined: matched whole, never split by BPE
+    added = [AddedToken(tokens[i], special=(types[i] == 3), normalized=False)
+             for i in range(len(tokens)) if types[i] in (3, 4)]
+    tok.add_special_tokens([a for a in added if a.special])
+    tok.add_tokens([a for a in added if not a.special])
+    return tok.to_str()

@@ -1,0 +1,268 @@
+"""The decoder, in plain torch: Llama family (SmolLM2, TinyLlama, Llama-3.x) and Qwen2/2.5.
+
+One forward serves prefill and decode and always takes a past (possibly empty). It is the
+graph contract of docs/graph.md written as torch:
+
+  forward(input_ids [B,S], position_ids [B,S], key_mask bool [B,P+S], logits_index [B,K],
+          *past)  ->  (logits [B,K,V], *present)
+
+`past`/`present` are per layer the tensors of the KV scheme (see kv_store/kv_load below and
+edgekv/kvschemes.py), slot-major [P,B,Hkv,D]. Only the S new tokens' K/V come out. The new
+K/V go through quantize -> dequantize before attention, so a token sees exactly what later
+steps will read back from the cache (chunking then does not change results).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from edgekv.kvschemes import get_scheme
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+
+
+class UnsupportedModel(ValueError):
+    pass
+
+
+@dataclass
+class ModelConfig:
+    arch: str  # "llama" | "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v biases (Qwen2 always has them)
+    max_position_embeddings: int = 2048
+    bos_token_id: int | None = None
+    eos_token_id: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_hf_dict(cls, c: dict) -> "ModelConfig":
+        archs = c.get("architectures") or []
+        arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise UnsupportedModel(
+                f"unsupported architecture {archs or c.get('model_type')!r}; supported: "
+                + ", ".join(SUPPORTED_ARCHITECTURES) + " (Llama family incl. SmolLM2, TinyLlama, Llama-3.x; Qwen2/2.5)")
+        n_heads = c["num_attention_heads"]
+        rope = c.get("rope_scaling") or c.get("rope_parameters") or None
+        theta = c.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
+        if rope and rope.get("rope_type", rope.get("type")) in (None, "default"):
+            rope = None
+        if rope and rope.get("rope_type", rope.get("type")) != "llama3":
+            raise UnsupportedModel(f"unsupported rope scaling {rope!r}; supported: none, llama3")
+        eos = c.get("eos_token_id")
+        eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        return cls(
+            arch=arch,
+            vocab_size=c["vocab_size"],
+            hidden_size=c["hidden_size"],
+            intermediate_size=c["intermediate_size"],
+            n_layers=c["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=c.get("num_key_value_heads") or n_heads,
+            head_dim=c.get("head_dim") or c["hidden_size"] // n_heads,  # honour an explicit head_dim
+            rms_norm_eps=c.get("rms_norm_eps", 1e-5),
+            rope_theta=float(theta),
+            rope_scaling=rope,
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+            attention_bias=arch == "qwen2" or bool(c.get("attention_bias", False)),
+            max_position_embeddings=c.get("max_position_embeddings", 2048),
+            bos_token_id=c.get("bos_token_id"),
+            eos_token_id=eos,
+        )
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "ModelConfig":
+        return cls.from_hf_dict(json.loads(Path(path).read_text()))
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))  # [D/2]
+    rs = cfg.rope_scaling
+    if rs:  # llama3: stretch low frequencies, keep high ones, blend in between
+        factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
+        old = rs["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    return inv.float()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2  # slices, not chunk(): chunk exports as a Sequence op TensorRT lacks
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        h, hkv, d, e = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden_size
+        self.wq = nn.Linear(e, h * d, bias=cfg.attention_bias)
+        self.wk = nn.Linear(e, hkv * d, bias=cfg.attention_bias)
+        self.wv = nn.Linear(e, hkv * d, bias=cfg.attention_bias)
+        self.wo = nn.Linear(h * d, e, bias=False)
+
+    def forward(self, x, cos, sin, allowed, past, scheme):
+        cfg = self.cfg
+        B, S, _ = x.shape
+        H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        G = H // Hkv
+        q = self.wq(x).view(B, S, H, D)
+        k = self.wk(x).view(B, S, Hkv, D)
+        v = self.wv(x).view(B, S, Hkv, D)
+        q = q * cos[:, :, None] + rotate_half(q) * sin[:, :, None]
+        k = k * cos[:, :, None] + rotate_half(k) * sin[:, :, None]  # keys cached after RoPE
+
+        k_new, v_new = k.transpose(0, 1), v.transpose(0, 1)  # [S, B, Hkv, D] slot-major
+        present_k, k_hat = kv_store(scheme, k_new)
+        present_v, v_hat = kv_store(scheme, v_new)
+        k_all = torch.cat([kv_load(scheme, past[0], x.dtype), k_hat], 0)  # [P+S, B, Hkv, D]
+        v_all = torch.cat([kv_load(scheme, past[1], x.dtype), v_hat], 0)
+
+        # Group the G query heads that share a KV head: no repeat of K/V is materialized.
+        qg = q.view(B, S, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * S, D)
+        kt = k_all.permute(1, 2, 3, 0)  # [B, Hkv, D, T]
+        vt = v_all.permute(1, 2, 0, 3)  # [B, Hkv, T, D]
+        scores = torch.matmul(qg, kt) * (1.0 / math.sqrt(D))  # [B, Hkv, G*S, T]
+        scores = scores.view(B, Hkv, G, S, -1)
+        scores = torch.where(allowed[:, None, None], scores, torch.finfo(scores.dtype).min)
+        probs = torch.softmax(scores.float(), dim=-1).to(x.dtype).view(B, Hkv, G * S, -1)
+        out = torch.matmul(probs, vt)  # [B, Hkv, G*S, D]
+        out = out.view(B, Hkv, G, S, D).permute(0, 3, 1, 2, 4).reshape(B, S, H * D)
+        return self.wo(out), present_k + present_v
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w_gate = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.w_up = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, allowed, past, scheme):
+        a, present = self.attn(self.attn_norm(x), cos, sin, allowed, past, scheme)
+        x = x + a
+        return x + self.mlp(self.mlp_norm(x)), present
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, kv_scheme: str = "float"):
+        super().__init__()
+        self.cfg = cfg
+        self.scheme = get_scheme(kv_scheme)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+
+    def forward(self, input_ids, position_ids, key_mask, logits_index, *past):
+        n = len(self.scheme.tensors)  # tensors per layer for K, and again for V
+        assert len(past) == 2 * n * self.cfg.n_layers, (len(past), n)
+        x = self.embed(input_ids)  # [B, S, E]
+        S, T = input_ids.shape[1], key_mask.shape[1]
+        P = T - S
+        freqs = position_ids.float()[..., None] * self.inv_freq  # [B, S, D/2]
+        emb = torch.cat([freqs, freqs], -1)
+        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)  # [B, S, D]
+        # key t is visible to new token s iff it exists and t <= P + s (causal inside the new block)
+        q_pos = torch.arange(S, device=x.device)[:, None] + P
+        causal = torch.arange(T, device=x.device)[None, :] <= q_pos  # [S, T]
+        allowed = causal[None] & key_mask[:, None, :]  # [B, S, T]
+        presents = []
+        for i, layer in enumerate(self.layers):
+            p = past[2 * n * i: 2 * n * (i + 1)]
+            x, pres = layer(x, cos, sin, allowed, (p[:n], p[n:]), self.scheme)
+            presents.extend(pres)
+        idx = logits_index[..., None].expand(-1, -1, x.shape[-1])  # [B, K, E]
+        x = torch.gather(x, 1, idx)  # final norm + head only on the rows asked for
+        logits = self.lm_head(self.norm(x)).float()  # [B, K, V]
+        return (logits, *presents)
+
+    def empty_past(self, batch: int = 1, dtype=torch.float32):
+        """Past tensors with P = 0, in graph order."""
+        return [t for t in self.past_like(0, batch, dtype)]
+
+    def past_like(self, slots: int, batch: int, dtype=torch.float32):
+        cfg = self.cfg
+        out = []
+        for _ in range(cfg.n_layers):
+            for _kv in range(2):
+                for spec in self.scheme.tensors:
+                    shape = (slots, batch, cfg.n_kv_heads, cfg.head_dim)[: spec.rank]
+                    out.append(torch.zeros(shape, dtype=_torch_dtype(spec.dtype, dtype)))
+        return out
+
+
+def _torch_dtype(name: str, float_dtype):
+    return {"int8": torch.int8, "float16": torch.float16, "float": float_dtype}[name]
+
+
+# --- KV schemes in torch. The formats are defined in edgekv/kvschemes.py (shared with the
+# runtime and the numpy reference); these two functions are the only torch code that knows them.
+
+def kv_store(scheme, x):
+    """x [S,B,Hkv,D] float -> (tensors to store, x_hat: what a reader of the cache will see)."""
+    if scheme.name == "float":
+        return [x], x
+    if scheme.name == "int8":
+        # one fp16 scale per (token, head): absmax / 127, floored so an all-zero row stays finite
+        scale = (x.abs().amax(-1).float() / 127.0).clamp(min=scheme.min_scale).to(torch.float16)  # [S,B,Hkv]
+        s = scale.to(x.dtype)[..., None]
+        q = torch.clamp(torch.round(x / s), -127.0, 127.0)
+        return [q.to(torch.int8), scale], q * s
+    raise NotImplementedError(scheme.name)
+
+
+def kv_load(scheme, tensors, dtype):
+    if scheme.name == "float":
+        return tensors[0]
+    if scheme.name == "int8":
+        q, scale = tensors
+        return q.to(dtype) * scale.to(dtype)[..., None]
+    raise NotImplementedError(scheme.name)

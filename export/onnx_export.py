@@ -1,0 +1,100 @@
+"""torch -> ONNX for the graph contract, and the pass that makes its INT8 TensorRT-legal."""
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import numpy as np
+import onnx
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from edgekv.manifest import io_names
+from export.model import Transformer
+
+OPSET = 18  # TensorRT 10.3 (JetPack 6) parses opsets up to 20; 18 keeps us well inside
+
+
+def export_onnx(model: Transformer, path: Path) -> onnx.ModelProto:
+    """Export with every dimension that varies at run time dynamic (B, S, P, K)."""
+    cfg = model.cfg
+    names = io_names(cfg.n_layers, model.scheme)
+    B, S, P, K = 2, 3, 5, 2  # example sizes > 1 so that torch.export does not specialize them
+    dtype = next(model.parameters()).dtype
+    args = (
+        torch.randint(0, cfg.vocab_size, (B, S)),
+        torch.arange(P, P + S).repeat(B, 1),
+        torch.ones(B, P + S, dtype=torch.bool),
+        torch.tensor([[S - 2, S - 1]] * B),
+        *model.past_like(P, B, dtype),
+    )
+    # Dim.DYNAMIC lets torch.export find the relations itself (key_mask's length is P + S)
+    d = torch.export.Dim.DYNAMIC
+    past_specs = tuple({0: d, 1: d} for _ in names["past"])  # one nested tuple for *past
+    dynamic_shapes = ({0: d, 1: d}, {0: d, 1: d}, {0: d, 1: d}, {0: d, 1: d}, past_specs)
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        prog = torch.onnx.export(
+            model, args, dynamo=True, opset_version=OPSET, external_data=True,
+            input_names=names["inputs"] + names["past"], output_names=["logits"] + names["present"],
+            dynamic_shapes=dynamic_shapes, optimize=False, verbose=False,
+        )
+    m = prog.model_proto
+    m = int8_casts_to_qdq(m)
+    return m
+
+
+def save_onnx(m: onnx.ModelProto, path: Path) -> None:
+    onnx.save_model(m, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=path.name + ".data", size_threshold=1024)
+
+
+def _const(name: str, value, dtype) -> TensorProto:
+    return numpy_helper.from_array(np.array(value, dtype=dtype), name)
+
+
+def int8_casts_to_qdq(m: onnx.ModelProto) -> onnx.ModelProto:
+    """Rewrite every Cast to INT8 as QuantizeLinear(x, 1.0, 0) and every Cast from INT8 as
+    DequantizeLinear(x, 1.0, 0). TensorRT's parser takes INT8 only through Q/DQ with a constant
+    scale; a unit per-tensor scale is legal in every TensorRT 10.x and exact in onnxruntime
+    (the graph already rounds and clips to [-127, 127] before the cast)."""
+    m = onnx.shape_inference.infer_shapes(m)
+    types = {v.name: v.type.tensor_type.elem_type for v in list(m.graph.input) + list(m.graph.value_info) + list(m.graph.output)}
+    for init in m.graph.initializer:
+        types[init.name] = init.data_type
+    g = m.graph
+    new_nodes, consts = [], {}
+
+    def const(name, value, dtype):
+        if name not in consts:
+            consts[name] = _const(name, value, dtype)
+        return name
+
+    one = const("qdq_unit_scale", 1.0, np.float32)
+    zero = const("qdq_zero_point", 0, np.int8)
+    for n in g.node:
+        if n.op_type != "Cast":
+            new_nodes.append(n)
+            continue
+        to = next(a.i for a in n.attribute if a.name == "to")
+        src = types.get(n.input[0])
+        if to == TensorProto.INT8:
+            x = n.input[0]
+            if src != TensorProto.FLOAT:  # QuantizeLinear at opset 18 takes float32 input
+                new_nodes.append(helper.make_node("Cast", [x], [x + "_f32"], to=TensorProto.FLOAT, name=n.name + "_f32"))
+                x = x + "_f32"
+            new_nodes.append(helper.make_node("QuantizeLinear", [x, one, zero], list(n.output), name=n.name + "_q"))
+        elif src == TensorProto.INT8:
+            if to == TensorProto.FLOAT:
+                new_nodes.append(helper.make_node("DequantizeLinear", [n.input[0], one, zero], list(n.output), name=n.name + "_dq"))
+            else:  # DequantizeLinear at opset 18 yields float32: cast on to the target
+                mid = n.output[0] + "_f32"
+                new_nodes.append(helper.make_node("DequantizeLinear", [n.input[0], one, zero], [mid], name=n.name + "_dq"))
+                new_nodes.append(helper.make_node("Cast", [mid], list(n.output), to=to, name=n.name))
+        else:
+            new_nodes.append(n)
+    del g.node[:]
+    g.node.extend(new_nodes)
+    g.initializer.extend(consts.values())
+    del g.value_info[:]  # stale after the rewrite; onnx re-infers on demand
+    return m
