@@ -8,8 +8,15 @@ import sys
 from edgekv.errors import EdgeKVError
 
 
-class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    pass
+class Formatter(argparse.RawDescriptionHelpFormatter):
+    """Every option shows its default (unless its help already says what it is)."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        if (action.option_strings and action.default is not argparse.SUPPRESS and "default" not in h
+                and not isinstance(action, (argparse._StoreTrueAction, argparse._HelpAction))):
+            h += (" " if h else "") + "(default: %(default)s)"
+        return h
 
 
 def _add_sampling(p, temperature: float):
@@ -17,7 +24,7 @@ def _add_sampling(p, temperature: float):
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="divide logits of recent tokens (1 = off)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random each run)")
 
 
 def _add_runtime(p):
@@ -46,9 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("generate", formatter_class=Formatter, help="answer one prompt, streaming",
                        description="Stream the answer to one prompt, then print time to first token, decode tokens/s "
                                    "and KV cache bytes.")
-    p.add_argument("bundle")
-    p.add_argument("prompt")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("bundle", help="bundle folder written by `edgekv export`")
+    p.add_argument("prompt", help="the user message (or raw text with --raw)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="stop after this many new tokens")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     p.add_argument("--system", default=None, help="system message (default: the template's own)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -58,14 +65,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("bench", formatter_class=Formatter, help="time to first token, decode tokens/s, memory",
                        description="Benchmark a bundle: TTFT and decode tokens/s at batch 1 for several prompt lengths "
                                    "and capacities, KV memory, peak RSS. Medians of --repeat runs.")
-    p.add_argument("bundle")
+    p.add_argument("bundle", help="bundle folder written by `edgekv export`")
     p.add_argument("--prompt-lengths", default="64,1024", help="comma-separated prompt lengths")
     p.add_argument("--capacities", default="256,4096", help="comma-separated cache capacities (--ctx)")
     p.add_argument("--fill", default="64,1800", help="context fill levels at which decode speed is measured")
     p.add_argument("--decode-tokens", type=int, default=64, help="tokens decoded per measurement")
     p.add_argument("--rss-tokens", type=int, default=1000, help="tokens decoded while watching RSS")
-    p.add_argument("--repeat", type=int, default=3)
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--repeat", type=int, default=3, help="runs per measurement (the median is reported)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all available)")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON here")
     return ap
 

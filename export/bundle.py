@@ -222,6 +222,11 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
                   max_context: int | None = None, dtype: str = "float32", steps: int = 32,
                   threads: int | None = None, force: bool = True) -> Path:
     t0 = time.time()
+    from edgekv.kvschemes import get_scheme
+    try:
+        get_scheme(kv)
+    except ValueError as e:
+        raise ExportError(str(e)) from None
     log(f"loading {model_arg or DEFAULT_RECIPE} ...")
     src, recipe = resolve_source(model_arg)
     cfg = src.config

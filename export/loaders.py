@@ -222,7 +222,7 @@ def load_gguf(path: str | Path) -> Source:
     tokens = field("tokenizer.ggml.tokens")
     cfg = ModelConfig(
         arch=arch,
-        vocab_size=int(field(f"{arch}.vocab_size", len(tokens))),
+        vocab_size=int(tensors["token_embd.weight"].shape[-1]),  # the embedding's rows, padding included
         hidden_size=n_embd,
         intermediate_size=field(f"{arch}.feed_forward_length"),
         n_layers=field(f"{arch}.block_count"),

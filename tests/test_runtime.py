@@ -1,0 +1,89 @@
+"""The runtime against its oracles: cached = uncached, chunked = token by token, in-place append."""
+import numpy as np
+import pytest
+
+from edgekv.backends import OrtBackend
+from edgekv.cache import KVCache
+from edgekv.errors import ContextOverflow, EdgeKVError
+from edgekv.generate import Generator, SamplingParams, sample
+from edgekv.manifest import load_bundle
+
+
+def runtime(path, capacity=128, rows=64, chunk=256):
+    b = load_bundle(path)
+    return Generator(OrtBackend(b, threads=1, max_logits_rows=rows), KVCache(b, capacity), prefill_chunk=chunk)
+
+
+def ids(n, seed=0, vocab=300):
+    return list(np.random.default_rng(seed).integers(3, vocab, n))
+
+
+def test_float_cached_decode_equals_uncached_forward(tiny_bundle_float):
+    seq = ids(40)
+    full = runtime(tiny_bundle_float).prefill(seq, all_logits=True)  # one pass, no past
+    g = runtime(tiny_bundle_float)
+    cached = [g.prefill(seq[:10], all_logits=True)[-1].copy()]
+    cached += [g.decode_step(t).copy() for t in seq[10:]]
+    np.testing.assert_allclose(np.stack(cached), full[9:], atol=1e-4, rtol=1e-4)
+    assert np.abs(full[9:] - full[8:-1]).max() > 1e-2  # logits do move from step to step
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16])
+def test_int8_chunked_prefill_equals_token_by_token(tiny_bundle_int8, chunk):
+    seq = ids(48, seed=2)
+    one = runtime(tiny_bundle_int8, chunk=1).prefill(seq, all_logits=True)
+    got = runtime(tiny_bundle_int8, chunk=chunk).prefill(seq, all_logits=True)
+    np.testing.assert_allclose(got, one, atol=2e-4, rtol=1e-4)
+
+
+def test_present_is_written_in_place_and_nothing_reallocated(tiny_bundle_int8):
+    g = runtime(tiny_bundle_int8)
+    ptrs = {k: v.ctypes.data for k, v in g.cache.buffers.items()}
+    g.prefill(ids(7))
+    assert g.cache.n == 7
+    for t in ids(5, seed=3):
+        g.decode_step(t)
+    assert g.cache.n == 12
+    for k, buf in g.cache.buffers.items():
+        assert buf.ctypes.data == ptrs[k]
+        filled = np.abs(buf[:12].astype(np.float32)).reshape(12, -1).max(1)
+        assert (filled > 0).all(), f"{k}: a slot the graph should have written is empty"
+        assert not buf[12:].any(), f"{k}: written beyond the filled prefix"
+
+
+def test_capacity_is_capped_and_overflow_is_an_error(tiny_bundle_int8):
+    b = load_bundle(tiny_bundle_int8)
+    with pytest.raises(EdgeKVError, match="verified for"):
+        KVCache(b, b.max_context + 1)
+    g = runtime(tiny_bundle_int8, capacity=16)
+    with pytest.raises(ContextOverflow, match="context full"):
+        g.prefill(ids(17))
+    g.prefill(ids(16))
+    with pytest.raises(ContextOverflow):
+        g.decode_step(5)
+
+
+def test_truncate_then_regenerate_matches(tiny_bundle_int8):
+    g = runtime(tiny_bundle_int8)
+    a = g.prefill(ids(20)).copy()
+    g.decode_step(7)
+    g.decode_step(8)
+    g.truncate(19)
+    b = g.prefill(ids(20)[19:]).copy()
+    np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_sampling():
+    rng = np.random.default_rng(0)
+    logits = np.array([1.0, 3.0, 2.0, 0.5], np.float32)
+    assert sample(logits, SamplingParams(), rng, []) == 1
+    assert sample(logits, SamplingParams(temperature=1.0, top_k=1), rng, []) == 1
+    # top_p 0.5: token 1 alone holds > 0.5 of the mass
+    assert {sample(logits, SamplingParams(temperature=1.0, top_p=0.5), rng, []) for _ in range(50)} == {1}
+    draws = [sample(logits, SamplingParams(temperature=1.0, top_k=2), rng, []) for _ in range(400)]
+    assert set(draws) == {1, 2} and 0.55 < draws.count(1) / 400 < 0.9  # e^3/(e^3+e^2) = 0.73
+    a = [sample(logits, SamplingParams(temperature=1.0, seed=5), np.random.default_rng(5), []) for _ in range(5)]
+    b = [sample(logits, SamplingParams(temperature=1.0, seed=5), np.random.default_rng(5), []) for _ in range(5)]
+    assert a == b
+    # repetition penalty pushes a repeated argmax below the runner-up
+    assert sample(logits, SamplingParams(repeat_penalty=2.0), rng, [1]) == 2
