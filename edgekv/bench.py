@@ -1,0 +1,173 @@
+"""`edgekv bench`: time to first token, decode tokens/s, memory. Medians over --repeat runs;
+comparisons are ratios within one run (these machines are shared and noisy)."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from edgekv.backends import default_threads, make_backend
+from edgekv.cache import KVCache
+from edgekv.generate import Generator
+from edgekv.manifest import load_bundle
+
+
+def rss_bytes() -> tuple[int, int]:
+    """(current RSS, peak RSS) of this process, from /proc (no psutil needed on the device)."""
+    cur = peak = 0
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                cur = int(line.split()[1]) * 1024
+            elif line.startswith("VmHWM:"):
+                peak = int(line.split()[1]) * 1024
+    return cur, peak
+
+
+def read_bandwidth(threads: int, nbytes: int = 1 << 30, repeat: int = 5) -> float:
+    """Bytes/s for a streaming read of a buffer far larger than cache, split over `threads`
+    threads (numpy's reductions release the GIL). The yardstick for bandwidth-bound decode."""
+    a = np.ones(nbytes // 4, np.float32)
+    parts = np.array_split(a, threads)
+    best = 0.0
+    for _ in range(repeat):
+        ths = [threading.Thread(target=np.add.reduce, args=(p,)) for p in parts]
+        t0 = time.perf_counter()
+        for t in ths:
+            t.start()
+        for t in ths:
+            t.join()
+        best = max(best, a.nbytes / (time.perf_counter() - t0))
+    del a, parts
+    return best
+
+
+def sample_tokens(n: int, vocab: int) -> list[int]:
+    """A fixed pseudo-text of n token ids (speed does not depend on which tokens)."""
+    return [int(x) for x in np.random.default_rng(0).integers(100, min(vocab, 30000), n)]
+
+
+def measure(bundle, threads, capacity, prompt_len, decode_tokens, repeat):
+    be = make_backend("ort-cpu", bundle, threads)
+    cache = KVCache(bundle, capacity)
+    g = Generator(be, cache, prefill_chunk=512)
+    prompt = sample_tokens(prompt_len, bundle.model["vocab_size"])
+    ttft, tps = [], []
+    for _ in range(repeat + 1):  # the first run warms up ORT's allocations and is dropped
+        g.reset()
+        t0 = time.perf_counter()
+        logits = g.prefill(prompt)
+        tok = int(np.argmax(logits))
+        t1 = time.perf_counter()
+        for _ in range(decode_tokens):
+            tok = int(np.argmax(g.decode_step(tok)))
+        t2 = time.perf_counter()
+        ttft.append(t1 - t0)
+        tps.append(decode_tokens / (t2 - t1))
+    return {"capacity": capacity, "prompt_tokens": prompt_len, "decode_tokens": decode_tokens,
+            "ttft_ms": 1000 * statistics.median(ttft[1:]), "prefill_tps": prompt_len / statistics.median(ttft[1:]),
+            "decode_tps": statistics.median(tps[1:])}
+
+
+def rss_over_decode(bundle, threads, n_tokens: int):
+    be = make_backend("ort-cpu", bundle, threads)
+    cache = KVCache(bundle, min(bundle.max_context, n_tokens + 80))
+    g = Generator(be, cache)
+    tok = int(np.argmax(g.prefill(sample_tokens(64, bundle.model["vocab_size"]))))
+    for _ in range(16):  # let ORT settle its arenas first
+        tok = int(np.argmax(g.decode_step(tok)))
+    start = rss_bytes()[0]
+    samples = []
+    for i in range(n_tokens - 16):
+        tok = int(np.argmax(g.decode_step(tok)))
+        if i % 100 == 0:
+            samples.append(rss_bytes()[0])
+    end = rss_bytes()[0]
+    return {"tokens": n_tokens, "rss_start_mib": start / 2**20, "rss_end_mib": end / 2**20,
+            "rss_growth_mib": (end - start) / 2**20, "rss_max_mib": max(samples + [end]) / 2**20}
+
+
+def cmd_bench(args) -> int:
+    bundle = load_bundle(args.bundle)
+    threads = args.threads or default_threads()
+    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
+    caps = [int(x) for x in args.capacities.split(",")]
+    lens = [int(x) for x in args.prompt_lengths.split(",")]
+    fills = [int(x) for x in args.fill.split(",")]
+    big = max(caps)
+    res = {"bundle": str(bundle.path), "kv_scheme": bundle.scheme.name, "threads": threads,
+           "kv_bytes_per_token": bundle.kv_bytes_per_token(), "runs": []}
+    log(f"edgekv bench: {bundle.path.name} (kv {bundle.scheme.name}, {threads} threads, median of {args.repeat})")
+
+    log("  read bandwidth ...")
+    bw = read_bandwidth(threads)
+    weight_bytes = sum(f.stat().st_size for f in bundle.path.glob("model.onnx*"))
+    res["read_bandwidth_gbs"] = bw / 1e9
+    res["weight_bytes"] = weight_bytes
+    res["bandwidth_bound_tps"] = bw / weight_bytes
+
+    plan = []  # (what, capacity, prompt length)
+    for L in lens:  # time to first token by prompt length
+        plan.append(("prompt", big if L + args.decode_tokens > min(caps) else min(caps), L))
+    for F in fills:  # decode speed by context fill, and by capacity at the smallest fill
+        for C in caps:
+            if F + args.decode_tokens <= C and (F == min(fills) or C == big):
+                plan.append(("fill", C, F))
+    seen = {}
+    print(f"{'capacity':>8} {'prompt':>7} {'TTFT ms':>9} {'prefill tok/s':>14} {'decode tok/s':>13}")
+    for what, C, L in plan:
+        key = (C, L)
+        if key not in seen:
+            seen[key] = measure(bundle, threads, C, L, args.decode_tokens, args.repeat)
+            r = seen[key]
+            res["runs"].append(r)
+            print(f"{C:>8} {L:>7} {r['ttft_ms']:>9.1f} {r['prefill_tps']:>14.1f} {r['decode_tps']:>13.2f}", flush=True)
+
+    def run(C, L):
+        return seen.get((C, L))
+
+    small_fill = min(fills)
+    a, b = run(min(caps), small_fill), run(big, small_fill)
+    if a and b:
+        res["decode_ratio_big_vs_small_capacity"] = b["decode_tps"] / a["decode_tps"]
+    best = max(r["decode_tps"] for r in res["runs"] if r["prompt_tokens"] == small_fill)
+    res["decode_tps_at_small_fill"] = best
+    res["fraction_of_bandwidth_bound"] = best / res["bandwidth_bound_tps"]
+    log(f"  RSS over {args.rss_tokens} decoded tokens ...")
+    res["rss"] = rss_over_decode(bundle, threads, args.rss_tokens)
+    res["peak_rss_mib"] = rss_bytes()[1] / 2**20
+
+    print(f"read bandwidth {bw / 1e9:.2f} GB/s ({threads} threads); weights {weight_bytes / 1e6:.0f} MB per token "
+          f"-> bound {res['bandwidth_bound_tps']:.1f} tok/s; decode at fill {small_fill}: {best:.2f} tok/s = "
+          f"{100 * res['fraction_of_bandwidth_bound']:.0f} % of the bound")
+    if "decode_ratio_big_vs_small_capacity" in res:
+        print(f"decode with --ctx {big} / --ctx {min(caps)} at fill {small_fill}: "
+              f"{res['decode_ratio_big_vs_small_capacity']:.3f}x")
+    if args.transformers:
+        log("  transformers (eager) on the same weights ...")
+        cmd = [sys.executable, "-m", "export.bench_transformers", args.transformers, "--threads", str(threads),
+               "--prompt-tokens", str(small_fill), "--decode-tokens", str(args.decode_tokens), "--repeat", str(args.repeat)]
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+        if p.returncode != 0:
+            log(f"  transformers run failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
+        else:
+            hf = json.loads(p.stdout.strip().splitlines()[-1])
+            res["transformers"] = hf
+            res["decode_ratio_vs_transformers"] = best / hf["transformers_decode_tps"]
+            print(f"transformers eager decode at fill {small_fill}: {hf['transformers_decode_tps']:.2f} tok/s -> "
+                  f"edgekv is {res['decode_ratio_vs_transformers']:.2f}x")
+    r = res["rss"]
+    print(f"RSS over {r['tokens']} decoded tokens: {r['rss_start_mib']:.1f} -> {r['rss_end_mib']:.1f} MiB "
+          f"({r['rss_growth_mib']:+.2f} MiB); peak RSS {res['peak_rss_mib']:.0f} MiB")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(res, indent=1))
+        log(f"  wrote {args.json}")
+    return 0
