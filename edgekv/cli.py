@@ -62,6 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(p, 0.0)
     _add_runtime(p)
 
+    p = sub.add_parser("check-trt", formatter_class=Formatter, help="hold a graph against TensorRT's ONNX parser rules",
+                       description="Check every node of a bundle's graph (or an .onnx file) against the ONNX parser "
+                                   "rules of a TensorRT version: ops, types, build-time constants, Q/DQ, UINT8, opset.")
+    p.add_argument("bundle", help="bundle folder or .onnx file")
+    p.add_argument("--trt", default="10.3", help="TensorRT version whose rules apply (10.3 = JetPack 6; 10.15)")
+
     p = sub.add_parser("bench", formatter_class=Formatter, help="time to first token, decode tokens/s, memory",
                        description="Benchmark a bundle: TTFT and decode tokens/s at batch 1 for several prompt lengths "
                                    "and capacities, KV memory, peak RSS. Medians of --repeat runs.")
@@ -88,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "generate":
             from edgekv.commands import cmd_generate
             return cmd_generate(args)
+        if args.cmd == "check-trt":
+            from edgekv.trt_check import cmd_check_trt
+            return cmd_check_trt(args)
         if args.cmd == "bench":
             from edgekv.bench import cmd_bench
             return cmd_bench(args)

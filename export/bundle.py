@@ -22,6 +22,7 @@ from export.model import Transformer, UnsupportedModel
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_RECIPE = "smollm2-135m-instruct"
+TRT_TARGET = "10.3"  # JetPack 6's TensorRT: every bundle must pass its parser rules
 
 
 class ExportError(EdgeKVError):
@@ -251,6 +252,14 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
         save_onnx(proto, tmp / "model.onnx")
         del proto
         onnx.checker.check_model(str(tmp / "model.onnx"), full_check=True)
+        from edgekv.trt_check import check_model
+
+        violations = check_model(tmp / "model.onnx", TRT_TARGET)
+        if violations:
+            for v in violations[:10]:
+                log(f"  ✗ TensorRT {TRT_TARGET}: {v}")
+            raise ExportError(f"the graph breaks {len(violations)} TensorRT {TRT_TARGET} parser rule(s); nothing written")
+        log(f"  ✓ TensorRT {TRT_TARGET} parser rules (edgekv check-trt)")
         (tmp / "tokenizer.json").write_text(src.tokenizer_json)
         manifest = build_manifest(src, recipe, kv, dtype, max_context, tmp)
         _write_manifest(tmp, manifest)
@@ -317,6 +326,7 @@ def build_manifest(src: Source, recipe: dict, kv: str, dtype: str, max_context: 
                                                          2 if dtype == "float16" else 4)},
         "io": names,
         "files": {"onnx": "model.onnx", "tokenizer": "tokenizer.json"},
+        "trt_check": {TRT_TARGET: "pass"},
         "special": src.special,
         "chat_template": src.chat_template,
         "defaults": recipe.get("defaults", {}),

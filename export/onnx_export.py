@@ -39,9 +39,30 @@ def export_onnx(model: Transformer, path: Path) -> onnx.ModelProto:
             input_names=names["inputs"] + names["past"], output_names=["logits"] + names["present"],
             dynamic_shapes=dynamic_shapes, optimize=False, verbose=False,
         )
+    # Fold constant subgraphs only (TensorRT needs axes etc. as constants; the full onnxscript
+    # optimizer pass took ~3 minutes on the default model and changes nothing onnxruntime needs)
+    import onnxscript.optimizer as opt
+
+    opt.fold_constants(prog.model)
+    opt.remove_unused_nodes(prog.model)
     m = prog.model_proto
     m = int8_casts_to_qdq(m)
+    name_dims(m, names)
     return m
+
+
+def name_dims(m: onnx.ModelProto, names: dict) -> None:
+    """Give the dynamic dimensions the contract's names (torch.export calls them s0, s1, ...)."""
+    dims = {"input_ids": ["batch", "seq"], "position_ids": ["batch", "seq"], "key_mask": ["batch", "total"],
+            "logits_index": ["batch", "nlogits"], "logits": ["batch", "nlogits"]}
+    for n in names["past"]:
+        dims[n] = ["past", "batch"]
+    for n in names["present"]:
+        dims[n] = ["seq", "batch"]
+    for v in [*m.graph.input, *m.graph.output]:
+        for d, label in zip(v.type.tensor_type.shape.dim, dims.get(v.name, [])):
+            if not d.HasField("dim_value"):
+                d.dim_param = label
 
 
 def save_onnx(m: onnx.ModelProto, path: Path) -> None:
@@ -93,6 +114,12 @@ def int8_casts_to_qdq(m: onnx.ModelProto) -> onnx.ModelProto:
                 new_nodes.append(helper.make_node("Cast", [mid], list(n.output), to=to, name=n.name))
         else:
             new_nodes.append(n)
+    # Shape() of an INT8 input would make TensorRT touch a quantized tensor outside Q/DQ: take the
+    # shape of its dequantized copy instead (same shape)
+    dq_of = {n.input[0]: n.output[0] for n in new_nodes if n.op_type == "DequantizeLinear"}
+    for n in new_nodes:
+        if n.op_type == "Shape" and n.input[0] in dq_of:
+            n.input[0] = dq_of[n.input[0]]
     del g.node[:]
     g.node.extend(new_nodes)
     g.initializer.extend(consts.values())

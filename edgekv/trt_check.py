@@ -1,0 +1,196 @@
+"""Static check of an ONNX graph against TensorRT's ONNX parser rules, for a TensorRT version.
+
+No machine here can install TensorRT, so compatibility is checked from the parser's documented
+rules (edgekv/data/trt_onnx_ops.json, transcribed from onnx-tensorrt's operator table):
+supported ops and data types, inputs that must be build-time constants, INT8 only through Q/DQ
+(never Cast), Q/DQ scales constant where the version requires it, per-channel Q/DQ only on
+constant weights, UINT8 only at network I/O, default ONNX domain only, the opset range."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+DATA = Path(__file__).parent / "data" / "trt_onnx_ops.json"
+
+# onnx TensorProto element types -> the table's names
+_TYPES = {1: "FP32", 2: "UINT8", 3: "INT8", 6: "INT32", 7: "INT64", 9: "BOOL", 10: "FP16", 11: "DOUBLE", 16: "BF16",
+          17: "FP8", 22: "INT4", 23: "FP4"}
+_QUANTIZED = {"INT8", "INT4", "FP8", "FP4"}
+# ops whose data input is not input 0, or whose input types are not what the table lists
+_DATA_INPUT = {"Where": 1}
+_SKIP_TYPES = {"Constant", "ConstantOfShape", "QuantizeLinear", "DequantizeLinear", "Cast", "CastLike", "Shape", "Size"}
+
+
+@dataclass
+class Violation:
+    node: str
+    op: str
+    rule: str
+
+    def __str__(self) -> str:
+        return f"{self.node} ({self.op}): {self.rule}"
+
+
+def load_table() -> dict:
+    return json.loads(DATA.read_text())
+
+
+def versions() -> list[str]:
+    return list(load_table()["versions"])
+
+
+def check_model(model, trt: str = "10.3") -> list[Violation]:
+    """`model`: an onnx.ModelProto or a path (weights are not loaded)."""
+    import onnx
+
+    table = load_table()
+    if trt not in table["versions"]:
+        raise ValueError(f"unknown TensorRT version {trt!r}; known: {', '.join(table['versions'])}")
+    ver = table["versions"][trt]
+    if not isinstance(model, onnx.ModelProto):
+        model = onnx.load(str(model), load_external_data=False)
+    try:
+        model = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # type inference is a help, not a requirement
+        pass
+    g = model.graph
+    out: list[Violation] = []
+
+    for o in model.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            if not ver["min_opset"] <= o.version <= ver["max_opset"]:
+                out.append(Violation("<model>", "opset", f"opset {o.version} outside TensorRT {trt}'s "
+                                                          f"{ver['min_opset']}..{ver['max_opset']}"))
+        else:
+            out.append(Violation("<model>", "opset", f"non-standard domain {o.domain!r} imported"))
+
+    types = {}
+    for v in [*g.input, *g.value_info, *g.output]:
+        types[v.name] = _TYPES.get(v.type.tensor_type.elem_type, str(v.type.tensor_type.elem_type))
+    constants = set()
+    for init in g.initializer:
+        types[init.name] = _TYPES.get(init.data_type, str(init.data_type))
+        constants.add(init.name)
+    for n in g.node:
+        if n.op_type == "Constant":
+            constants.update(n.output)
+            for a in n.attribute:
+                if a.name == "value":
+                    types[n.output[0]] = _TYPES.get(a.t.data_type, str(a.t.data_type))
+    shapes = {i.name: list(i.dims) for i in g.initializer}
+    for n in g.node:
+        if n.op_type == "Constant":
+            for a in n.attribute:
+                if a.name == "value":
+                    shapes[n.output[0]] = list(a.t.dims)
+    graph_inputs = {i.name for i in g.input}
+    graph_io = graph_inputs | {o.name for o in g.output}
+    consumers: dict[str, list] = {}
+    producers = {}
+    for n in g.node:
+        for i in n.input:
+            consumers.setdefault(i, []).append(n)
+        for o in n.output:
+            producers[o] = n
+
+    sup, unsup, not_yet = table["supported"], set(table["unsupported"]), set(ver["not_yet"])
+    for idx, n in enumerate(g.node):
+        name = n.name or f"node#{idx}"
+        op = n.op_type
+        if n.domain not in ("", "ai.onnx"):
+            out.append(Violation(name, op, f"custom/contrib op from domain {n.domain!r} (TensorRT parses only the "
+                                           "default ONNX domain without plugins)"))
+            continue
+        if op in unsup or op not in sup or op in not_yet:
+            why = "not supported by TensorRT's ONNX parser" if op not in not_yet else f"not in TensorRT {trt}'s parser"
+            out.append(Violation(name, op, why))
+            continue
+        rule = sup[op]
+        for k in rule.get("constant_inputs", []):
+            if k < len(n.input) and n.input[k] and n.input[k] not in constants:
+                out.append(Violation(name, op, f"input {k} ({n.input[k]}) must be a build-time constant"))
+        if op == "Cast":
+            to = next((a.i for a in n.attribute if a.name == "to"), None)
+            src = types.get(n.input[0])
+            if _TYPES.get(to) in _QUANTIZED or src in _QUANTIZED:
+                out.append(Violation(name, op, f"Cast {src} -> {_TYPES.get(to, to)}: TensorRT reaches quantized "
+                                               "types only through QuantizeLinear/DequantizeLinear"))
+            elif src and src not in rule["types"]:
+                out.append(Violation(name, op, f"Cast from {src} is not supported"))
+            continue
+        if op in ("QuantizeLinear", "DequantizeLinear"):
+            out.extend(_check_qdq(n, name, op, types, constants, shapes, ver, trt))
+            continue
+        if op in _SKIP_TYPES:
+            continue
+        k = _DATA_INPUT.get(op, 0)
+        t = types.get(n.input[k]) if k < len(n.input) else None
+        if t and t not in rule["types"]:
+            out.append(Violation(name, op, f"input type {t} not supported (TensorRT takes {', '.join(rule['types'])})"))
+
+    # quantized tensors exist only between Q and DQ; UINT8 only at the network's edge
+    for tname, t in types.items():
+        if t == "INT8":
+            prod = producers.get(tname)
+            ok_src = tname in graph_inputs or tname in constants or (prod is not None and prod.op_type == "QuantizeLinear")
+            bad_use = [c for c in consumers.get(tname, []) if c.op_type != "DequantizeLinear"
+                       and not (c.op_type == "QuantizeLinear" and tname in c.input[2:] and tname in constants)]
+            if not ok_src:
+                out.append(Violation(prod.name if prod else tname, prod.op_type if prod else "tensor",
+                                     f"produces INT8 tensor {tname} other than by QuantizeLinear"))
+            for c in bad_use:
+                out.append(Violation(c.name, c.op_type, f"consumes INT8 tensor {tname}; only DequantizeLinear may"))
+        if t == "UINT8" and tname not in graph_io and tname not in constants:
+            prod = producers.get(tname)
+            out.append(Violation(prod.name if prod else tname, prod.op_type if prod else "tensor",
+                                 f"UINT8 tensor {tname} inside the network (TensorRT allows UINT8 only as network I/O)"))
+    return out
+
+
+def _check_qdq(n, name, op, types, constants, shapes, ver, trt) -> list[Violation]:
+    out = []
+    scale = n.input[1] if len(n.input) > 1 else ""
+    zp = n.input[2] if len(n.input) > 2 else ""
+    if ver["qdq_scale_must_be_constant"] and scale not in constants:
+        out.append(Violation(name, op, f"scale {scale} is computed at run time; TensorRT {trt} needs a build-time "
+                                       "constant (runtime scales arrive in 10.13)"))
+    if zp and zp not in constants:
+        out.append(Violation(name, op, f"zero point {zp} must be a build-time constant"))
+    per_channel = scale in shapes and len(shapes[scale]) > 0 and int(_prod(shapes[scale])) > 1
+    if per_channel and op == "DequantizeLinear" and n.input[0] not in constants:
+        out.append(Violation(name, op, "per-channel DequantizeLinear is allowed only on constant weights"))
+    if per_channel and op == "QuantizeLinear":
+        out.append(Violation(name, op, "per-channel QuantizeLinear is allowed only on constant weights"))
+    src = types.get(n.input[0])
+    if op == "DequantizeLinear" and src and src not in _QUANTIZED:
+        out.append(Violation(name, op, f"input type {src}: TensorRT dequantizes only quantized types"))
+    if op == "QuantizeLinear" and src and src not in ("FP32", "FP16", "BF16"):
+        out.append(Violation(name, op, f"input type {src} not supported"))
+    return out
+
+
+def _prod(xs):
+    p = 1
+    for x in xs:
+        p *= x
+    return p
+
+
+def cmd_check_trt(args) -> int:
+    from edgekv.errors import EdgeKVError
+    from edgekv.manifest import load_bundle
+
+    p = Path(args.bundle)
+    path = p if p.suffix == ".onnx" else load_bundle(p).onnx_path
+    try:
+        violations = check_model(path, args.trt)
+    except ValueError as e:
+        raise EdgeKVError(str(e)) from None
+    if not violations:
+        print(f"✓ {path}: every node passes TensorRT {args.trt}'s ONNX parser rules")
+        return 0
+    print(f"✗ {path}: {len(violations)} violation(s) of TensorRT {args.trt}'s ONNX parser rules:")
+    for v in violations:
+        print(f"  {v}")
+    return 1
