@@ -43,7 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
                                    "manifest. ONNX is checked against PyTorch before anything is written.")
     p.add_argument("model", nargs="?", default=None,
                    help="recipe name from models/, a Hugging Face folder, or a .gguf file (default: smollm2-135m-instruct)")
-    p.add_argument("--kv", default="int8", help="KV scheme: int8 | float")
+    p.add_argument("--kv", default="int8", help="KV scheme: int8 | int8-static | int8-tensor | float")
+    p.add_argument("--calib-text", default=None, metavar="FILE",
+                   help="calibration text for int8-static / int8-tensor (default: docstrings of stdlib modules)")
+    p.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens used at most")
     p.add_argument("--out", default=None, help="bundle folder (default: models/bundles/NAME-KV)")
     p.add_argument("--max-context", type=int, default=None, help="longest context the bundle is verified for (default: recipe, else min(model, 4096))")
     p.add_argument("--dtype", default="float32", choices=["float32"], help="weights and compute dtype")
@@ -61,6 +64,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     _add_sampling(p, 0.0)
     _add_runtime(p)
+
+    p = sub.add_parser("eval", formatter_class=Formatter, help="perplexity, KLD and top-1 vs the float cache, per KV scheme",
+                       description="Accuracy against KV memory: run the same text through each bundle's quantized cache; "
+                                   "PPL, ΔPPL, KL divergence and top-1 agreement against the float bundle; a table and a plot.")
+    p.add_argument("bundles", nargs="+", help="bundles of one source model, e.g. NAME-float NAME-int8 ...")
+    p.add_argument("--text", default=None, help="UTF-8 text file (default: the stdlib's pydoc_data topics text)")
+    p.add_argument("--ctx", type=int, default=1024, help="window (and cache) length; the second half is scored")
+    p.add_argument("--stride", type=int, default=None, help="window start step in tokens (default: ctx + 1, no overlap)")
+    p.add_argument("--chunks", type=int, default=None, help="evaluate at most this many windows (default: all)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all available)")
+    p.add_argument("--json", default=None, metavar="OUT", help="write OUT (.json) plus .csv and .md beside it")
+    p.add_argument("--plot", default=None, metavar="OUT.png", help="write the accuracy-vs-memory plot")
 
     p = sub.add_parser("check-trt", formatter_class=Formatter, help="hold a graph against TensorRT's ONNX parser rules",
                        description="Check every node of a bundle's graph (or an .onnx file) against the ONNX parser "
@@ -94,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "generate":
             from edgekv.commands import cmd_generate
             return cmd_generate(args)
+        if args.cmd == "eval":
+            from edgekv.evaluate import cmd_eval
+            return cmd_eval(args)
         if args.cmd == "check-trt":
             from edgekv.trt_check import cmd_check_trt
             return cmd_check_trt(args)
@@ -119,7 +137,7 @@ def cmd_export(args) -> int:
         raise EdgeKVError(f"export needs the exporter's dependencies ({e.name} missing): "
                           "pip install -e '.[export]'") from None
     export_bundle(args.model, kv=args.kv, out=args.out, max_context=args.max_context, dtype=args.dtype,
-                  steps=args.steps, threads=args.threads)
+                  steps=args.steps, threads=args.threads, calib_text=args.calib_text, calib_tokens=args.calib_tokens)
     return 0
 
 

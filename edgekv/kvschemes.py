@@ -47,7 +47,21 @@ SCHEMES = {
         "int8 values, one fp16 absmax/127 scale per (token, head), computed in the graph",
         min_scale=_MIN_SCALE,
     ),
+    "int8-static": KVScheme(
+        "int8-static",
+        (TensorSpec("", "int8", 4),),
+        "int8 values, one constant scale per (layer, KV head, channel) calibrated at export; no scale I/O",
+        min_scale=_MIN_SCALE,
+    ),
+    "int8-tensor": KVScheme(
+        "int8-tensor",
+        (TensorSpec("", "int8", 4),),
+        "int8 values, one constant scale per layer for K and one for V (127/max, the naive baseline)",
+        min_scale=_MIN_SCALE,
+    ),
 }
+
+STATIC = {"int8-static", "int8-tensor"}  # schemes whose scales are calibrated constants in the graph
 
 
 def get_scheme(name: str) -> KVScheme:
@@ -62,6 +76,16 @@ def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     scale = np.maximum(np.abs(x).max(-1).astype(np.float32) / 127.0, _MIN_SCALE).astype(np.float16)
     q = np.clip(np.round(x / scale.astype(np.float32)[..., None]), -127, 127).astype(np.int8)
     return q, scale
+
+
+def quantize_static(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    """Reference static quantization: `scale` broadcasts against x (per channel or per tensor)."""
+    return np.clip(np.round(x / scale), -127, 127).astype(np.int8)
+
+
+def float16_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int) -> int:
+    """The yardstick every scheme's memory is compared with: an fp16 K and V cache."""
+    return 2 * n_layers * n_kv_heads * head_dim * 2
 
 
 def dequantize_int8(q: np.ndarray, scale: np.ndarray) -> np.ndarray:

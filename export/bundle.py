@@ -18,6 +18,7 @@ import edgekv
 from edgekv.errors import EdgeKVError
 from edgekv.manifest import FORMAT_VERSION, MANIFEST, io_names
 from export.loaders import Source, SourceError, load_gguf, load_hf_folder
+from edgekv.kvschemes import STATIC
 from export.model import Transformer, UnsupportedModel
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
@@ -195,8 +196,10 @@ def verify(model: Transformer, bundle_dir: Path, prompt: list[int], steps: int, 
             lo = names["past"].index(f"past.{i}.{kv}")
             t_t = past[lo: lo + n]
             o_t = [torch.from_numpy(cache.buffers[nm][: cache.n].copy()) for nm in names["past"][lo: lo + n]]
-            t = kv_load(model.scheme, t_t, torch.float32).numpy()
-            o = kv_load(model.scheme, o_t, torch.float32).numpy()
+            sc = getattr(model.layers[i].attn, "k_scale" if kv == "key" else "v_scale", None)
+            sc = None if sc is None else sc.float()
+            t = kv_load(model.scheme, t_t, torch.float32, sc).numpy()
+            o = kv_load(model.scheme, o_t, torch.float32, sc).numpy()
             rms = float(np.sqrt(((t - o) ** 2).mean()) / max(np.sqrt((t ** 2).mean()), 1e-12))
             worst_rms = max(worst_rms, rms)
             if i == 0 and quantized:
@@ -221,7 +224,8 @@ def verify(model: Transformer, bundle_dir: Path, prompt: list[int], steps: int, 
 
 def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = None,
                   max_context: int | None = None, dtype: str = "float32", steps: int = 32,
-                  threads: int | None = None, force: bool = True) -> Path:
+                  threads: int | None = None, force: bool = True, calib_text: str | None = None,
+                  calib_tokens: int = 4096) -> Path:
     t0 = time.time()
     from edgekv.kvschemes import get_scheme
     try:
@@ -240,6 +244,9 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
     torch_dtype = {"float32": torch.float32, "float16": torch.float16}[dtype]
     model = Transformer(cfg, kv)
     model.load_state_dict(src.state_dict, strict=False)  # inv_freq is computed, lm_head may be tied
+    calibration = None
+    if kv in STATIC:
+        calibration = calibrate_static(model, src, kv, calib_text, calib_tokens)
     model = model.to(torch_dtype).eval()
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -262,6 +269,8 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
         log(f"  ✓ TensorRT {TRT_TARGET} parser rules (edgekv check-trt)")
         (tmp / "tokenizer.json").write_text(src.tokenizer_json)
         manifest = build_manifest(src, recipe, kv, dtype, max_context, tmp)
+        if calibration:
+            manifest["kv"]["calibration"] = calibration
         _write_manifest(tmp, manifest)
         log(f"  graph written and checked (onnx.checker full)  [{time.time() - t0:.1f}s]")
 
@@ -293,6 +302,26 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
         shutil.rmtree(tmp, ignore_errors=True)
     log(f"✓ bundle written: {out_dir}  [{time.time() - t0:.1f}s]")
     return out_dir
+
+
+def calibrate_static(model: Transformer, src: Source, kv: str, calib_text: str | None, calib_tokens: int) -> dict:
+    from tokenizers import Tokenizer
+
+    from export.calibrate import calibration_text, kv_absmax, set_static_scales
+
+    text, desc = calibration_text(calib_text)
+    ids = Tokenizer.from_str(src.tokenizer_json).encode(text, add_special_tokens=False).ids[:calib_tokens]
+    if len(ids) < 64:
+        raise ExportError(f"calibration text too short: {len(ids)} tokens (need at least 64)")
+    log(f"calibrating {kv} scales on {len(ids)} tokens of {desc[:60]}...")
+    ref = Transformer(src.config, "float").eval()
+    ref.load_state_dict(src.state_dict, strict=False)
+    stats = kv_absmax(ref, ids)
+    per_tensor = kv == "int8-tensor"
+    set_static_scales(model, stats, per_tensor, model.scheme.min_scale)
+    return {"text": desc, "tokens": len(ids),
+            "method": "absmax/127 per layer for K and for V" if per_tensor
+            else "absmax/127 per (layer, KV head, channel), K after RoPE"}
 
 
 def _write_manifest(folder: Path, manifest: dict) -> None:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgekv.kvschemes import get_scheme
+from edgekv.kvschemes import STATIC, get_scheme
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 
@@ -124,9 +124,13 @@ def rotate_half(x):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, static_scales: bool = False):
         super().__init__()
         self.cfg = cfg
+        self.observer = None  # calibration: a callable fed (k, v) after RoPE; None when exporting
+        if static_scales:  # int8-static / int8-tensor: calibrated constants, baked into the graph
+            self.register_buffer("k_scale", torch.ones(cfg.n_kv_heads, cfg.head_dim))
+            self.register_buffer("v_scale", torch.ones(cfg.n_kv_heads, cfg.head_dim))
         h, hkv, d, e = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden_size
         self.wq = nn.Linear(e, h * d, bias=cfg.attention_bias)
         self.wk = nn.Linear(e, hkv * d, bias=cfg.attention_bias)
@@ -145,10 +149,13 @@ class Attention(nn.Module):
         k = k * cos[:, :, None] + rotate_half(k) * sin[:, :, None]  # keys cached after RoPE
 
         k_new, v_new = k.transpose(0, 1), v.transpose(0, 1)  # [S, B, Hkv, D] slot-major
-        present_k, k_hat = kv_store(scheme, k_new)
-        present_v, v_hat = kv_store(scheme, v_new)
-        k_all = torch.cat([kv_load(scheme, past[0], x.dtype), k_hat], 0)  # [P+S, B, Hkv, D]
-        v_all = torch.cat([kv_load(scheme, past[1], x.dtype), v_hat], 0)
+        if self.observer is not None:
+            self.observer(k_new, v_new)
+        ks, vs = (self.k_scale, self.v_scale) if hasattr(self, "k_scale") else (None, None)
+        present_k, k_hat = kv_store(scheme, k_new, ks)
+        present_v, v_hat = kv_store(scheme, v_new, vs)
+        k_all = torch.cat([kv_load(scheme, past[0], x.dtype, ks), k_hat], 0)  # [P+S, B, Hkv, D]
+        v_all = torch.cat([kv_load(scheme, past[1], x.dtype, vs), v_hat], 0)
 
         # Group the G query heads that share a KV head: no repeat of K/V is materialized.
         qg = q.view(B, S, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * S, D)
@@ -175,10 +182,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, static_scales: bool = False):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, static_scales)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -194,7 +201,8 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.scheme = get_scheme(kv_scheme)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        static = self.scheme.name in STATIC
+        self.layers = nn.ModuleList(Block(cfg, static) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -246,10 +254,14 @@ def _torch_dtype(name: str, float_dtype):
 # --- KV schemes in torch. The formats are defined in edgekv/kvschemes.py (shared with the
 # runtime and the numpy reference); these two functions are the only torch code that knows them.
 
-def kv_store(scheme, x):
+def kv_store(scheme, x, static_scale=None):
     """x [S,B,Hkv,D] float -> (tensors to store, x_hat: what a reader of the cache will see)."""
     if scheme.name == "float":
         return [x], x
+    if scheme.name in STATIC:  # constant scale [Hkv, D] (per channel, or one value repeated)
+        s = static_scale.to(x.dtype)
+        q = torch.clamp(torch.round(x / s), -127.0, 127.0)
+        return [q.to(torch.int8)], q * s
     if scheme.name == "int8":
         # one fp16 scale per (token, head): absmax / 127, floored so an all-zero row stays finite
         scale = (x.abs().amax(-1).float() / 127.0).clamp(min=scheme.min_scale).to(torch.float16)  # [S,B,Hkv]
@@ -259,9 +271,11 @@ def kv_store(scheme, x):
     raise NotImplementedError(scheme.name)
 
 
-def kv_load(scheme, tensors, dtype):
+def kv_load(scheme, tensors, dtype, static_scale=None):
     if scheme.name == "float":
         return tensors[0]
+    if scheme.name in STATIC:
+        return tensors[0].to(dtype) * static_scale.to(dtype)
     if scheme.name == "int8":
         q, scale = tensors
         return q.to(dtype) * scale.to(dtype)[..., None]

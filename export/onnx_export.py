@@ -115,11 +115,15 @@ def int8_casts_to_qdq(m: onnx.ModelProto) -> onnx.ModelProto:
         else:
             new_nodes.append(n)
     # Shape() of an INT8 input would make TensorRT touch a quantized tensor outside Q/DQ: take the
-    # shape of its dequantized copy instead (same shape)
-    dq_of = {n.input[0]: n.output[0] for n in new_nodes if n.op_type == "DequantizeLinear"}
+    # shape of a dequantized copy instead (same shape; TensorRT drops the unused math)
+    fixed = []
     for n in new_nodes:
-        if n.op_type == "Shape" and n.input[0] in dq_of:
-            n.input[0] = dq_of[n.input[0]]
+        if n.op_type == "Shape" and types.get(n.input[0]) == TensorProto.INT8:
+            tmp = n.input[0] + "_dq_for_shape_" + str(len(fixed))
+            fixed.append(helper.make_node("DequantizeLinear", [n.input[0], one, zero], [tmp], name=n.name + "_dq"))
+            n.input[0] = tmp
+        fixed.append(n)
+    new_nodes = fixed
     del g.node[:]
     g.node.extend(new_nodes)
     g.initializer.extend(consts.values())

@@ -1,0 +1,224 @@
+"""`edgekv eval`: accuracy against KV memory, per KV scheme.
+
+The text goes through the runtime and its quantized cache in chunks (every token attends to the
+quantized past, as in decode; chunked = token-by-token because new K/V are quantized before
+attention). Like llama-perplexity, each window of --ctx tokens is scored on its second half
+(every scored token has at least ctx/2 tokens of context). The float bundle's log-probs are the
+reference (llama-perplexity's --kl-divergence-base): computed once per window and every other
+scheme is compared with them: KL divergence, top-1 agreement, ΔPPL."""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from edgekv.backends import make_backend
+from edgekv.cache import KVCache
+from edgekv.errors import EdgeKVError
+from edgekv.generate import Generator
+from edgekv.kvschemes import float16_bytes_per_token
+from edgekv.manifest import Bundle, load_bundle
+from edgekv.text import TextCodec
+
+
+def default_text() -> tuple[str, str]:
+    """An English corpus that ships with every Python: the pydoc topics help text."""
+    from pydoc_data.topics import topics
+
+    return "\n\n".join(topics[k] for k in sorted(topics)), "pydoc_data.topics (Python stdlib help text)"
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x.astype(np.float64)
+    m = x.max(-1, keepdims=True)
+    return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+@dataclass
+class SchemeResult:
+    name: str
+    scheme: str
+    bytes_per_token: int
+    nll: list = field(default_factory=list)  # per scored token
+    kld: list = field(default_factory=list)
+    top1: list = field(default_factory=list)
+
+    def ppl(self) -> tuple[float, float]:
+        """PPL and its standard error (delta method on the mean NLL, as llama-perplexity)."""
+        nll = np.asarray(self.nll)
+        mean = nll.mean()
+        err = nll.std(ddof=1) / math.sqrt(len(nll)) if len(nll) > 1 else 0.0
+        p = math.exp(mean)
+        return p, p * err
+
+
+def run_window(gen: Generator, ids: list[int], first_scored: int) -> np.ndarray:
+    """Log-probs [n_scored, V] for predicting ids[first_scored+1:] from the window's prefix."""
+    gen.reset()
+    logits = gen.prefill(ids[:-1], all_logits=True)  # [len-1, V], through the cache in chunks
+    return log_softmax(logits[first_scored:])
+
+
+def evaluate(paths: list[str], text: str | None = None, ctx: int = 1024, chunks: int | None = None,
+             threads: int | None = None, prefill_chunk: int = 256, out=sys.stdout, stride: int | None = None) -> dict:
+    bundles = [load_bundle(p) for p in paths]
+    _check_same_model(bundles)
+    codec = TextCodec(bundles[0])
+    if text is None:
+        text, text_desc = default_text()
+    else:
+        text_desc = "user file"
+    ids = codec.encode(text)
+    if len(ids) < ctx + 1:
+        raise EdgeKVError(f"text too short: {len(ids)} tokens, one window needs {ctx + 1} (use a longer text or "
+                          f"a smaller --ctx)")
+    stride = stride or ctx + 1  # default: windows do not overlap
+    starts = list(range(0, len(ids) - ctx, stride))
+    if chunks:
+        starts = starts[:chunks]
+    n_windows = len(starts)
+    first = ctx // 2
+    # the float bundle is the reference; without one, the first bundle is
+    order = sorted(range(len(bundles)), key=lambda i: bundles[i].scheme.name != "float")
+    ref_i = order[0]
+    runners, results = [], []
+    for b in bundles:
+        if ctx > b.max_context:
+            raise EdgeKVError(f"--ctx {ctx} exceeds {b.path.name}'s verified context {b.max_context}")
+        gen = Generator(make_backend("auto", b, threads, max_logits_rows=prefill_chunk), KVCache(b, ctx),
+                        prefill_chunk=prefill_chunk)
+        runners.append(gen)
+        results.append(SchemeResult(b.path.name, b.scheme.name, b.kv_bytes_per_token()))
+    print(f"edgekv eval: {len(bundles)} bundle(s), {n_windows} windows of {ctx} tokens ({len(ids)} tokens of "
+          f"{text_desc}), scoring the second half of each; reference: {results[ref_i].name}", file=out, flush=True)
+    t0 = time.time()
+    for w in range(n_windows):
+        win = ids[starts[w]: starts[w] + ctx + 1]
+        targets = np.asarray(win[first + 1:])
+        ref_lp = None
+        for i in order:
+            lp = run_window(runners[i], win, first)
+            r = results[i]
+            r.nll.extend((-lp[np.arange(len(targets)), targets]).tolist())
+            if i == ref_i:
+                ref_lp = lp
+                r.kld.extend([0.0] * len(targets))
+                r.top1.extend([1.0] * len(targets))
+            else:
+                p = np.exp(ref_lp)
+                r.kld.extend((p * (ref_lp - lp)).sum(-1).tolist())
+                r.top1.extend((ref_lp.argmax(-1) == lp.argmax(-1)).astype(float).tolist())
+        line = "  ".join(f"{r.scheme} {r.ppl()[0]:.4f}" for r in results)
+        print(f"[{w + 1}/{n_windows}] {time.time() - t0:.0f}s  running PPL: {line}", file=out, flush=True)
+    return summarize(bundles, results, ref_i, ctx, text_desc, n_windows, out)
+
+
+def _check_same_model(bundles: list[Bundle]) -> None:
+    srcs = {(b.manifest.get("source", {}).get("sha256"), json.dumps(b.model, sort_keys=True)) for b in bundles}
+    if len(srcs) > 1:
+        names = ", ".join(f"{b.path.name} ({b.manifest.get('source', {}).get('file')})" for b in bundles)
+        raise EdgeKVError(f"bundles come from different source models and cannot be compared: {names}")
+
+
+def summarize(bundles, results, ref_i, ctx, text_desc, n_windows, out) -> dict:
+    ref = results[ref_i]
+    ref_ppl, _ = ref.ppl()
+    m = bundles[0].model
+    f16 = float16_bytes_per_token(m["n_layers"], m["n_kv_heads"], m["head_dim"])
+    rows = []
+    for r in results:
+        p, e = r.ppl()
+        kld = np.asarray(r.kld)
+        row = {"bundle": r.name, "scheme": r.scheme, "ppl": p, "ppl_err": e, "dppl": p - ref_ppl,
+               "dppl_pct": 100 * (p - ref_ppl) / ref_ppl, "kld_mean": float(kld.mean()),
+               "kld_err": float(kld.std(ddof=1) / math.sqrt(len(kld))) if len(kld) > 1 else 0.0,
+               "kld_p99": float(np.percentile(kld, 99)), "top1_pct": 100 * float(np.mean(r.top1)),
+               "kv_bytes_per_token": r.bytes_per_token, "kv_vs_fp16": r.bytes_per_token / f16,
+               "kv_mib_at_ctx": r.bytes_per_token * ctx / 2**20,
+               "saving_vs_fp16_pct": 100 * (1 - r.bytes_per_token / f16), "tokens_scored": len(r.nll)}
+        rows.append(row)
+        print(f"\n{r.scheme} ({r.name})", file=out)
+        print(f"  PPL = {p:.4f} ± {e:.4f}   ΔPPL = {row['dppl']:+.4f} ({row['dppl_pct']:+.3f} %)", file=out)
+        print(f"  mean KLD = {row['kld_mean']:.6f} ± {row['kld_err']:.6f}   KLD p99 = {row['kld_p99']:.6f}   "
+              f"top-1 agreement = {row['top1_pct']:.2f} %", file=out)
+        print(f"  KV {r.bytes_per_token} B/token ({row['kv_vs_fp16']:.3f}x fp16), {row['kv_mib_at_ctx']:.2f} MiB at "
+              f"ctx {ctx}, saving vs fp16 {row['saving_vs_fp16_pct']:.1f} %", file=out)
+    return {"ctx": ctx, "windows": n_windows, "text": text_desc, "reference": ref.name,
+            "fp16_bytes_per_token": f16, "results": rows}
+
+
+def write_outputs(res: dict, json_path: str | None, plot_path: str | None) -> list[str]:
+    written = []
+    if json_path:
+        base = Path(json_path)
+        base.parent.mkdir(parents=True, exist_ok=True)
+        base.write_text(json.dumps(res, indent=1))
+        stem = base.with_suffix("")
+        with open(stem.with_suffix(".csv"), "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(res["results"][0]))
+            w.writeheader()
+            w.writerows(res["results"])
+        stem.with_suffix(".md").write_text(markdown_table(res))
+        written += [str(base), str(stem.with_suffix(".csv")), str(stem.with_suffix(".md"))]
+    if plot_path:
+        plot(res, plot_path)
+        written.append(plot_path)
+    return written
+
+
+def markdown_table(res: dict) -> str:
+    lines = [f"KV schemes on {res['text']}, ctx {res['ctx']}, {res['windows']} windows "
+             f"(reference: {res['reference']})", "",
+             "| scheme | PPL | ΔPPL % | mean KLD | KLD p99 | top-1 % | KV B/token | × fp16 | MiB @ ctx |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in res["results"]:
+        lines.append(f"| {r['scheme']} | {r['ppl']:.4f} ± {r['ppl_err']:.4f} | {r['dppl_pct']:+.3f} | "
+                     f"{r['kld_mean']:.2e} | {r['kld_p99']:.2e} | {r['top1_pct']:.2f} | {r['kv_bytes_per_token']} | "
+                     f"{r['kv_vs_fp16']:.3f} | {r['kv_mib_at_ctx']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(res: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise EdgeKVError("--plot needs matplotlib: pip install matplotlib") from None
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for r in res["results"]:
+        ax.scatter(r["kv_vs_fp16"], max(r["kld_mean"], 1e-7), s=60)
+        ax.annotate(f"{r['scheme']}\nΔPPL {r['dppl_pct']:+.2f}%", (r["kv_vs_fp16"], max(r["kld_mean"], 1e-7)),
+                    textcoords="offset points", xytext=(8, 4), fontsize=9)
+    ax.set_yscale("log")
+    ax.set_xlabel("KV cache bytes per token (× float16)")
+    ax.set_ylabel("mean KL divergence vs float cache (log; lower is better)")
+    ax.set_title(f"Accuracy vs KV memory — ctx {res['ctx']}, {res['windows']} windows")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.set_xlim(0, max(1.2, max(r["kv_vs_fp16"] for r in res["results"]) * 1.3))
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def cmd_eval(args) -> int:
+    text = None
+    if args.text:
+        p = Path(args.text)
+        if not p.is_file():
+            raise EdgeKVError(f"{p}: no such text file")
+        text = p.read_text(encoding="utf-8", errors="replace")
+        if not text.strip():
+            raise EdgeKVError(f"{p}: the text file is empty")
+    res = evaluate(args.bundles, text, args.ctx, args.chunks, args.threads, stride=args.stride)
+    for f in write_outputs(res, args.json, args.plot):
+        print(f"wrote {f}", file=sys.stderr)
+    return 0

@@ -1,0 +1,96 @@
+"""Evaluation and the KV scheme family: quantization bounds, reference KLD, outputs, refusals."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from edgekv.errors import EdgeKVError
+from edgekv.evaluate import evaluate, write_outputs
+from edgekv.kvschemes import SCHEMES, dequantize_int8, get_scheme, quantize_int8, quantize_static
+from export.model import kv_load, kv_store
+from tests.conftest import make_hf_folder, run_edgekv
+
+
+def test_int8_error_within_half_a_step():
+    x = np.random.default_rng(0).standard_normal((50, 1, 3, 64)).astype(np.float32) * 4
+    x[3, 0, 1] = 0  # an all-zero row stays finite and exact
+    q, s = quantize_int8(x)
+    err = np.abs(dequantize_int8(q, s) - x)
+    assert (err <= s.astype(np.float32)[..., None] / 2 + 1e-6).all()
+    assert np.isfinite(s.astype(np.float32)).all() and (err[3, 0, 1] == 0).all()
+
+
+@pytest.mark.parametrize("name", ["int8", "int8-static", "int8-tensor"])
+def test_torch_scheme_error_within_half_a_step_and_matches_numpy(name):
+    scheme = get_scheme(name)
+    x = torch.randn(40, 1, 3, 16) * 3
+    static = None if name == "int8" else (x.abs().amax((0, 1)) / 127 if name == "int8-static"
+                                         else torch.full((3, 16), float(x.abs().max()) / 127))
+    stored, x_hat = kv_store(scheme, x, static)
+    torch.testing.assert_close(kv_load(scheme, stored, torch.float32, static), x_hat)  # reader sees x_hat
+    step = stored[1].float()[..., None] if name == "int8" else static
+    assert ((x_hat - x).abs() <= step / 2 + 1e-6).all()
+    if name == "int8":
+        q, s = quantize_int8(x.numpy())
+        np.testing.assert_array_equal(stored[0].numpy(), q)
+        np.testing.assert_array_equal(stored[1].numpy(), s)
+    else:
+        np.testing.assert_array_equal(stored[0].numpy(), quantize_static(x.numpy(), static.numpy()))
+
+
+def test_bytes_per_token_for_smollm2():
+    # DESIGN.md: SmolLM2 (30 layers x 3 KV heads x 64) fp16 23,040 B/token; int8 11,520 + 360 of scales
+    assert SCHEMES["float"].bytes_per_token(30, 3, 64, 2) == 23040
+    assert SCHEMES["int8"].bytes_per_token(30, 3, 64, 2) == 11520 + 360
+    assert SCHEMES["int8-static"].bytes_per_token(30, 3, 64, 2) == 11520
+
+
+def test_float_vs_float_kld_zero_and_outputs_written(tiny_bundle_float, tiny_bundle_int8, tmp_path):
+    import shutil
+
+    twin = tmp_path / "float-twin"
+    shutil.copytree(tiny_bundle_float, twin)
+    text = ("The capital of France is Paris. " * 60) + "naïve café 東京 🙂 " * 20
+    res = evaluate([str(tiny_bundle_float), str(twin), str(tiny_bundle_int8)], text, ctx=64, chunks=3)
+    by = {r["bundle"]: r for r in res["results"]}
+    assert by["float-twin"]["kld_mean"] == 0.0 and by["float-twin"]["dppl"] == 0.0
+    assert by["float-twin"]["top1_pct"] == 100.0
+    assert by["tiny-int8"]["kld_mean"] > 0  # quantization does change something
+    files = write_outputs(res, str(tmp_path / "out" / "eval.json"), str(tmp_path / "out" / "eval.png"))
+    assert len(files) == 4
+    d = json.loads((tmp_path / "out" / "eval.json").read_text())
+    assert len(d["results"]) == 3
+    assert (tmp_path / "out" / "eval.csv").read_text().count("\n") == 4
+    assert "| int8 |" in (tmp_path / "out" / "eval.md").read_text()
+    png = (tmp_path / "out" / "eval.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
+
+
+def test_chunked_scoring_equals_token_by_token(tiny_bundle_int8):
+    """What eval scores in chunks is what decode sees one token at a time."""
+    from edgekv.evaluate import default_text
+
+    text = "The capital of France is Paris. The capital of Germany is Berlin. " * 10
+    a = evaluate([str(tiny_bundle_int8)], text, ctx=64, chunks=2, prefill_chunk=64)
+    b = evaluate([str(tiny_bundle_int8)], text, ctx=64, chunks=2, prefill_chunk=1)
+    assert abs(a["results"][0]["ppl"] - b["results"][0]["ppl"]) < 1e-4 * a["results"][0]["ppl"]
+
+
+def test_mismatched_models_refused(tiny_bundle_int8, tiny_qwen, tmp_path):
+    from export.bundle import export_bundle
+
+    other = export_bundle(str(tiny_qwen), kv="int8", out=str(tmp_path / "q"), max_context=128, steps=4)
+    with pytest.raises(EdgeKVError, match="different source models"):
+        evaluate([str(tiny_bundle_int8), str(other)], "x " * 500, ctx=32)
+
+
+def test_short_or_empty_text_refused(tiny_bundle_int8, tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("Too short.")
+    r = run_edgekv("eval", tiny_bundle_int8, "--text", short, "--ctx", "64")
+    assert r.returncode == 1 and "text too short" in r.stderr and "Traceback" not in r.stderr
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    r = run_edgekv("eval", tiny_bundle_int8, "--text", empty)
+    assert r.returncode == 1 and "empty" in r.stderr and "Traceback" not in r.stderr
