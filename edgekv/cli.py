@@ -83,6 +83,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("bundle", help="bundle folder or .onnx file")
     p.add_argument("--trt", default="10.3", help="TensorRT version whose rules apply (10.3 = JetPack 6; 10.15)")
 
+    p = sub.add_parser("chat", formatter_class=Formatter, help="streaming multi-turn chat in the terminal",
+                       description="Multi-turn chat that keeps its KV cache between turns. With stdin not a terminal, "
+                                   "each input line is one user turn (answers on stdout, stats on stderr).\n\n"
+                                   "commands: /help /reset /undo /system TEXT /stats /save FILE /load FILE /quit")
+    p.add_argument("bundle", help="bundle folder written by `edgekv export`")
+    p.add_argument("--system", default=None, help="system prompt (default: the chat template's own)")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="longest reply in tokens")
+    p.add_argument("--json", action="store_true", help="one JSON object per turn on stdout")
+    _add_sampling(p, 0.3)
+    for a in p._actions:  # sampling defaults that suit a small instruct model
+        if a.dest == "top_p":
+            a.default = 0.9
+        elif a.dest == "top_k":
+            a.default = 40
+        elif a.dest == "repeat_penalty":
+            a.default = 1.1
+    _add_runtime(p)
+
     p = sub.add_parser("bench", formatter_class=Formatter, help="time to first token, decode tokens/s, memory",
                        description="Benchmark a bundle: TTFT and decode tokens/s at batch 1 for several prompt lengths "
                                    "and capacities, KV memory, peak RSS. Medians of --repeat runs.")
@@ -109,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "generate":
             from edgekv.commands import cmd_generate
             return cmd_generate(args)
+        if args.cmd == "chat":
+            from edgekv.chat import cmd_chat
+            return cmd_chat(args)
         if args.cmd == "eval":
             from edgekv.evaluate import cmd_eval
             return cmd_eval(args)

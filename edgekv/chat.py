@@ -1,0 +1,281 @@
+"""`edgekv chat`: streaming multi-turn chat that keeps its KV cache between turns.
+
+Each turn renders the whole conversation with the bundle's chat template, finds the longest
+prefix already in the cache (token ids are tracked slot by slot) and prefills only the rest: the
+new message and the template glue. When a turn would not fit, whole old turns are dropped (the
+system prompt stays) and the kept turns are prefilled again: positions stay inside what the
+bundle was verified for, and the model never sees a torn message. See docs/chat.md."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from edgekv.commands import open_runtime, sampling_from
+from edgekv.errors import EdgeKVError
+from edgekv.generate import SamplingParams, Stats, sample
+from edgekv.text import StreamDecoder
+
+HELP = """commands:
+  /help            this help
+  /reset           forget the conversation (keeps the system prompt)
+  /undo            forget the last exchange (the cache is truncated, not recomputed)
+  /system TEXT     set a new system prompt (resets the conversation)
+  /stats           cache and speed of the last reply
+  /save FILE       save the conversation and its KV cache
+  /load FILE       load a saved conversation (same bundle only)
+  /quit            exit (Ctrl-D too); Ctrl-C stops a reply"""
+
+
+class ChatSession:
+    def __init__(self, bundle, codec, gen, params: SamplingParams, system: str | None, max_new_tokens: int):
+        self.bundle, self.codec, self.gen = bundle, codec, gen
+        self.params, self.max_new = params, max_new_tokens
+        self.rng = np.random.default_rng(params.seed)
+        self.system = system
+        self.messages: list[dict] = []
+        self.ids: list[int] = []  # token ids held by the cache, slot by slot
+        self.last = Stats()
+        self.dropped_turns = 0
+
+    # -- conversation -------------------------------------------------------------------------
+    def _msgs(self, extra=()):
+        sys_msg = [{"role": "system", "content": self.system}] if self.system else []
+        return sys_msg + self.messages + list(extra)
+
+    def _render(self, msgs) -> list[int]:
+        """Token ids of the conversation `msgs` plus the generation prompt. Where the rendered text
+        only appends to what the cache holds, the cached ids are kept as they are (re-tokenizing a
+        generated reply can split it differently) and only the appended text is tokenized."""
+        new_text = self.codec.render(msgs, add_generation_prompt=True)
+        if self.ids:
+            held = self.codec.tok.decode(self.ids, skip_special_tokens=False)
+            if new_text.startswith(held):
+                return list(self.ids) + self.codec.encode(new_text[len(held):])
+        return self.codec.encode(new_text)
+
+    def _sync(self, target: list[int]) -> None:
+        """Make the cache hold `target`: keep the common prefix, prefill the rest."""
+        n = 0
+        for a, b in zip(self.ids, target):
+            if a != b:
+                break
+            n += 1
+        if n == len(target):  # the model needs at least one new token to produce logits
+            n -= 1
+        self.gen.truncate(n)
+        self.ids = self.ids[:n]
+        self._logits = self.gen.prefill(target[n:]).copy()
+        self.ids = list(target)
+        return len(target) - n
+
+    def _fit(self, user: str) -> list[int]:
+        """Token ids for the conversation + the new message, dropping old turns until the prompt
+        leaves room for a reply."""
+        room_for_reply = min(self.max_new, self.gen.cache.capacity // 4)
+        while True:
+            target = self._render(self._msgs([{"role": "user", "content": user}]))
+            if len(target) + room_for_reply <= self.gen.cache.capacity or not self.messages:
+                break
+            # drop the oldest exchange (user + assistant) as a whole
+            self.messages = self.messages[2:] if len(self.messages) >= 2 else []
+            self.dropped_turns += 1
+        if len(target) >= self.gen.cache.capacity:
+            raise EdgeKVError(f"message too long: {len(target)} tokens with the system prompt, the cache holds "
+                              f"{self.gen.cache.capacity} (raise --ctx)")
+        return target
+
+    def reply(self, user: str, write=None):
+        """Answer one user message; stream text pieces to `write`. Returns (text, Stats)."""
+        write = write or (lambda s: None)
+        st = Stats()
+        t0 = time.perf_counter()
+        target = self._fit(user)
+        self.last_prompt_ids = list(target)
+        st.prompt_tokens = self._sync(target)  # only what the cache did not already hold
+        st.prefill_s = time.perf_counter() - t0
+        dec = StreamDecoder(self.codec)
+        pieces = []
+        logits = self._logits
+        t_first = None
+        history = list(self.ids)
+        try:
+            for i in range(self.max_new):
+                tok = sample(logits, self.params, self.rng, history)
+                if t_first is None:
+                    t_first = time.perf_counter()
+                    st.ttft_s = t_first - t0
+                if tok in self.codec.stop_ids:
+                    st.stop_reason = "stop"
+                    # feed the end-of-turn token, so the cache holds the turn the way the template renders it
+                    if self.gen.cache.room() > 0:
+                        self.gen.decode_step(tok)
+                        self.ids.append(tok)
+                    break
+                st.new_tokens += 1
+                history.append(tok)
+                piece = dec.push(tok)
+                if piece:
+                    pieces.append(piece)
+                    write(piece)
+                if self.gen.cache.room() < 1:
+                    st.stop_reason = "context"
+                    break
+                logits = self.gen.decode_step(tok)
+                self.ids.append(tok)
+                st.decode_s = time.perf_counter() - t_first
+            else:
+                st.stop_reason = "length"
+        except KeyboardInterrupt:
+            st.stop_reason = "interrupted"
+        tail = dec.flush()
+        if tail:
+            pieces.append(tail)
+            write(tail)
+        text = "".join(pieces)
+        self.messages += [{"role": "user", "content": user}, {"role": "assistant", "content": text}]
+        self.last = st
+        return text, st
+
+    def undo(self) -> bool:
+        if len(self.messages) < 2:
+            return False
+        self.messages = self.messages[:-2]
+        # the cache keeps what still matches; the next turn prefills only the difference
+        target = self._render(self._msgs())
+        n = 0
+        for a, b in zip(self.ids, target):
+            if a != b:
+                break
+            n += 1
+        self.gen.truncate(n)
+        self.ids = self.ids[:n]
+        return True
+
+    def reset(self) -> None:
+        self.messages = []
+        self.gen.reset()
+        self.ids = []
+
+    def stats_line(self) -> str:
+        st, c = self.last, self.gen.cache
+        mib = 2 ** 20
+        return (f"TTFT {st.ttft_s * 1000:.0f} ms | prefill {st.prompt_tokens} tok @ {st.prefill_tps:.0f} tok/s | "
+                f"decode {st.new_tokens} tok @ {st.decode_tps:.1f} tok/s | KV {c.n}/{c.capacity} slots, "
+                f"{c.used_bytes() / mib:.2f}/{c.nbytes / mib:.2f} MiB"
+                + (f" | {self.dropped_turns} old turn(s) dropped" if self.dropped_turns else ""))
+
+    # -- persistence --------------------------------------------------------------------------
+    def save(self, path: str) -> None:
+        p = Path(path)
+        meta = {"edgekv_chat": 1, "bundle_sha256": self.bundle.manifest["source"].get("sha256"),
+                "bundle_scheme": self.bundle.scheme.name, "system": self.system, "messages": self.messages,
+                "ids": self.ids}
+        snap = self.gen.cache.snapshot()
+        tmp = p.with_name(p.name + ".tmp")
+        with open(tmp, "wb") as f:
+            np.savez(f, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **snap)
+        tmp.replace(p)
+
+    def load(self, path: str) -> None:
+        try:
+            z = np.load(path)
+            meta = json.loads(bytes(z["__meta__"]).decode())
+            snap = {k: z[k] for k in z.files if k != "__meta__"}
+        except (OSError, ValueError, KeyError) as e:
+            raise EdgeKVError(f"{path}: not a saved edgekv chat ({type(e).__name__})") from None
+        if (meta.get("bundle_sha256"), meta.get("bundle_scheme")) != (self.bundle.manifest["source"].get("sha256"),
+                                                                     self.bundle.scheme.name):
+            raise EdgeKVError(f"{path}: saved with another model or KV scheme")
+        self.gen.cache.restore(snap)
+        self.gen.pos = self.gen.cache.n
+        self.system, self.messages, self.ids = meta["system"], meta["messages"], meta["ids"]
+
+
+def cmd_chat(args) -> int:
+    bundle, codec, gen = open_runtime(args.bundle, args.ctx, args.backend, args.threads)
+    session = ChatSession(bundle, codec, gen, sampling_from(args), args.system, args.max_new_tokens)
+    interactive = sys.stdin.isatty() and not args.json
+    if interactive:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+        print(f"edgekv chat — {bundle.manifest.get('name', bundle.path.name)}, KV {bundle.scheme.name}, "
+              f"ctx {gen.cache.capacity}. /help for commands, Ctrl-D to quit.", file=sys.stderr)
+    dim = ("\033[2m", "\033[0m") if sys.stderr.isatty() else ("", "")
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            if interactive:
+                print(file=sys.stderr)
+            return 0
+        except KeyboardInterrupt:
+            print("\n(Ctrl-D or /quit to exit)", file=sys.stderr)
+            continue
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            if handle_command(session, line) == "quit":
+                return 0
+            continue
+        out = sys.stdout
+        write = (lambda s: (out.write(s), out.flush())) if not args.json else None
+        text, st = session.reply(line, write)
+        if args.json:
+            print(json.dumps({"user": line, "text": text, **asdict(st), "prefill_tps": st.prefill_tps,
+                              "decode_tps": st.decode_tps, "kv_slots": gen.cache.n, "kv_capacity": gen.cache.capacity,
+                              "kv_bytes_used": gen.cache.used_bytes(), "dropped_turns": session.dropped_turns}),
+                  flush=True)
+        else:
+            out.write("\n")
+            out.flush()
+            if st.stop_reason == "interrupted":
+                print("[stopped]", file=sys.stderr)
+            print(f"{dim[0]}{session.stats_line()}{dim[1]}", file=sys.stderr, flush=True)
+
+
+def handle_command(s: ChatSession, line: str):
+    cmd, _, arg = line.partition(" ")
+    arg = arg.strip()
+    err = sys.stderr
+    try:
+        if cmd in ("/quit", "/exit"):
+            return "quit"
+        if cmd == "/help":
+            print(HELP, file=err)
+        elif cmd == "/reset":
+            s.reset()
+            print("(conversation forgotten)", file=err)
+        elif cmd == "/undo":
+            print("(last exchange forgotten)" if s.undo() else "(nothing to undo)", file=err)
+        elif cmd == "/system":
+            if not arg:
+                print(f"(system prompt: {s.system!r}; /system TEXT sets it)", file=err)
+            else:
+                s.system = arg
+                s.reset()
+                print("(system prompt set; conversation reset)", file=err)
+        elif cmd == "/stats":
+            print(s.stats_line(), file=err)
+        elif cmd == "/save":
+            if not arg:
+                raise EdgeKVError("/save FILE")
+            s.save(arg)
+            print(f"(saved to {arg})", file=err)
+        elif cmd == "/load":
+            if not arg:
+                raise EdgeKVError("/load FILE")
+            s.load(arg)
+            print(f"(loaded {arg}: {len(s.messages) // 2} exchange(s), {s.gen.cache.n} cached tokens)", file=err)
+        else:
+            print(f"unknown command {cmd}; /help lists the commands", file=err)
+    except EdgeKVError as e:
+        print(f"error: {e}", file=err)
+    return None

@@ -1,0 +1,116 @@
+"""Chat: kept cache = from scratch, commands, piped conversations, a real terminal on the real model."""
+import json
+import sys
+
+import numpy as np
+import pytest
+
+from edgekv.backends import OrtBackend
+from edgekv.cache import KVCache
+from edgekv.chat import ChatSession
+from edgekv.generate import Generator, SamplingParams
+from edgekv.manifest import load_bundle
+from edgekv.text import TextCodec
+from tests.conftest import ROOT, run_edgekv
+
+
+def session(path, ctx=256, max_new=12):
+    b = load_bundle(path)
+    return ChatSession(b, TextCodec(b), Generator(OrtBackend(b, threads=1), KVCache(b, ctx)), SamplingParams(),
+                       "You are terse.", max_new)
+
+
+def test_kept_cache_equals_prefill_from_scratch(tiny_bundle_int8):
+    s = session(tiny_bundle_int8)
+    s.reply("What is the capital of France?")
+    n_before = s.gen.cache.n
+    text2, st2 = s.reply("And of Germany?")
+    assert st2.prompt_tokens < len(s.last_prompt_ids) // 2 or n_before < 4  # only the new turn was prefilled
+    ids2 = s.ids[len(s.last_prompt_ids):]
+    # from scratch: the same prompt ids prefilled in one go into a fresh cache, then greedy decode
+    b = load_bundle(tiny_bundle_int8)
+    g = Generator(OrtBackend(b, threads=1), KVCache(b, 256))
+    logits = g.prefill(s.last_prompt_ids)
+    fresh = []
+    for _ in range(len(ids2)):
+        t = int(np.argmax(logits))
+        fresh.append(t)
+        logits = g.decode_step(t)
+    assert fresh == ids2
+
+
+def test_undo_and_reset(tiny_bundle_int8):
+    s = session(tiny_bundle_int8)
+    s.reply("first")
+    n1 = s.gen.cache.n
+    s.reply("second")
+    assert s.undo() and len(s.messages) == 2 and s.gen.cache.n <= n1 + 1
+    s.reset()
+    assert s.messages == [] and s.gen.cache.n == 0
+    assert not s.undo()
+
+
+def test_save_and_load_roundtrip(tiny_bundle_int8, tmp_path):
+    s = session(tiny_bundle_int8)
+    s.reply("What is the capital of France?")
+    s.save(tmp_path / "c.npz")
+    t = session(tiny_bundle_int8)
+    t.load(tmp_path / "c.npz")
+    assert t.messages == s.messages and t.ids == s.ids and t.gen.cache.n == s.gen.cache.n
+    a, _ = s.reply("And of Germany?")
+    b, _ = t.reply("And of Germany?")
+    assert a == b
+
+
+def test_piped_json_conversation_and_unknown_command(tiny_bundle_int8):
+    r = run_edgekv("chat", tiny_bundle_int8, "--json", "--temperature", "0", "--max-new-tokens", "6",
+                   input="hello\n/nonsense\nthe capital of France?\n/undo\nagain\n")
+    assert r.returncode == 0, r.stderr
+    turns = [json.loads(l) for l in r.stdout.splitlines()]
+    assert [t["user"] for t in turns] == ["hello", "the capital of France?", "again"]
+    assert "unknown command /nonsense" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_long_piped_conversation_on_small_ctx_ends_normally(tiny_bundle_int8):
+    lines = "".join(f"Tell me fact number {i} about trains and tea.\n" for i in range(40))
+    r = run_edgekv("chat", tiny_bundle_int8, "--ctx", "96", "--temperature", "0", "--max-new-tokens", "16",
+                   "--json", input=lines)
+    assert r.returncode == 0, r.stderr
+    turns = [json.loads(l) for l in r.stdout.splitlines()]
+    assert len(turns) == 40 and turns[-1]["dropped_turns"] > 0
+    assert all(t["kv_slots"] <= 96 for t in turns)
+
+
+@pytest.mark.slow
+def test_real_terminal_conversation(real_bundle):
+    pexpect = pytest.importorskip("pexpect")
+    child = pexpect.spawn(sys.executable, ["-m", "edgekv", "chat", str(real_bundle), "--temperature", "0",
+                                           "--max-new-tokens", "200"], cwd=str(ROOT), encoding="utf-8", timeout=120)
+    try:
+        child.expect("> ")
+        child.sendline("What is the capital of France?")
+        child.expect("Paris")
+        child.expect("tok/s")
+        child.expect("> ")
+        child.sendline("And of Germany?")
+        child.expect("Berlin")  # the conversation is remembered
+        child.expect("> ")
+        child.sendline("/frobnicate")
+        child.expect("unknown command")
+        child.expect("> ")
+        child.sendline("Write a long story about a dragon who learns to cook.")
+        child.expect(r"\w+ \w+ \w+")  # the answer has started streaming
+        child.sendcontrol("c")
+        child.expect(r"\[stopped\]")
+        child.expect("> ")
+        child.sendline("/reset")
+        child.expect("forgotten")
+        child.expect("> ")
+        child.sendline("What is the capital of France?")
+        child.expect("Paris")  # the next turn works after Ctrl-C and /reset
+        child.expect("> ")
+        child.sendeof()
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
