@@ -169,6 +169,33 @@ class ChatSession:
                 f"{c.used_bytes() / mib:.2f}/{c.nbytes / mib:.2f} MiB"
                 + (f" | {self.dropped_turns} old turn(s) dropped" if self.dropped_turns else ""))
 
+    def warm_system(self, prompt_cache: str | None) -> str:
+        """Prefill the system prompt alone, or restore its KV from `prompt_cache` when that file
+        was made for this bundle and this exact system prompt (anything else is rebuilt)."""
+        if not self.system:
+            return "no system prompt"
+        ids = self.codec.chat_ids([{"role": "system", "content": self.system}], add_generation_prompt=False)
+        if prompt_cache and Path(prompt_cache).is_file():
+            wanted = self.system
+            try:
+                self.load(prompt_cache)
+                if self.system == wanted and self.ids == ids and not self.messages:
+                    return f"restored {len(ids)} system-prompt tokens from {prompt_cache}"
+            except EdgeKVError:
+                pass
+            self.system = wanted
+            self.messages = []
+            self.reset()
+        t0 = time.perf_counter()
+        self.gen.reset()
+        self.gen.prefill(ids)
+        self.ids = list(ids)
+        took = time.perf_counter() - t0
+        if prompt_cache:
+            self.save(prompt_cache)
+            return f"prefilled {len(ids)} system-prompt tokens in {took * 1000:.0f} ms, saved to {prompt_cache}"
+        return f"prefilled {len(ids)} system-prompt tokens in {took * 1000:.0f} ms"
+
     # -- persistence --------------------------------------------------------------------------
     def save(self, path: str) -> None:
         p = Path(path)
@@ -200,6 +227,10 @@ def cmd_chat(args) -> int:
     bundle, codec, gen = open_runtime(args.bundle, args.ctx, args.backend, args.threads)
     session = ChatSession(bundle, codec, gen, sampling_from(args), args.system, args.max_new_tokens)
     interactive = sys.stdin.isatty() and not args.json
+    if args.system or args.prompt_cache:
+        note = session.warm_system(args.prompt_cache)
+        if interactive or args.prompt_cache:
+            print(f"({note})", file=sys.stderr)
     if interactive:
         try:
             import readline  # noqa: F401  (line editing and history for input())

@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="system prompt (default: the chat template's own)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="longest reply in tokens")
     p.add_argument("--json", action="store_true", help="one JSON object per turn on stdout")
+    p.add_argument("--prompt-cache", default=None, metavar="FILE",
+                   help="save the system prompt's KV here after its first prefill; restore it on later starts "
+                        "(checked against the bundle and the system prompt; a stale file is rebuilt)")
     _add_sampling(p, 0.3)
     for a in p._actions:  # sampling defaults that suit a small instruct model
         if a.dest == "top_p":

@@ -114,3 +114,21 @@ def test_real_terminal_conversation(real_bundle):
     finally:
         child.close(force=True)
     assert child.exitstatus == 0
+
+
+def test_prompt_cache_restores_and_rebuilds(tiny_bundle_int8, tmp_path):
+    pc = tmp_path / "sys.npz"
+    s1 = session(tiny_bundle_int8)
+    assert "saved" in s1.warm_system(str(pc)) and pc.is_file()
+    a, _ = s1.reply("What is the capital of France?")
+    s2 = session(tiny_bundle_int8)
+    assert "restored" in s2.warm_system(str(pc))
+    b, st = s2.reply("What is the capital of France?")
+    assert a == b and st.prompt_tokens < len(s2.last_prompt_ids)
+    s3 = session(tiny_bundle_int8)
+    s3.system = "A different system prompt."
+    assert "saved" in s3.warm_system(str(pc))  # stale for this prompt: rebuilt, not trusted
+    assert s3.system == "A different system prompt."
+    pc.write_bytes(b"garbage")
+    s4 = session(tiny_bundle_int8)
+    assert "saved" in s4.warm_system(str(pc))
