@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from export.bundle import resolve_source
-from export.loaders import HF_NAMES, _expand
+from export.loaders import unfuse
 
 
 def hf_model(src):
@@ -31,8 +31,7 @@ def hf_model(src):
         cfg, cls = transformers.LlamaConfig(attention_bias=c.attention_bias, **kw), transformers.LlamaForCausalLM
     cfg._attn_implementation = "eager"
     m = cls(cfg).eval()
-    inv = {v: k for k, v in _expand(HF_NAMES, c.n_layers).items()}
-    m.load_state_dict({inv[k]: v for k, v in src.state_dict.items()}, strict=not c.tie_word_embeddings)
+    m.load_state_dict(unfuse(src.state_dict, c), strict=not c.tie_word_embeddings)
     return m
 
 

@@ -14,22 +14,23 @@ import torch
 
 from export.model import ModelConfig, Transformer, UnsupportedModel
 
-# checkpoint name (per layer with {i}) -> our module name
+# checkpoint name (per layer with {i}) -> our name, or (our name, slot) for parts that are
+# concatenated along dim 0 into one fused matrix (q|k|v -> wqkv, gate|up -> w_gate_up)
 HF_NAMES = {
     "model.embed_tokens.weight": "embed.weight",
     "model.norm.weight": "norm.weight",
     "lm_head.weight": "lm_head.weight",
     "model.layers.{i}.input_layernorm.weight": "layers.{i}.attn_norm.weight",
-    "model.layers.{i}.self_attn.q_proj.weight": "layers.{i}.attn.wq.weight",
-    "model.layers.{i}.self_attn.k_proj.weight": "layers.{i}.attn.wk.weight",
-    "model.layers.{i}.self_attn.v_proj.weight": "layers.{i}.attn.wv.weight",
-    "model.layers.{i}.self_attn.q_proj.bias": "layers.{i}.attn.wq.bias",
-    "model.layers.{i}.self_attn.k_proj.bias": "layers.{i}.attn.wk.bias",
-    "model.layers.{i}.self_attn.v_proj.bias": "layers.{i}.attn.wv.bias",
+    "model.layers.{i}.self_attn.q_proj.weight": ("layers.{i}.attn.wqkv.weight", 0),
+    "model.layers.{i}.self_attn.k_proj.weight": ("layers.{i}.attn.wqkv.weight", 1),
+    "model.layers.{i}.self_attn.v_proj.weight": ("layers.{i}.attn.wqkv.weight", 2),
+    "model.layers.{i}.self_attn.q_proj.bias": ("layers.{i}.attn.wqkv.bias", 0),
+    "model.layers.{i}.self_attn.k_proj.bias": ("layers.{i}.attn.wqkv.bias", 1),
+    "model.layers.{i}.self_attn.v_proj.bias": ("layers.{i}.attn.wqkv.bias", 2),
     "model.layers.{i}.self_attn.o_proj.weight": "layers.{i}.attn.wo.weight",
     "model.layers.{i}.post_attention_layernorm.weight": "layers.{i}.mlp_norm.weight",
-    "model.layers.{i}.mlp.gate_proj.weight": "layers.{i}.mlp.w_gate.weight",
-    "model.layers.{i}.mlp.up_proj.weight": "layers.{i}.mlp.w_up.weight",
+    "model.layers.{i}.mlp.gate_proj.weight": ("layers.{i}.mlp.w_gate_up.weight", 0),
+    "model.layers.{i}.mlp.up_proj.weight": ("layers.{i}.mlp.w_gate_up.weight", 1),
     "model.layers.{i}.mlp.down_proj.weight": "layers.{i}.mlp.w_down.weight",
 }
 
@@ -38,16 +39,16 @@ GGUF_NAMES = {
     "output_norm.weight": "norm.weight",
     "output.weight": "lm_head.weight",
     "blk.{i}.attn_norm.weight": "layers.{i}.attn_norm.weight",
-    "blk.{i}.attn_q.weight": "layers.{i}.attn.wq.weight",
-    "blk.{i}.attn_k.weight": "layers.{i}.attn.wk.weight",
-    "blk.{i}.attn_v.weight": "layers.{i}.attn.wv.weight",
-    "blk.{i}.attn_q.bias": "layers.{i}.attn.wq.bias",
-    "blk.{i}.attn_k.bias": "layers.{i}.attn.wk.bias",
-    "blk.{i}.attn_v.bias": "layers.{i}.attn.wv.bias",
+    "blk.{i}.attn_q.weight": ("layers.{i}.attn.wqkv.weight", 0),
+    "blk.{i}.attn_k.weight": ("layers.{i}.attn.wqkv.weight", 1),
+    "blk.{i}.attn_v.weight": ("layers.{i}.attn.wqkv.weight", 2),
+    "blk.{i}.attn_q.bias": ("layers.{i}.attn.wqkv.bias", 0),
+    "blk.{i}.attn_k.bias": ("layers.{i}.attn.wqkv.bias", 1),
+    "blk.{i}.attn_v.bias": ("layers.{i}.attn.wqkv.bias", 2),
     "blk.{i}.attn_output.weight": "layers.{i}.attn.wo.weight",
     "blk.{i}.ffn_norm.weight": "layers.{i}.mlp_norm.weight",
-    "blk.{i}.ffn_gate.weight": "layers.{i}.mlp.w_gate.weight",
-    "blk.{i}.ffn_up.weight": "layers.{i}.mlp.w_up.weight",
+    "blk.{i}.ffn_gate.weight": ("layers.{i}.mlp.w_gate_up.weight", 0),
+    "blk.{i}.ffn_up.weight": ("layers.{i}.mlp.w_gate_up.weight", 1),
     "blk.{i}.ffn_down.weight": "layers.{i}.mlp.w_down.weight",
 }
 
@@ -68,12 +69,12 @@ class Source:
     kind: str = ""  # "hf" | "gguf"
 
 
-def _expand(table: dict[str, str], n_layers: int) -> dict[str, str]:
+def _expand(table: dict, n_layers: int) -> dict:
     out = {}
     for src, dst in table.items():
         if "{i}" in src:
             for i in range(n_layers):
-                out[src.format(i=i)] = dst.format(i=i)
+                out[src.format(i=i)] = (dst[0].format(i=i), dst[1]) if isinstance(dst, tuple) else dst.format(i=i)
         else:
             out[src] = dst
     return out
@@ -85,7 +86,19 @@ def rename(weights: dict[str, torch.Tensor], table: dict[str, str], cfg: ModelCo
     unknown = [k for k in weights if k not in names and not k.endswith("rotary_emb.inv_freq")]
     if unknown:
         raise SourceError(f"unexpected tensors in checkpoint: {unknown[:5]}{' ...' if len(unknown) > 5 else ''}")
-    sd = {names[k]: v for k, v in weights.items() if k in names}
+    sd, parts = {}, {}
+    for k, v in weights.items():
+        if k not in names:
+            continue
+        dst = names[k]
+        if isinstance(dst, tuple):
+            parts.setdefault(dst[0], {})[dst[1]] = v
+        else:
+            sd[dst] = v
+    for dst, slots in parts.items():
+        if sorted(slots) != list(range(len(slots))) or len(slots) not in (2, 3):
+            raise SourceError(f"checkpoint has only parts {sorted(slots)} of {dst}")
+        sd[dst] = torch.cat([slots[j] for j in sorted(slots)], 0)
     expected = _expected_shapes(cfg)
     if cfg.tie_word_embeddings:
         sd.pop("lm_head.weight", None)
@@ -104,6 +117,23 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
         m = Transformer(cfg)
     return {k: tuple(v.shape) for k, v in m.state_dict().items()
             if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
+
+
+def unfuse(sd: dict[str, torch.Tensor], cfg: ModelConfig, table: dict = HF_NAMES) -> dict[str, torch.Tensor]:
+    """Our state dict back to checkpoint names (fused matrices split again)."""
+    sizes = {"wqkv": [cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim],
+             "w_gate_up": [cfg.intermediate_size, cfg.intermediate_size]}
+    out = {}
+    for src, dst in _expand(table, cfg.n_layers).items():
+        if isinstance(dst, tuple):
+            name, slot = dst
+            if name not in sd:
+                continue
+            key = name.split(".")[-2]
+            out[src] = torch.split(sd[name], sizes[key], 0)[slot]
+        elif dst in sd:
+            out[src] = sd[dst]
+    return out
 
 
 def file_sha256(paths: list[Path]) -> str:

@@ -118,9 +118,14 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(x.dtype)
 
 
-def rotate_half(x):
-    half = x.shape[-1] // 2  # slices, not chunk(): chunk exports as a Sequence op TensorRT lacks
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def rotate_half_matrix(d: int) -> torch.Tensor:
+    """R with x @ R == cat(-x[d/2:], x[:d/2]) (HF's rotate_half): one MatMul in the graph instead
+    of Slice, Slice, Neg, Concat per tensor."""
+    h = d // 2
+    r = torch.zeros(d, d)
+    r[torch.arange(h) + h, torch.arange(h)] = -1.0
+    r[torch.arange(h), torch.arange(h) + h] = 1.0
+    return r
 
 
 class Attention(nn.Module):
@@ -132,21 +137,19 @@ class Attention(nn.Module):
             self.register_buffer("k_scale", torch.ones(cfg.n_kv_heads, cfg.head_dim))
             self.register_buffer("v_scale", torch.ones(cfg.n_kv_heads, cfg.head_dim))
         h, hkv, d, e = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden_size
-        self.wq = nn.Linear(e, h * d, bias=cfg.attention_bias)
-        self.wk = nn.Linear(e, hkv * d, bias=cfg.attention_bias)
-        self.wv = nn.Linear(e, hkv * d, bias=cfg.attention_bias)
+        # q, k, v projections fused into one matrix (rows: q, then k, then v): one MatMul per layer
+        self.wqkv = nn.Linear(e, (h + 2 * hkv) * d, bias=cfg.attention_bias)
         self.wo = nn.Linear(h * d, e, bias=False)
 
-    def forward(self, x, cos, sin, allowed, past, scheme):
+    def forward(self, x, cos, sin, rot, allowed, past, scheme):
         cfg = self.cfg
         B, S, _ = x.shape
         H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         G = H // Hkv
-        q = self.wq(x).view(B, S, H, D)
-        k = self.wk(x).view(B, S, Hkv, D)
-        v = self.wv(x).view(B, S, Hkv, D)
-        q = q * cos[:, :, None] + rotate_half(q) * sin[:, :, None]
-        k = k * cos[:, :, None] + rotate_half(k) * sin[:, :, None]  # keys cached after RoPE
+        qkv = self.wqkv(x).view(B, S, H + 2 * Hkv, D)
+        qk, v = qkv[:, :, : H + Hkv], qkv[:, :, H + Hkv:]  # [B, S, H+Hkv, D], [B, S, Hkv, D]
+        qk = qk * cos[:, :, None] + torch.matmul(qk, rot) * sin[:, :, None]  # RoPE on q and k at once
+        q, k = qk[:, :, :H], qk[:, :, H:]  # keys cached after RoPE
 
         k_new, v_new = k.transpose(0, 1), v.transpose(0, 1)  # [S, B, Hkv, D] slot-major
         if self.observer is not None:
@@ -173,12 +176,14 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.w_gate = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.w_up = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.inter = cfg.intermediate_size
+        # gate and up fused (rows: gate, then up): one MatMul instead of two
+        self.w_gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+        gu = self.w_gate_up(x)
+        return self.w_down(F.silu(gu[..., : self.inter]) * gu[..., self.inter:])
 
 
 class Block(nn.Module):
@@ -189,8 +194,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, allowed, past, scheme):
-        a, present = self.attn(self.attn_norm(x), cos, sin, allowed, past, scheme)
+    def forward(self, x, cos, sin, rot, allowed, past, scheme):
+        a, present = self.attn(self.attn_norm(x), cos, sin, rot, allowed, past, scheme)
         x = x + a
         return x + self.mlp(self.mlp_norm(x)), present
 
@@ -208,6 +213,7 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
+        self.register_buffer("rot", rotate_half_matrix(cfg.head_dim), persistent=False)
 
     def forward(self, input_ids, position_ids, key_mask, logits_index, *past):
         n = len(self.scheme.tensors)  # tensors per layer for K, and again for V
@@ -225,7 +231,7 @@ class Transformer(nn.Module):
         presents = []
         for i, layer in enumerate(self.layers):
             p = past[2 * n * i: 2 * n * (i + 1)]
-            x, pres = layer(x, cos, sin, allowed, (p[:n], p[n:]), self.scheme)
+            x, pres = layer(x, cos, sin, self.rot.to(x.dtype), allowed, (p[:n], p[n:]), self.scheme)
             presents.extend(pres)
         idx = logits_index[..., None].expand(-1, -1, x.shape[-1])  # [B, K, E]
         x = torch.gather(x, 1, idx)  # final norm + head only on the rows asked for

@@ -47,3 +47,17 @@ def test_unsupported_architecture_refused(tmp_path):
     (folder / "config.json").write_text(cfg)
     with pytest.raises(UnsupportedModel, match="supported: LlamaForCausalLM, Qwen2ForCausalLM"):
         load_hf_folder(folder)
+
+
+def test_fused_weights_split_back_exactly(tmp_path):
+    from safetensors.torch import load_file
+
+    from export.loaders import unfuse
+
+    folder = make_hf_folder(tmp_path, "qwen2")
+    original = load_file(str(next(folder.glob("*.safetensors"))))
+    src = load_hf_folder(folder)
+    back = unfuse(src.state_dict, src.config)
+    assert set(back) == set(original)
+    for k, v in original.items():
+        assert torch.equal(back[k], v.float()), k
