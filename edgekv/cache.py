@@ -11,7 +11,7 @@ import numpy as np
 from edgekv.errors import ContextOverflow, EdgeKVError
 from edgekv.manifest import Bundle, io_names
 
-NP_DTYPES = {"int8": np.int8, "float16": np.float16, "float32": np.float32}
+NP_DTYPES = {"int8": np.int8, "uint8": np.uint8, "float16": np.float16, "float32": np.float32}
 
 
 def available_memory() -> int | None:
@@ -42,8 +42,7 @@ class KVCache:
         for name in self.names:
             spec = self.scheme.tensors[0] if not name.endswith("_scale") else self.scheme.tensors[1]
             dtype = NP_DTYPES[float_dtype if spec.dtype == "float" else spec.dtype]
-            shape = (capacity, batch, m["n_kv_heads"], m["head_dim"])[: spec.rank]
-            shapes[name] = (shape, dtype)
+            shapes[name] = (spec.shape(capacity, batch, m["n_kv_heads"], m["head_dim"]), dtype)
         need = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in shapes.values())
         free = available_memory()
         if free is not None and need > free:

@@ -43,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "manifest. ONNX is checked against PyTorch before anything is written.")
     p.add_argument("model", nargs="?", default=None,
                    help="recipe name from models/, a Hugging Face folder, or a .gguf file (default: smollm2-135m-instruct)")
-    p.add_argument("--kv", default="int8", help="KV scheme: int8 | int8-static | int8-tensor | float")
+    p.add_argument("--kv", default="int8", help="KV scheme: int8 | int8-static | int8-tensor | int4 | int4-norot | float")
     p.add_argument("--calib-text", default=None, metavar="FILE",
                    help="calibration text for int8-static / int8-tensor (default: docstrings of stdlib modules)")
     p.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens used at most")

@@ -10,11 +10,29 @@ from dataclasses import dataclass
 import numpy as np
 
 
+INT4_GROUP = 32  # int4 scales: one per 32 channels of a head
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     suffix: str  # "" -> past.{i}.key ; "_scale" -> past.{i}.key_scale
-    dtype: str  # "int8" | "float16" | "float" (the bundle's float dtype)
-    rank: int  # 4: [P, B, Hkv, D]; 3: [P, B, Hkv]
+    dtype: str  # "int8" | "uint8" | "float16" | "float" (the bundle's float dtype)
+    last: str  # last dim: "D" [P,B,Hkv,D] | "D/2" packed int4 | "G" groups | "" for [P,B,Hkv]
+
+    @property
+    def rank(self) -> int:
+        return 4 if self.last else 3
+
+    def last_dim(self, head_dim: int) -> int | None:
+        return {"D": head_dim, "D/2": head_dim // 2, "G": n_groups(head_dim), "": None}[self.last]
+
+    def shape(self, slots: int, batch: int, n_kv_heads: int, head_dim: int) -> tuple:
+        d = self.last_dim(head_dim)
+        return (slots, batch, n_kv_heads) + ((d,) if d else ())
+
+
+def n_groups(head_dim: int) -> int:
+    return max(1, head_dim // INT4_GROUP)
 
 
 @dataclass(frozen=True)
@@ -23,6 +41,7 @@ class KVScheme:
     tensors: tuple[TensorSpec, ...]
     description: str
     min_scale: float = 0.0
+    rotate: bool = False  # int4: a fixed orthogonal (Hadamard) rotation of q/k and v before quantizing
 
     def names(self, layer: int, prefix: str) -> list[str]:
         """Graph I/O names of one layer, in graph order: key tensors, then value tensors."""
@@ -31,8 +50,8 @@ class KVScheme:
     def bytes_per_token(self, n_layers: int, n_kv_heads: int, head_dim: int, float_bytes: int) -> int:
         per = 0
         for t in self.tensors:
-            size = {"int8": 1, "float16": 2, "float": float_bytes}[t.dtype]
-            per += size * n_kv_heads * (head_dim if t.rank == 4 else 1)
+            size = {"int8": 1, "uint8": 1, "float16": 2, "float": float_bytes}[t.dtype]
+            per += size * n_kv_heads * (t.last_dim(head_dim) or 1)
         return 2 * n_layers * per
 
 
@@ -40,26 +59,41 @@ class KVScheme:
 _MIN_SCALE = 2.0 ** -14
 
 SCHEMES = {
-    "float": KVScheme("float", (TensorSpec("", "float", 4),), "unquantized reference (model float dtype)"),
+    "float": KVScheme("float", (TensorSpec("", "float", "D"),), "unquantized reference (model float dtype)"),
     "int8": KVScheme(
         "int8",
-        (TensorSpec("", "int8", 4), TensorSpec("_scale", "float16", 3)),
+        (TensorSpec("", "int8", "D"), TensorSpec("_scale", "float16", "")),
         "int8 values, one fp16 absmax/127 scale per (token, head), computed in the graph",
         min_scale=_MIN_SCALE,
     ),
     "int8-static": KVScheme(
         "int8-static",
-        (TensorSpec("", "int8", 4),),
+        (TensorSpec("", "int8", "D"),),
         "int8 values, one constant scale per (layer, KV head, channel) calibrated at export; no scale I/O",
         min_scale=_MIN_SCALE,
     ),
     "int8-tensor": KVScheme(
         "int8-tensor",
-        (TensorSpec("", "int8", 4),),
+        (TensorSpec("", "int8", "D"),),
         "int8 values, one constant scale per layer for K and one for V (127/max, the naive baseline)",
         min_scale=_MIN_SCALE,
     ),
+    "int4": KVScheme(
+        "int4",
+        (TensorSpec("", "uint8", "D/2"), TensorSpec("_scale", "float16", "G")),
+        f"int4 values packed two per byte (uint8 I/O), fp16 absmax/7 scale per (token, head, {INT4_GROUP} channels), "
+        "after a fixed Hadamard rotation that spreads outlier channels",
+        min_scale=_MIN_SCALE, rotate=True,
+    ),
+    "int4-norot": KVScheme(
+        "int4-norot",
+        (TensorSpec("", "uint8", "D/2"), TensorSpec("_scale", "float16", "G")),
+        "int4 like `int4` but without the rotation (to show what the rotation buys)",
+        min_scale=_MIN_SCALE,
+    ),
 }
+
+INT4 = {"int4", "int4-norot"}
 
 STATIC = {"int8-static", "int8-tensor"}  # schemes whose scales are calibrated constants in the graph
 
@@ -81,6 +115,48 @@ def quantize_int8(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def quantize_static(x: np.ndarray, scale: np.ndarray) -> np.ndarray:
     """Reference static quantization: `scale` broadcasts against x (per channel or per tensor)."""
     return np.clip(np.round(x / scale), -127, 127).astype(np.int8)
+
+
+def quantize_int4(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Reference int4: groups of INT4_GROUP channels, absmax/7 fp16 scale, values in [-7, 7]
+    stored as v + 8 in a nibble, two per byte (even channel low, odd channel high)."""
+    d = x.shape[-1]
+    g = n_groups(d)
+    xg = x.reshape(*x.shape[:-1], g, d // g)
+    scale = np.maximum(np.abs(xg).max(-1).astype(np.float32) / 7.0, _MIN_SCALE).astype(np.float16)
+    q = np.clip(np.round(xg / scale.astype(np.float32)[..., None]), -7, 7).reshape(x.shape)
+    return pack_int4(q), scale
+
+
+def pack_int4(q: np.ndarray) -> np.ndarray:
+    u = (q + 8).astype(np.uint8)  # [.., D] in 1..15
+    return (u[..., 0::2] + 16 * u[..., 1::2]).astype(np.uint8)
+
+
+def unpack_int4(b: np.ndarray) -> np.ndarray:
+    b = b.astype(np.int16)
+    out = np.empty(b.shape[:-1] + (2 * b.shape[-1],), np.int16)
+    out[..., 0::2], out[..., 1::2] = b % 16, b // 16
+    return (out - 8).astype(np.int8)
+
+
+def dequantize_int4(packed: np.ndarray, scale: np.ndarray) -> np.ndarray:
+    q = unpack_int4(packed).astype(np.float32)
+    d = q.shape[-1]
+    g = scale.shape[-1]
+    return (q.reshape(*q.shape[:-1], g, d // g) * scale.astype(np.float32)[..., None]).reshape(q.shape)
+
+
+def hadamard(d: int) -> np.ndarray:
+    """A fixed orthonormal rotation: Sylvester's Hadamard matrix / sqrt(d) for d a power of two,
+    else a seeded random orthogonal matrix."""
+    if d & (d - 1) == 0:
+        h = np.ones((1, 1))
+        while h.shape[0] < d:
+            h = np.block([[h, h], [h, -h]])
+        return (h / np.sqrt(d)).astype(np.float32)
+    q, r = np.linalg.qr(np.random.default_rng(0).standard_normal((d, d)))
+    return (q * np.sign(np.diag(r))).astype(np.float32)
 
 
 def float16_bytes_per_token(n_layers: int, n_kv_heads: int, head_dim: int) -> int:

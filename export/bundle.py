@@ -18,7 +18,7 @@ import edgekv
 from edgekv.errors import EdgeKVError
 from edgekv.manifest import FORMAT_VERSION, MANIFEST, io_names
 from export.loaders import Source, SourceError, load_gguf, load_hf_folder
-from edgekv.kvschemes import STATIC
+from edgekv.kvschemes import INT4, STATIC, unpack_int4
 from export.model import Transformer, UnsupportedModel
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
@@ -203,7 +203,10 @@ def verify(model: Transformer, bundle_dir: Path, prompt: list[int], steps: int, 
             rms = float(np.sqrt(((t - o) ** 2).mean()) / max(np.sqrt((t ** 2).mean()), 1e-12))
             worst_rms = max(worst_rms, rms)
             if i == 0 and quantized:
-                worst_l0 = max(worst_l0, float(np.abs(t_t[0].float().numpy() - o_t[0].float().numpy()).max()))
+                a, b = t_t[0].numpy(), o_t[0].numpy()
+                if model.scheme.name in INT4:  # compare the int4 values, not the packed bytes
+                    a, b = unpack_int4(a), unpack_int4(b)
+                worst_l0 = max(worst_l0, float(np.abs(a.astype(np.float32) - b.astype(np.float32)).max()))
     par.add("present.* (cache, RMS ratio)", worst_rms, 0.05 if quantized else (1e-2 if fp16 else 1e-4),
             "dequantized, worst layer" if quantized else "worst layer")
     if quantized:
@@ -349,7 +352,7 @@ def build_manifest(src: Source, recipe: dict, kv: str, dtype: str, max_context: 
         "dtype": dtype,
         "max_context": max_context,
         "kv": {"scheme": kv, "description": scheme.description,
-               "tensors": [{"suffix": t.suffix, "dtype": t.dtype, "rank": t.rank} for t in scheme.tensors],
+               "tensors": [{"suffix": t.suffix, "dtype": t.dtype, "last_dim": t.last or None} for t in scheme.tensors],
                "layout": "slot-major [P, B, Hkv, D]; scales [P, B, Hkv]",
                "bytes_per_token": scheme.bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim,
                                                          2 if dtype == "float16" else 4)},

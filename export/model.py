@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgekv.kvschemes import STATIC, get_scheme
+from edgekv.kvschemes import INT4, STATIC, get_scheme, hadamard, n_groups
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 
@@ -136,6 +136,7 @@ class Attention(nn.Module):
         if static_scales:  # int8-static / int8-tensor: calibrated constants, baked into the graph
             self.register_buffer("k_scale", torch.ones(cfg.n_kv_heads, cfg.head_dim))
             self.register_buffer("v_scale", torch.ones(cfg.n_kv_heads, cfg.head_dim))
+        self.register_buffer("had", torch.from_numpy(hadamard(cfg.head_dim)), persistent=False)
         h, hkv, d, e = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden_size
         # q, k, v projections fused into one matrix (rows: q, then k, then v): one MatMul per layer
         self.wqkv = nn.Linear(e, (h + 2 * hkv) * d, bias=cfg.attention_bias)
@@ -150,6 +151,8 @@ class Attention(nn.Module):
         qk, v = qkv[:, :, : H + Hkv], qkv[:, :, H + Hkv:]  # [B, S, H+Hkv, D], [B, S, Hkv, D]
         qk = qk * cos[:, :, None] + torch.matmul(qk, rot) * sin[:, :, None]  # RoPE on q and k at once
         q, k = qk[:, :, :H], qk[:, :, H:]  # keys cached after RoPE
+        if scheme.rotate:  # (qR)(kR)^T = qk^T; v is rotated back after attention
+            q, k, v = q @ self.had, k @ self.had, v @ self.had
 
         k_new, v_new = k.transpose(0, 1), v.transpose(0, 1)  # [S, B, Hkv, D] slot-major
         if self.observer is not None:
@@ -169,6 +172,8 @@ class Attention(nn.Module):
         scores = torch.where(allowed[:, None, None], scores, torch.finfo(scores.dtype).min)
         probs = torch.softmax(scores.float(), dim=-1).to(x.dtype).view(B, Hkv, G * S, -1)
         out = torch.matmul(probs, vt)  # [B, Hkv, G*S, D]
+        if scheme.rotate:
+            out = out @ self.had.t()
         out = out.view(B, Hkv, G, S, D).permute(0, 3, 1, 2, 4).reshape(B, S, H * D)
         return self.wo(out), present_k + present_v
 
@@ -248,13 +253,13 @@ class Transformer(nn.Module):
         for _ in range(cfg.n_layers):
             for _kv in range(2):
                 for spec in self.scheme.tensors:
-                    shape = (slots, batch, cfg.n_kv_heads, cfg.head_dim)[: spec.rank]
+                    shape = spec.shape(slots, batch, cfg.n_kv_heads, cfg.head_dim)
                     out.append(torch.zeros(shape, dtype=_torch_dtype(spec.dtype, dtype)))
         return out
 
 
 def _torch_dtype(name: str, float_dtype):
-    return {"int8": torch.int8, "float16": torch.float16, "float": float_dtype}[name]
+    return {"int8": torch.int8, "uint8": torch.uint8, "float16": torch.float16, "float": float_dtype}[name]
 
 
 # --- KV schemes in torch. The formats are defined in edgekv/kvschemes.py (shared with the
@@ -274,6 +279,16 @@ def kv_store(scheme, x, static_scale=None):
         s = scale.to(x.dtype)[..., None]
         q = torch.clamp(torch.round(x / s), -127.0, 127.0)
         return [q.to(torch.int8), scale], q * s
+    if scheme.name in INT4:
+        S, B, Hkv, D = x.shape
+        g = n_groups(D)
+        xg = x.reshape(S, B, Hkv, g, D // g)
+        scale = (xg.abs().amax(-1).float() / 7.0).clamp(min=scheme.min_scale).to(torch.float16)  # [S,B,Hkv,G]
+        q = torch.clamp(torch.round(xg / scale.to(x.dtype)[..., None]), -7.0, 7.0)
+        x_hat = (q * scale.to(x.dtype)[..., None]).reshape(S, B, Hkv, D)
+        u = (q.reshape(S, B, Hkv, D // 2, 2) + 8.0)  # nibbles 1..15; arithmetic packing (no bitwise ops in TensorRT)
+        packed = u[..., 0] + 16.0 * u[..., 1]  # [S,B,Hkv,D/2], integers 17..255 as float
+        return [packed.to(torch.uint8), scale], x_hat
     raise NotImplementedError(scheme.name)
 
 
@@ -282,6 +297,14 @@ def kv_load(scheme, tensors, dtype, static_scale=None):
         return tensors[0]
     if scheme.name in STATIC:
         return tensors[0].to(dtype) * static_scale.to(dtype)
+    if scheme.name in INT4:
+        packed, scale = tensors
+        b = packed.to(dtype)  # [P,B,Hkv,D/2]
+        hi = torch.floor(b / 16.0)
+        lo = b - 16.0 * hi
+        P, B, Hkv, D2 = b.shape
+        q = torch.stack([lo, hi], -1).reshape(P, B, Hkv, scale.shape[-1], 2 * D2 // scale.shape[-1]) - 8.0
+        return (q * scale.to(dtype)[..., None]).reshape(P, B, Hkv, 2 * D2)
     if scheme.name == "int8":
         q, scale = tensors
         return q.to(dtype) * scale.to(dtype)[..., None]

@@ -94,3 +94,42 @@ def test_short_or_empty_text_refused(tiny_bundle_int8, tmp_path):
     empty.write_text("")
     r = run_edgekv("eval", tiny_bundle_int8, "--text", empty)
     assert r.returncode == 1 and "empty" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_int4_pack_roundtrip_and_error_bound():
+    from edgekv.kvschemes import dequantize_int4, pack_int4, quantize_int4, unpack_int4
+
+    q = np.random.default_rng(1).integers(-7, 8, (5, 1, 3, 64)).astype(np.int8)
+    assert pack_int4(q).shape == (5, 1, 3, 32) and pack_int4(q).dtype == np.uint8
+    np.testing.assert_array_equal(unpack_int4(pack_int4(q)), q)
+    x = np.random.default_rng(2).standard_normal((20, 1, 3, 64)).astype(np.float32)
+    packed, scale = quantize_int4(x)
+    err = np.abs(dequantize_int4(packed, scale) - x).reshape(20, 1, 3, 2, 32)
+    assert (err <= scale.astype(np.float32)[..., None] / 2 + 1e-6).all()
+
+
+@pytest.mark.parametrize("name", ["int4", "int4-norot"])
+def test_torch_int4_matches_numpy_reference(name):
+    from edgekv.kvschemes import quantize_int4
+
+    x = torch.randn(10, 1, 3, 64)
+    (packed, scale), x_hat = kv_store(get_scheme(name), x)
+    ref_p, ref_s = quantize_int4(x.numpy())
+    np.testing.assert_array_equal(packed.numpy(), ref_p)
+    np.testing.assert_array_equal(scale.numpy(), ref_s)
+    torch.testing.assert_close(kv_load(get_scheme(name), [packed, scale], torch.float32), x_hat)
+
+
+def test_int4_bytes_under_0_30_of_fp16():
+    from edgekv.kvschemes import float16_bytes_per_token
+
+    b = SCHEMES["int4"].bytes_per_token(30, 3, 64, 2)
+    assert b == 30 * 2 * 3 * (32 + 2 * 2) and b / float16_bytes_per_token(30, 3, 64) <= 0.30
+
+
+def test_hadamard_is_orthonormal():
+    from edgekv.kvschemes import hadamard
+
+    for d in (64, 24):
+        h = hadamard(d)
+        np.testing.assert_allclose(h @ h.T, np.eye(d), atol=1e-5)

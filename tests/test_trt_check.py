@@ -9,6 +9,14 @@ from edgekv.trt_check import check_model
 from tests.conftest import run_edgekv
 
 
+@pytest.mark.parametrize("kv", ["int8-static", "int8-tensor", "int4", "int4-norot"])
+def test_every_scheme_exports_and_passes(kv, tiny_llama, tmp_path):
+    from export.bundle import export_bundle
+
+    b = export_bundle(str(tiny_llama), kv=kv, out=str(tmp_path / kv), max_context=128, steps=4)
+    assert check_model(load_bundle(b).onnx_path, "10.3") == []
+
+
 def test_exported_bundles_pass(tiny_bundle_int8, tiny_bundle_float):
     for b in (tiny_bundle_int8, tiny_bundle_float):
         assert check_model(load_bundle(b).onnx_path, "10.3") == []
