@@ -70,7 +70,7 @@ class ChatSession:
         self.gen.truncate(n)
         self.ids = self.ids[:n]
         self._logits = self.gen.prefill(target[n:]).copy()
-        self.ids = list(target)
+        self.ids = list(target)  # only now: an interrupted prefill leaves ids at the common prefix
         return len(target) - n
 
     def _fit(self, user: str) -> list[int]:
@@ -90,46 +90,20 @@ class ChatSession:
         return target
 
     def reply(self, user: str, write=None):
-        """Answer one user message; stream text pieces to `write`. Returns (text, Stats)."""
+        """Answer one user message; stream text pieces to `write`. Returns (text, Stats).
+        Ctrl-C (KeyboardInterrupt) stops the reply wherever it is; the cache stays consistent
+        because `self.ids` only ever lists slots that were written."""
         write = write or (lambda s: None)
         st = Stats()
         t0 = time.perf_counter()
-        target = self._fit(user)
-        self.last_prompt_ids = list(target)
-        st.prompt_tokens = self._sync(target)  # only what the cache did not already hold
-        st.prefill_s = time.perf_counter() - t0
         dec = StreamDecoder(self.codec)
         pieces = []
-        logits = self._logits
-        t_first = None
-        history = list(self.ids)
         try:
-            for i in range(self.max_new):
-                tok = sample(logits, self.params, self.rng, history)
-                if t_first is None:
-                    t_first = time.perf_counter()
-                    st.ttft_s = t_first - t0
-                if tok in self.codec.stop_ids:
-                    st.stop_reason = "stop"
-                    # feed the end-of-turn token, so the cache holds the turn the way the template renders it
-                    if self.gen.cache.room() > 0:
-                        self.gen.decode_step(tok)
-                        self.ids.append(tok)
-                    break
-                st.new_tokens += 1
-                history.append(tok)
-                piece = dec.push(tok)
-                if piece:
-                    pieces.append(piece)
-                    write(piece)
-                if self.gen.cache.room() < 1:
-                    st.stop_reason = "context"
-                    break
-                logits = self.gen.decode_step(tok)
-                self.ids.append(tok)
-                st.decode_s = time.perf_counter() - t_first
-            else:
-                st.stop_reason = "length"
+            target = self._fit(user)
+            self.last_prompt_ids = list(target)
+            st.prompt_tokens = self._sync(target)  # only what the cache did not already hold
+            st.prefill_s = time.perf_counter() - t0
+            self._decode(st, dec, pieces, write, t0)
         except KeyboardInterrupt:
             st.stop_reason = "interrupted"
         tail = dec.flush()
@@ -137,9 +111,40 @@ class ChatSession:
             pieces.append(tail)
             write(tail)
         text = "".join(pieces)
-        self.messages += [{"role": "user", "content": user}, {"role": "assistant", "content": text}]
+        if st.prefill_s or text:  # a turn interrupted before it was even read is not recorded
+            self.messages += [{"role": "user", "content": user}, {"role": "assistant", "content": text}]
         self.last = st
         return text, st
+
+    def _decode(self, st: Stats, dec: StreamDecoder, pieces: list, write, t0: float) -> None:
+        logits = self._logits
+        t_first = None
+        history = list(self.ids)
+        for _ in range(self.max_new):
+            tok = sample(logits, self.params, self.rng, history)
+            if t_first is None:
+                t_first = time.perf_counter()
+                st.ttft_s = t_first - t0
+            if tok in self.codec.stop_ids:
+                st.stop_reason = "stop"
+                # feed the end-of-turn token, so the cache holds the turn the way the template renders it
+                if self.gen.cache.room() > 0:
+                    self.gen.decode_step(tok)
+                    self.ids.append(tok)
+                return
+            st.new_tokens += 1
+            history.append(tok)
+            piece = dec.push(tok)
+            if piece:
+                pieces.append(piece)
+                write(piece)
+            if self.gen.cache.room() < 1:
+                st.stop_reason = "context"
+                return
+            logits = self.gen.decode_step(tok)
+            self.ids.append(tok)
+            st.decode_s = time.perf_counter() - t_first
+        st.stop_reason = "length"
 
     def undo(self) -> bool:
         if len(self.messages) < 2:

@@ -99,7 +99,8 @@ def test_real_terminal_conversation(real_bundle):
         child.expect("unknown command")
         child.expect("> ")
         child.sendline("Write a long story about a dragon who learns to cook.")
-        child.expect(r"\w+ \w+ \w+")  # the answer has started streaming
+        child.expect("cook.\r\n")  # our own line, echoed
+        child.expect(r"\w+ \w+ \w+ \w+")  # the answer has started streaming
         child.sendcontrol("c")
         child.expect(r"\[stopped\]")
         child.expect("> ")
