@@ -80,6 +80,7 @@ def rss_over_decode(bundle, threads, n_tokens: int):
     be = make_backend("ort-cpu", bundle, threads)
     cache = KVCache(bundle, min(bundle.max_context, n_tokens + 80))
     g = Generator(be, cache)
+    g.warmup()  # as `edgekv chat` does
     tok = int(np.argmax(g.prefill(sample_tokens(64, bundle.model["vocab_size"]))))
     for _ in range(16):  # let ORT settle its arenas first
         tok = int(np.argmax(g.decode_step(tok)))

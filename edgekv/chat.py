@@ -229,7 +229,8 @@ class ChatSession:
 
 
 def cmd_chat(args) -> int:
-    bundle, codec, gen = open_runtime(args.bundle, args.ctx, args.backend, args.threads)
+    # warm up: the memory a long conversation needs is taken at start, not bit by bit later
+    bundle, codec, gen = open_runtime(args.bundle, args.ctx, args.backend, args.threads, warmup=True)
     session = ChatSession(bundle, codec, gen, sampling_from(args), args.system, args.max_new_tokens)
     interactive = sys.stdin.isatty() and not args.json
     if args.system or args.prompt_cache:

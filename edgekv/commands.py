@@ -14,13 +14,16 @@ from edgekv.text import StreamDecoder, TextCodec
 
 
 def open_runtime(bundle_path: str, ctx: int | None, backend: str = "auto", threads: int | None = None,
-                 max_logits_rows: int = 1):
+                 max_logits_rows: int = 1, warmup: bool = False):
     bundle = load_bundle(bundle_path)
     codec = TextCodec(bundle)
     capacity = ctx or min(2048, bundle.max_context)
     cache = KVCache(bundle, capacity)
     be = make_backend(backend, bundle, threads, max_logits_rows)
-    return bundle, codec, Generator(be, cache)
+    gen = Generator(be, cache)
+    if warmup:
+        gen.warmup()
+    return bundle, codec, gen
 
 
 def sampling_from(args) -> SamplingParams:

@@ -192,17 +192,24 @@ def plot(res: dict, path: str) -> None:
         import matplotlib.pyplot as plt
     except ImportError:
         raise EdgeKVError("--plot needs matplotlib: pip install matplotlib") from None
-    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
-    for r in res["results"]:
-        ax.scatter(r["kv_vs_fp16"], max(r["kld_mean"], 1e-7), s=60)
-        ax.annotate(f"{r['scheme']}\nΔPPL {r['dppl_pct']:+.2f}%", (r["kv_vs_fp16"], max(r["kld_mean"], 1e-7)),
-                    textcoords="offset points", xytext=(8, 4), fontsize=9)
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    rows = sorted(res["results"], key=lambda r: (r["kv_vs_fp16"], r["kld_mean"]))
+    floor = min([r["kld_mean"] for r in rows if r["kld_mean"] > 0] or [1e-4]) / 10
+    for i, r in enumerate(rows):
+        y = r["kld_mean"] if r["kld_mean"] > 0 else floor  # the reference has KLD 0: drawn on the floor
+        ax.scatter(r["kv_vs_fp16"], y, s=60, zorder=3)
+        label = (f"{r['scheme']} (reference)" if r["kld_mean"] == 0
+                 else f"{r['scheme']}  ΔPPL {r['dppl_pct']:+.2f}%  top-1 {r['top1_pct']:.1f}%")
+        near = [q["kld_mean"] for q in rows if abs(q["kv_vs_fp16"] - r["kv_vs_fp16"]) < 0.05]
+        above = r["kld_mean"] >= max(near)  # of points at about the same memory, label the top one above
+        ax.annotate(label, (r["kv_vs_fp16"], y), textcoords="offset points", fontsize=8.5,
+                    xytext=(10, 8 if above else -16))
     ax.set_yscale("log")
     ax.set_xlabel("KV cache bytes per token (× float16)")
     ax.set_ylabel("mean KL divergence vs float cache (log; lower is better)")
     ax.set_title(f"Accuracy vs KV memory — ctx {res['ctx']}, {res['windows']} windows")
     ax.grid(True, which="both", alpha=0.3)
-    ax.set_xlim(0, max(1.2, max(r["kv_vs_fp16"] for r in res["results"]) * 1.3))
+    ax.set_xlim(0, max(1.2, max(r["kv_vs_fp16"] for r in res["results"]) * 1.45))
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
