@@ -28,6 +28,9 @@ class OrtBackend:
         opts.inter_op_num_threads = 1
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         opts.log_severity_level = 3
+        # onnxruntime caches a memory plan per input shape; the past length changes every step, so
+        # the cache only grows (measured: +59 MiB over 600 decode steps) and is never reused
+        opts.enable_mem_pattern = False
         if not bundle.onnx_path.is_file():
             raise BundleError(f"{bundle.path}: corrupt bundle ({bundle.onnx_path.name} is missing)")
         try:

@@ -182,10 +182,12 @@ class ChatSession:
         ids = self.codec.chat_ids([{"role": "system", "content": self.system}], add_generation_prompt=False)
         if prompt_cache and Path(prompt_cache).is_file():
             wanted = self.system
+            t0 = time.perf_counter()
             try:
                 self.load(prompt_cache)
                 if self.system == wanted and self.ids == ids and not self.messages:
-                    return f"restored {len(ids)} system-prompt tokens from {prompt_cache}"
+                    took = time.perf_counter() - t0
+                    return f"restored {len(ids)} system-prompt tokens from {prompt_cache} in {took * 1000:.0f} ms"
             except EdgeKVError:
                 pass
             self.system = wanted
