@@ -115,3 +115,16 @@ def test_cli_reports_violations(tmp_path):
     onnx.save(m, tmp_path / "m.onnx")
     r = run_edgekv("check-trt", tmp_path / "m.onnx")
     assert r.returncode == 1 and "bad_cast (Cast)" in r.stdout
+
+
+def test_jetson_env_check_runs_anywhere():
+    import json
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    r = subprocess.run([sys.executable, "-m", "jetson.env_check", "--json"], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert "CPUExecutionProvider" in d["onnxruntime_providers"] and d["mem_total_mib"] > 0
