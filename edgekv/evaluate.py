@@ -61,8 +61,8 @@ class SchemeResult:
 def run_window(gen: Generator, ids: list[int], first_scored: int) -> np.ndarray:
     """Log-probs [n_scored, V] for predicting ids[first_scored+1:] from the window's prefix."""
     gen.reset()
-    logits = gen.prefill(ids[:-1], all_logits=True)  # [len-1, V], through the cache in chunks
-    return log_softmax(logits[first_scored:])
+    # through the cache in chunks; the lm_head runs only on the scored rows
+    return log_softmax(gen.prefill(ids[:-1], all_logits=True, logits_from=first_scored))
 
 
 def evaluate(paths: list[str], text: str | None = None, ctx: int = 1024, chunks: int | None = None,

@@ -67,8 +67,9 @@ class Generator:
         self.cache.truncate(n)
         self.pos = n
 
-    def prefill(self, ids: list[int], all_logits: bool = False) -> np.ndarray:
-        """Feed ids in chunks; return the last token's logits [V] (or every token's [S, V])."""
+    def prefill(self, ids: list[int], all_logits: bool = False, logits_from: int = 0) -> np.ndarray:
+        """Feed ids in chunks; return the last token's logits [V], or with all_logits those of
+        every token from index `logits_from` on [S - logits_from, V] (the head runs only there)."""
         if not ids:
             raise EdgeKVError("empty prompt: nothing to feed the model")
         self.cache.check_room(len(ids))
@@ -78,10 +79,12 @@ class Generator:
             chunk = np.asarray(ids[start: start + self.prefill_chunk], np.int64)[None]  # [1, S]
             s = chunk.shape[1]
             pos = np.arange(self.pos, self.pos + s, dtype=np.int64)[None]
-            idx = (np.arange(s) if all_logits else np.array([s - 1]))[None].astype(np.int64)
+            first = max(0, logits_from - start)  # rows of this chunk that are wanted
+            wanted = all_logits and first < s
+            idx = (np.arange(first, s) if wanted else np.array([s - 1]))[None].astype(np.int64)
             logits = self.backend.run(chunk, pos, idx, self.cache)
             self.pos += s
-            if all_logits:
+            if wanted:
                 out.append(logits[0].copy())
             else:
                 last = logits[0, -1]

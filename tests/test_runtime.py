@@ -87,3 +87,11 @@ def test_sampling():
     assert a == b
     # repetition penalty pushes a repeated argmax below the runner-up
     assert sample(logits, SamplingParams(repeat_penalty=2.0), rng, [1]) == 2
+
+
+def test_logits_from_returns_exactly_the_tail_rows(tiny_bundle_int8):
+    seq = ids(40, seed=4)
+    full = runtime(tiny_bundle_int8, chunk=16).prefill(seq, all_logits=True)
+    tail = runtime(tiny_bundle_int8, chunk=16).prefill(seq, all_logits=True, logits_from=21)
+    assert tail.shape == (19, full.shape[1])
+    np.testing.assert_allclose(tail, full[21:], atol=1e-5)
