@@ -3,7 +3,6 @@ comparisons are ratios within one run (these machines are shared and noisy)."""
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -80,7 +79,6 @@ def rss_over_decode(bundle, threads, n_tokens: int):
     be = make_backend("ort-cpu", bundle, threads)
     cache = KVCache(bundle, min(bundle.max_context, n_tokens + 80))
     g = Generator(be, cache)
-    g.warmup()  # as `edgekv chat` does
     tok = int(np.argmax(g.prefill(sample_tokens(64, bundle.model["vocab_size"]))))
     for _ in range(16):  # let ORT settle its arenas first
         tok = int(np.argmax(g.decode_step(tok)))

@@ -58,17 +58,25 @@ class ChatSession:
                 return list(self.ids) + self.codec.encode(new_text[len(held):])
         return self.codec.encode(new_text)
 
-    def _sync(self, target: list[int]) -> None:
-        """Make the cache hold `target`: keep the common prefix, prefill the rest."""
+    def _keep_common_prefix(self, target: list[int]) -> int:
+        """Truncate the cache to the longest prefix it shares with `target`; return its length."""
         n = 0
         for a, b in zip(self.ids, target):
             if a != b:
                 break
             n += 1
-        if n == len(target):  # the model needs at least one new token to produce logits
-            n -= 1
         self.gen.truncate(n)
         self.ids = self.ids[:n]
+        return n
+
+    def _sync(self, target: list[int]) -> int:
+        """Make the cache hold `target`: keep the common prefix, prefill the rest. Returns the
+        number of tokens prefilled."""
+        n = self._keep_common_prefix(target)
+        if n == len(target):  # the model needs at least one new token to produce logits
+            n -= 1
+            self.gen.truncate(n)
+            self.ids = self.ids[:n]
         self._logits = self.gen.prefill(target[n:]).copy()
         self.ids = list(target)  # only now: an interrupted prefill leaves ids at the common prefix
         return len(target) - n
@@ -151,14 +159,7 @@ class ChatSession:
             return False
         self.messages = self.messages[:-2]
         # the cache keeps what still matches; the next turn prefills only the difference
-        target = self._render(self._msgs())
-        n = 0
-        for a, b in zip(self.ids, target):
-            if a != b:
-                break
-            n += 1
-        self.gen.truncate(n)
-        self.ids = self.ids[:n]
+        self._keep_common_prefix(self._render(self._msgs()))
         return True
 
     def reset(self) -> None:
@@ -231,8 +232,7 @@ class ChatSession:
 
 
 def cmd_chat(args) -> int:
-    # warm up: the memory a long conversation needs is taken at start, not bit by bit later
-    bundle, codec, gen = open_runtime(args.bundle, args.ctx, args.backend, args.threads, warmup=True)
+    bundle, codec, gen = open_runtime(args.bundle, args.ctx, args.backend, args.threads)
     session = ChatSession(bundle, codec, gen, sampling_from(args), args.system, args.max_new_tokens)
     interactive = sys.stdin.isatty() and not args.json
     if args.system or args.prompt_cache:

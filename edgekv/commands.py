@@ -14,16 +14,13 @@ from edgekv.text import StreamDecoder, TextCodec
 
 
 def open_runtime(bundle_path: str, ctx: int | None, backend: str = "auto", threads: int | None = None,
-                 max_logits_rows: int = 1, warmup: bool = False):
+                 max_logits_rows: int = 1):
     bundle = load_bundle(bundle_path)
     codec = TextCodec(bundle)
     capacity = ctx or min(2048, bundle.max_context)
     cache = KVCache(bundle, capacity)
     be = make_backend(backend, bundle, threads, max_logits_rows)
-    gen = Generator(be, cache)
-    if warmup:
-        gen.warmup()
-    return bundle, codec, gen
+    return bundle, codec, Generator(be, cache)
 
 
 def sampling_from(args) -> SamplingParams:

@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
 from edgekv.cache import KVCache
-from edgekv.errors import ContextOverflow, EdgeKVError
+from edgekv.errors import EdgeKVError
 
 
 @dataclass
@@ -50,18 +50,6 @@ class Generator:
     def reset(self) -> None:
         self.cache.reset()
         self.pos = 0
-
-    def warmup(self) -> None:
-        """Run the largest call this cache will ever see (a full prefill chunk ending at the last
-        slot) once, so onnxruntime's arena reaches its steady size now instead of growing with
-        the context during a conversation. The cache holds nothing afterwards."""
-        s = min(self.prefill_chunk, self.cache.capacity)
-        self.reset()
-        self.cache.n = self.cache.capacity - s  # bind (zeroed) slots as if the cache were full
-        ids = np.zeros((1, s), np.int64)
-        self.backend.run(ids, np.arange(self.cache.n, self.cache.capacity, dtype=np.int64)[None],
-                         np.zeros((1, 1), np.int64), self.cache)
-        self.reset()
 
     def truncate(self, n: int) -> None:
         self.cache.truncate(n)

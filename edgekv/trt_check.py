@@ -68,9 +68,10 @@ def check_model(model, trt: str = "10.3") -> list[Violation]:
     types = {}
     for v in [*g.input, *g.value_info, *g.output]:
         types[v.name] = _TYPES.get(v.type.tensor_type.elem_type, str(v.type.tensor_type.elem_type))
-    constants = set()
+    constants, shapes = set(), {}  # build-time constants: initializers and Constant outputs
     for init in g.initializer:
         types[init.name] = _TYPES.get(init.data_type, str(init.data_type))
+        shapes[init.name] = list(init.dims)
         constants.add(init.name)
     for n in g.node:
         if n.op_type == "Constant":
@@ -78,11 +79,6 @@ def check_model(model, trt: str = "10.3") -> list[Violation]:
             for a in n.attribute:
                 if a.name == "value":
                     types[n.output[0]] = _TYPES.get(a.t.data_type, str(a.t.data_type))
-    shapes = {i.name: list(i.dims) for i in g.initializer}
-    for n in g.node:
-        if n.op_type == "Constant":
-            for a in n.attribute:
-                if a.name == "value":
                     shapes[n.output[0]] = list(a.t.dims)
     graph_inputs = {i.name for i in g.input}
     graph_io = graph_inputs | {o.name for o in g.output}

@@ -189,7 +189,7 @@ def verify(model: Transformer, bundle_dir: Path, prompt: list[int], steps: int, 
     # the cache the runtime filled (present.* written in place) against torch's presents
     from export.model import kv_load
 
-    n = model.scheme.tensors.__len__()
+    n = len(model.scheme.tensors)
     worst_rms, worst_l0, noise_rms = 0.0, 0.0, 0.0
     names_ref = io_names(model.cfg.n_layers, ref.scheme)["past"] if ref is not None else []
     for i in range(model.cfg.n_layers):
@@ -265,7 +265,7 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
         log(f"exporting ONNX (kv={kv}, dtype={dtype}) ...")
         from export.onnx_export import export_onnx, save_onnx
 
-        proto = export_onnx(model, tmp / "model.onnx")
+        proto = export_onnx(model)
         save_onnx(proto, tmp / "model.onnx")
         del proto
         onnx.checker.check_model(str(tmp / "model.onnx"), full_check=True)

@@ -15,11 +15,11 @@ from export.model import Transformer
 OPSET = 18  # TensorRT 10.3 (JetPack 6) parses opsets up to 20; 18 keeps us well inside
 
 
-def export_onnx(model: Transformer, path: Path) -> onnx.ModelProto:
+def export_onnx(model: Transformer) -> onnx.ModelProto:
     """Export with every dimension that varies at run time dynamic (B, S, P, K)."""
     cfg = model.cfg
     names = io_names(cfg.n_layers, model.scheme)
-    B, S, P, K = 2, 3, 5, 2  # example sizes > 1 so that torch.export does not specialize them
+    B, S, P = 2, 3, 5  # example sizes > 1 so that torch.export does not specialize them
     dtype = next(model.parameters()).dtype
     args = (
         torch.randint(0, cfg.vocab_size, (B, S)),

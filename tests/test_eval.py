@@ -9,7 +9,7 @@ from edgekv.errors import EdgeKVError
 from edgekv.evaluate import evaluate, write_outputs
 from edgekv.kvschemes import SCHEMES, dequantize_int8, get_scheme, quantize_int8, quantize_static
 from export.model import kv_load, kv_store
-from tests.conftest import make_hf_folder, run_edgekv
+from tests.conftest import run_edgekv
 
 
 def test_int8_error_within_half_a_step():
@@ -69,8 +69,6 @@ def test_float_vs_float_kld_zero_and_outputs_written(tiny_bundle_float, tiny_bun
 
 def test_chunked_scoring_equals_token_by_token(tiny_bundle_int8):
     """What eval scores in chunks is what decode sees one token at a time."""
-    from edgekv.evaluate import default_text
-
     text = "The capital of France is Paris. The capital of Germany is Berlin. " * 10
     a = evaluate([str(tiny_bundle_int8)], text, ctx=64, chunks=2, prefill_chunk=64)
     b = evaluate([str(tiny_bundle_int8)], text, ctx=64, chunks=2, prefill_chunk=1)

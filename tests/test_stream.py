@@ -1,5 +1,4 @@
 """Streaming detokenization: never half a UTF-8 character, never a dropped character."""
-import numpy as np
 
 from edgekv.manifest import load_bundle
 from edgekv.text import StreamDecoder, TextCodec
@@ -21,7 +20,6 @@ def test_stream_holds_back_split_bytes(tiny_bundle_int8):
     codec = TextCodec(load_bundle(tiny_bundle_int8))
     # byte-level tokens of a 4-byte emoji, one byte per token: nothing may come out before the last
     vocab = codec.tok.get_vocab()
-    from tokenizers.pre_tokenizers import ByteLevel
 
     alphabet = {b: ch for b, ch in zip(range(256), _bytes_to_unicode())}
     byte_ids = [vocab[alphabet[b]] for b in "🙂".encode()]
