@@ -1,28 +1,53 @@
 """Backends run one graph call: S new tokens against the cache's filled prefix.
 
 Interface: `run(input_ids [B,S], position_ids [B,S], logits_index [B,K], cache) -> logits
-[B,K,V]` (a view into a buffer the backend owns; copy it to keep it). The call appends the S
-new tokens' K/V to the cache at slot cache.n and advances cache.n."""
+[B,K,V]` (a host view into a buffer the backend owns; copy it to keep it). The call appends the
+S new tokens' K/V to the cache at slot cache.n and advances cache.n. Each backend brings the
+memory its cache lives in (`backend.memory`): build the cache with
+`KVCache(bundle, ctx, memory=backend.memory)`.
+
+| backend | runs on | KV buffers | needs |
+|---|---|---|---|
+| `ort-cpu` | onnxruntime CPU provider | host RAM (numpy) | onnxruntime |
+| `ort-cuda` | onnxruntime CUDA provider | device memory (OrtValue) | onnxruntime-gpu, a CUDA GPU |
+| `trt` | a TensorRT engine (`edgekv build-engine`) | device memory (cuda-python) | tensorrt, cuda-python |
+
+All three bind the past as the filled prefix `buf[:n]` and `present.*` straight into the buffer
+at the write slot `buf[n:n+S]` by address (cache.ptr); only the logits rows reach the host."""
 from __future__ import annotations
 
 import os
 
 import numpy as np
 
-from edgekv.cache import KVCache
+from edgekv.cache import HostMemory, KVCache
 from edgekv.errors import EdgeKVError
 from edgekv.manifest import Bundle, BundleError
 
+BACKENDS = ("auto", "ort-cpu", "ort-cuda", "trt")
+
+
+class BackendUnavailable(EdgeKVError):
+    """A backend whose libraries or hardware are missing here (one line says what is needed)."""
+
+
+def _import_ort():
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise BackendUnavailable("onnxruntime is not installed: pip install onnxruntime "
+                                 "(onnxruntime-gpu for ort-cuda)") from None
+    return ort
+
 
 class OrtBackend:
+    """onnxruntime with IOBinding; the CPU provider (subclassed for CUDA)."""
     name = "ort-cpu"
+    device = "cpu"
 
     def __init__(self, bundle: Bundle, threads: int | None = None, max_logits_rows: int = 1):
-        try:
-            import onnxruntime as ort
-        except ImportError:
-            raise EdgeKVError("the ort-cpu backend needs onnxruntime: pip install onnxruntime") from None
-        self.ort = ort
+        ort = self.ort = _import_ort()
+        self.check_available(ort)
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = threads or 0
         opts.inter_op_num_threads = 1
@@ -34,10 +59,11 @@ class OrtBackend:
         if not bundle.onnx_path.is_file():
             raise BundleError(f"{bundle.path}: corrupt bundle ({bundle.onnx_path.name} is missing)")
         try:
-            self.session = ort.InferenceSession(str(bundle.onnx_path), opts, providers=["CPUExecutionProvider"])
+            self.session = ort.InferenceSession(str(bundle.onnx_path), opts, providers=self.providers())
         except Exception as e:  # onnxruntime raises its own exception types for a bad file
             msg = str(e).splitlines()[0][:200]
             raise BundleError(f"{bundle.path}: corrupt bundle (onnxruntime cannot load {bundle.onnx_path.name}: {msg})") from None
+        self.check_session()
         self.vocab = bundle.model["vocab_size"]
         self.io = self.session.io_binding()
         self.logits = np.empty((1, max(1, max_logits_rows), self.vocab), np.float32)
@@ -45,6 +71,20 @@ class OrtBackend:
         expected = set(bundle.manifest["io"]["inputs"]) | set(bundle.manifest["io"]["past"])
         if graph_inputs != expected:
             raise BundleError(f"{bundle.path}: corrupt bundle (graph inputs do not match the manifest)")
+        self.memory = self.make_memory()
+
+    # -- what differs between providers
+    def check_available(self, ort) -> None:
+        pass
+
+    def providers(self) -> list:
+        return ["CPUExecutionProvider"]
+
+    def check_session(self) -> None:
+        pass
+
+    def make_memory(self):
+        return HostMemory()
 
     def _ensure_logits(self, b: int, k: int) -> np.ndarray:
         if self.logits.shape[0] < b or self.logits.shape[1] < k:
@@ -54,20 +94,24 @@ class OrtBackend:
 
     def run(self, input_ids: np.ndarray, position_ids: np.ndarray, logits_index: np.ndarray,
             cache: KVCache) -> np.ndarray:
+        if cache.memory.device != self.device:
+            raise EdgeKVError(f"{self.name} needs its KV cache in {self.device} memory (build it with memory=backend.memory)")
         io = self.io
         b, s = input_ids.shape
         n = cache.n
         cache.check_room(s)
+        # the small inputs and the logits stay on the host; onnxruntime moves them if it must
         io.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, np.int64))
         io.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, np.int64))
         io.bind_cpu_input("logits_index", np.ascontiguousarray(logits_index, np.int64))
         mask = cache.key_mask_for(s)
         io.bind_input("key_mask", "cpu", 0, np.bool_, list(mask.shape), mask.ctypes.data)
-        for name, buf in cache.buffers.items():
-            past = buf[:n]  # only the filled prefix: cost follows the context, not the capacity
-            io.bind_input(name, "cpu", 0, buf.dtype, list(past.shape), buf.ctypes.data)
-            new = buf[n: n + s]  # the new tokens' slots: the graph writes its present.* here
-            io.bind_output("present" + name[4:], "cpu", 0, buf.dtype, list(new.shape), new.ctypes.data)
+        for name in cache.names:
+            dt = cache.dtypes[name]
+            # past: only the filled prefix, so cost follows the context, not the capacity
+            io.bind_input(name, self.device, 0, dt, cache.slots_shape(name, n), cache.ptr(name, 0))
+            # present: the new tokens' slots, so the graph writes the cache in place
+            io.bind_output("present" + name[4:], self.device, 0, dt, cache.slots_shape(name, s), cache.ptr(name, n))
         logits = self._ensure_logits(b, logits_index.shape[1])
         io.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
         self.session.run_with_iobinding(io)
@@ -75,11 +119,62 @@ class OrtBackend:
         return logits
 
 
+class OrtCudaBackend(OrtBackend):
+    """onnxruntime's CUDA provider; the KV buffers are device memory bound by address."""
+    name = "ort-cuda"
+    device = "cuda"
+
+    def check_available(self, ort) -> None:
+        have = ort.get_available_providers()
+        if "CUDAExecutionProvider" not in have:
+            raise BackendUnavailable(f"ort-cuda needs onnxruntime-gpu (this onnxruntime {ort.__version__} offers "
+                                     f"{', '.join(p.replace('ExecutionProvider', '') for p in have)}): pip install "
+                                     "onnxruntime-gpu (on a Jetson: the JetPack wheel from jetson-ai-lab.com)")
+
+    def providers(self) -> list:
+        return [("CUDAExecutionProvider", {"device_id": 0}), "CPUExecutionProvider"]
+
+    def check_session(self) -> None:
+        # onnxruntime falls back to the CPU silently when CUDA's libraries or a GPU are missing
+        if self.session.get_providers()[0] != "CUDAExecutionProvider":
+            raise BackendUnavailable("ort-cuda: onnxruntime could not start its CUDA provider (no GPU, or CUDA/cuDNN "
+                                     "libraries missing; `python -m jetson.env_check` shows what is there)")
+
+    def make_memory(self):
+        from edgekv.gpu import OrtCudaMemory
+        return OrtCudaMemory(self.ort)
+
+
 def default_threads() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def make_backend(name: str, bundle: Bundle, threads: int | None = None, max_logits_rows: int = 1):
-    if name in ("auto", "ort-cpu"):
+def make_backend(name: str, bundle: Bundle, threads: int | None = None, max_logits_rows: int = 1,
+                 ctx: int | None = None, log=None):
+    """The backend `name`, or for `auto` the best one that works here: trt when a built engine
+    covers `ctx`, else ort-cuda when onnxruntime has CUDA, else ort-cpu. `log` gets one line
+    saying why a better backend was passed over."""
+    if name == "ort-cpu":
         return OrtBackend(bundle, threads, max_logits_rows)
-    raise EdgeKVError(f"unknown backend {name!r}; available here: ort-cpu")
+    if name == "ort-cuda":
+        return OrtCudaBackend(bundle, threads, max_logits_rows)
+    if name == "trt":
+        from edgekv.trt_backend import TrtBackend
+        return TrtBackend(bundle, ctx, max_logits_rows)
+    if name != "auto":
+        raise EdgeKVError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
+    skipped = []
+    for cand in ("trt", "ort-cuda"):
+        try:
+            return make_backend(cand, bundle, threads, max_logits_rows, ctx)
+        except BackendUnavailable as e:
+            skipped.append(str(e))
+    if log and skipped and _looks_like_gpu_box():
+        for why in skipped:
+            log(f"auto backend: {why}")
+    return OrtBackend(bundle, threads, max_logits_rows)
+
+
+def _looks_like_gpu_box() -> bool:
+    """Only say why the GPU backends were skipped where a GPU seems to exist."""
+    return os.path.exists("/dev/nvidia0") or os.path.exists("/etc/nv_tegra_release")

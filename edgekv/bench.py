@@ -53,31 +53,42 @@ def sample_tokens(n: int, vocab: int) -> list[int]:
     return [int(x) for x in np.random.default_rng(0).integers(100, min(vocab, 30000), n)]
 
 
-def measure(bundle, threads, capacity, prompt_len, decode_tokens, repeat):
-    be = make_backend("ort-cpu", bundle, threads)
-    cache = KVCache(bundle, capacity)
-    g = Generator(be, cache, prefill_chunk=512)
-    prompt = sample_tokens(prompt_len, bundle.model["vocab_size"])
-    ttft, tps = [], []
-    for _ in range(repeat + 1):  # the first run warms up ORT's allocations and is dropped
-        g.reset()
-        t0 = time.perf_counter()
-        logits = g.prefill(prompt)
-        tok = int(np.argmax(logits))
-        t1 = time.perf_counter()
-        for _ in range(decode_tokens):
-            tok = int(np.argmax(g.decode_step(tok)))
-        t2 = time.perf_counter()
-        ttft.append(t1 - t0)
-        tps.append(decode_tokens / (t2 - t1))
-    return {"capacity": capacity, "prompt_tokens": prompt_len, "decode_tokens": decode_tokens,
-            "ttft_ms": 1000 * statistics.median(ttft[1:]), "prefill_tps": prompt_len / statistics.median(ttft[1:]),
-            "decode_tps": statistics.median(tps[1:])}
+def time_once(g: Generator, prompt: list[int], decode_tokens: int) -> tuple[float, float]:
+    """(time to first token s, decode tokens/s) of one prompt + decode run."""
+    g.reset()
+    t0 = time.perf_counter()
+    tok = int(np.argmax(g.prefill(prompt)))
+    t1 = time.perf_counter()
+    for _ in range(decode_tokens):
+        tok = int(np.argmax(g.decode_step(tok)))
+    t2 = time.perf_counter()
+    return t1 - t0, decode_tokens / (t2 - t1)
 
 
-def rss_over_decode(bundle, threads, n_tokens: int):
-    be = make_backend("ort-cpu", bundle, threads)
-    cache = KVCache(bundle, min(bundle.max_context, n_tokens + 80))
+def measure(be, bundle, configs: list[tuple[int, int]], decode_tokens: int, repeat: int) -> dict:
+    """Time every (capacity, prompt length) configuration `repeat` times, round-robin: each
+    round runs every configuration once, so a slow spell of a shared machine hits all of them
+    alike instead of whichever was measured first. One backend (one session) serves all."""
+    caches = {C: KVCache(bundle, C, memory=be.memory) for C in sorted({c for c, _ in configs})}
+    gens = {key: Generator(be, caches[key[0]], prefill_chunk=512) for key in configs}
+    prompts = {key: sample_tokens(key[1], bundle.model["vocab_size"]) for key in configs}
+    times = {key: ([], []) for key in configs}
+    for r in range(repeat + 1):  # round 0 warms up the backend's allocations and is dropped
+        for key in configs:
+            ttft, tps = time_once(gens[key], prompts[key], decode_tokens)
+            if r:
+                times[key][0].append(ttft)
+                times[key][1].append(tps)
+    out = {}
+    for (C, L), (ttft, tps) in times.items():
+        out[(C, L)] = {"capacity": C, "prompt_tokens": L, "decode_tokens": decode_tokens,
+                       "ttft_ms": 1000 * statistics.median(ttft), "prefill_tps": L / statistics.median(ttft),
+                       "decode_tps": statistics.median(tps)}
+    return out
+
+
+def rss_over_decode(be, bundle, n_tokens: int):
+    cache = KVCache(bundle, min(bundle.max_context, n_tokens + 80), memory=be.memory)
     g = Generator(be, cache)
     tok = int(np.argmax(g.prefill(sample_tokens(64, bundle.model["vocab_size"]))))
     for _ in range(16):  # let ORT settle its arenas first
@@ -119,15 +130,17 @@ def cmd_bench(args) -> int:
         for C in caps:
             if F + args.decode_tokens <= C and (F == min(fills) or C == big):
                 plan.append(("fill", C, F))
-    seen = {}
+    configs = list(dict.fromkeys((C, L) for _, C, L in plan))
+    be = make_backend(args.backend, bundle, threads, ctx=big, log=log)
+    res["backend"] = be.name
+    log(f"  {len(configs)} configurations x {args.repeat + 1} rounds (round-robin; the first round is warm-up) "
+        f"on {be.name} ...")
+    seen = measure(be, bundle, configs, args.decode_tokens, args.repeat)
     print(f"{'capacity':>8} {'prompt':>7} {'TTFT ms':>9} {'prefill tok/s':>14} {'decode tok/s':>13}")
-    for what, C, L in plan:
-        key = (C, L)
-        if key not in seen:
-            seen[key] = measure(bundle, threads, C, L, args.decode_tokens, args.repeat)
-            r = seen[key]
-            res["runs"].append(r)
-            print(f"{C:>8} {L:>7} {r['ttft_ms']:>9.1f} {r['prefill_tps']:>14.1f} {r['decode_tps']:>13.2f}", flush=True)
+    for key in configs:
+        r = seen[key]
+        res["runs"].append(r)
+        print(f"{key[0]:>8} {key[1]:>7} {r['ttft_ms']:>9.1f} {r['prefill_tps']:>14.1f} {r['decode_tps']:>13.2f}", flush=True)
 
     def run(C, L):
         return seen.get((C, L))
@@ -140,7 +153,7 @@ def cmd_bench(args) -> int:
     res["decode_tps_at_small_fill"] = best
     res["fraction_of_bandwidth_bound"] = best / res["bandwidth_bound_tps"]
     log(f"  RSS over {args.rss_tokens} decoded tokens ...")
-    res["rss"] = rss_over_decode(bundle, threads, args.rss_tokens)
+    res["rss"] = rss_over_decode(be, bundle, args.rss_tokens)
     res["peak_rss_mib"] = rss_bytes()[1] / 2**20
 
     print(f"read bandwidth {bw / 1e9:.2f} GB/s ({threads} threads); weights {weight_bytes / 1e6:.0f} MB per token "

@@ -3,7 +3,12 @@
 Layout per graph tensor: [capacity, B, Hkv, D] (values) or [capacity, B, Hkv] (scales). Slot
 `i` of every buffer belongs to the same token. The filled prefix buf[:n] is contiguous, so a
 backend binds only that as `past.*`, and the new tokens' region buf[n:n+S] is contiguous, so
-`present.*` is written there directly (zero-copy append)."""
+`present.*` is written there directly (zero-copy append).
+
+Where the buffers live is the backend's choice: `HostMemory` (numpy, for ort-cpu) here, device
+memory for the GPU backends (edgekv/gpu.py). The cache and the backends only use the memory's
+four operations (alloc, ptr, read, write), so the pointer arithmetic the GPU backends rely on is
+the same code the CPU tests run."""
 from __future__ import annotations
 
 import numpy as np
@@ -26,8 +31,30 @@ def available_memory() -> int | None:
     return None
 
 
+class HostMemory:
+    """KV buffers in host RAM as numpy arrays."""
+    device = "cpu"
+
+    def free_bytes(self) -> int | None:
+        return available_memory()
+
+    def alloc(self, shape: tuple, dtype) -> np.ndarray:
+        buf = np.empty(shape, dtype)
+        buf.fill(0)  # np.zeros maps pages lazily; touch them so the memory is really ours from the start
+        return buf
+
+    def ptr(self, buf: np.ndarray) -> int:
+        return buf.ctypes.data
+
+    def read(self, buf: np.ndarray, n: int) -> np.ndarray:
+        return buf[:n].copy()
+
+    def write(self, buf: np.ndarray, arr: np.ndarray) -> None:
+        buf[: len(arr)] = arr
+
+
 class KVCache:
-    def __init__(self, bundle: Bundle, capacity: int, batch: int = 1):
+    def __init__(self, bundle: Bundle, capacity: int, batch: int = 1, memory=None):
         if capacity < 1:
             raise EdgeKVError(f"--ctx must be at least 1 (got {capacity})")
         if capacity > bundle.max_context:
@@ -44,21 +71,29 @@ class KVCache:
             dtype = NP_DTYPES[float_dtype if spec.dtype == "float" else spec.dtype]
             shapes[name] = (spec.shape(capacity, batch, m["n_kv_heads"], m["head_dim"]), dtype)
         need = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in shapes.values())
-        free = available_memory()
+        self.memory = memory or HostMemory()
+        free = self.memory.free_bytes()
         if free is not None and need > free:
             raise EdgeKVError(f"KV cache for --ctx {capacity} needs {need / 2**20:.1f} MiB, only "
-                              f"{free / 2**20:.1f} MiB free; use a smaller --ctx")
-        # np.zeros maps untouched pages lazily; fill so the memory is really ours from the start
-        self.buffers = {}
-        for name, (shape, dtype) in shapes.items():
-            buf = np.empty(shape, dtype)
-            buf.fill(0)
-            self.buffers[name] = buf
+                              f"{free / 2**20:.1f} MiB free on {self.memory.device}; use a smaller --ctx")
+        self.buffers = {name: self.memory.alloc(shape, dtype) for name, (shape, dtype) in shapes.items()}
+        self.shapes = {name: shape for name, (shape, _) in shapes.items()}
+        self.dtypes = {name: np.dtype(dtype) for name, (_, dtype) in shapes.items()}
+        # bytes of one slot of each buffer: slot i of `name` starts at ptr + i * row_bytes
+        self.row_bytes = {name: int(np.prod(shape[1:])) * self.dtypes[name].itemsize
+                          for name, shape in self.shapes.items()}
         self.nbytes = need
         self.bytes_per_token = need // capacity
         self.n = 0  # filled slots
         # the graph's key_mask input: which of the P + S keys exist (all, for a linear cache)
         self.key_mask = np.ones((batch, capacity), dtype=np.bool_)
+
+    def ptr(self, name: str, slot: int) -> int:
+        """Address of slot `slot` of buffer `name` (host or device memory)."""
+        return self.memory.ptr(self.buffers[name]) + slot * self.row_bytes[name]
+
+    def slots_shape(self, name: str, count: int) -> list[int]:
+        return [count] + list(self.shapes[name][1:])
 
     def key_mask_for(self, s: int) -> np.ndarray:
         return self.key_mask[:, : self.n + s]
@@ -84,7 +119,7 @@ class KVCache:
                                   f"{self.capacity} (raise --ctx)")
 
     def snapshot(self) -> dict[str, np.ndarray]:
-        return {name: buf[: self.n].copy() for name, buf in self.buffers.items()}
+        return {name: self.memory.read(buf, self.n) for name, buf in self.buffers.items()}
 
     def restore(self, snap: dict[str, np.ndarray]) -> None:
         n = {v.shape[0] for v in snap.values()}
@@ -94,5 +129,7 @@ class KVCache:
         if n > self.capacity:
             raise ContextOverflow(f"snapshot holds {n} tokens, more than the cache capacity {self.capacity}")
         for name, buf in self.buffers.items():
-            buf[:n] = snap[name]
+            if snap[name].shape[1:] != tuple(self.shapes[name][1:]) or snap[name].dtype != self.dtypes[name]:
+                raise EdgeKVError("snapshot does not match this cache's layout")
+            self.memory.write(buf, snap[name])
         self.n = n

@@ -28,7 +28,8 @@ def _add_sampling(p, temperature: float):
 
 def _add_runtime(p):
     p.add_argument("--ctx", type=int, default=None, help="KV cache capacity in tokens (default: min(2048, bundle max))")
-    p.add_argument("--backend", default="auto", help="auto | ort-cpu")
+    p.add_argument("--backend", default="auto", choices=["auto", "ort-cpu", "ort-cuda", "trt"],
+                   help="auto = trt if an engine is built, else ort-cuda if onnxruntime has CUDA, else ort-cpu")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all available)")
 
 
@@ -48,7 +49,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens used at most")
     p.add_argument("--out", default=None, help="bundle folder (default: models/bundles/NAME-KV)")
     p.add_argument("--max-context", type=int, default=None, help="longest context the bundle is verified for (default: recipe, else min(model, 4096))")
-    p.add_argument("--dtype", default="float32", choices=["float32"], help="weights and compute dtype")
+    p.add_argument("--dtype", default="float32", choices=["float32", "float16"],
+                   help="weights and compute dtype: float32 for CPU bundles, float16 for GPU (TensorRT) bundles")
     p.add_argument("--steps", type=int, default=32, help="decode steps in the parity check")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for the check")
 
@@ -82,6 +84,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("bundle", help="bundle folder or .onnx file")
     p.add_argument("--trt", default="10.3", help="TensorRT version whose rules apply (10.3 = JetPack 6; 10.15)")
 
+    p = sub.add_parser("build-engine", formatter_class=Formatter, help="build the TensorRT engine (on the device)",
+                       description="Build a bundle's TensorRT engine on this GPU (strongly typed; decode and prefill "
+                                   "profiles with the past from 0 to --ctx), cached under BUNDLE/engines/ and rebuilt "
+                                   "only when stale. Needs TensorRT and cuda-python (JetPack has both).")
+    p.add_argument("bundle", help="bundle folder written by `edgekv export` (best: --dtype float16)")
+    p.add_argument("--ctx", type=int, default=None, help="largest KV cache capacity the engine serves (default: min(2048, bundle max))")
+    p.add_argument("--max-prefill", type=int, default=256, help="most tokens per prefill call")
+    p.add_argument("--workspace-mib", type=int, default=1024, help="TensorRT tactic workspace limit")
+    p.add_argument("--force", action="store_true", help="rebuild even if a fresh engine is cached")
+
     p = sub.add_parser("chat", formatter_class=Formatter, help="streaming multi-turn chat in the terminal",
                        description="Multi-turn chat that keeps its KV cache between turns. With stdin not a terminal, "
                                    "each input line is one user turn (answers on stdout, stats on stderr).\n\n"
@@ -114,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rss-tokens", type=int, default=1000, help="tokens decoded while watching RSS")
     p.add_argument("--repeat", type=int, default=3, help="runs per measurement (the median is reported)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all available)")
+    p.add_argument("--backend", default="ort-cpu", choices=["auto", "ort-cpu", "ort-cuda", "trt"], help="backend to time")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON here")
     p.add_argument("--transformers", default=None, metavar="MODEL",
                    help="also time HF transformers (eager, same weights, same threads) on MODEL (a recipe, folder or "
@@ -138,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "check-trt":
             from edgekv.trt_check import cmd_check_trt
             return cmd_check_trt(args)
+        if args.cmd == "build-engine":
+            from jetson.build_engine import cmd_build_engine
+            return cmd_build_engine(args)
         if args.cmd == "bench":
             from edgekv.bench import cmd_bench
             return cmd_bench(args)

@@ -18,9 +18,13 @@ def open_runtime(bundle_path: str, ctx: int | None, backend: str = "auto", threa
     bundle = load_bundle(bundle_path)
     codec = TextCodec(bundle)
     capacity = ctx or min(2048, bundle.max_context)
-    cache = KVCache(bundle, capacity)
-    be = make_backend(backend, bundle, threads, max_logits_rows)
+    be = make_backend(backend, bundle, threads, max_logits_rows, ctx=capacity, log=_note)
+    cache = KVCache(bundle, capacity, memory=be.memory)
     return bundle, codec, Generator(be, cache)
+
+
+def _note(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
 def sampling_from(args) -> SamplingParams:

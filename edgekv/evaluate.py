@@ -91,8 +91,8 @@ def evaluate(paths: list[str], text: str | None = None, ctx: int = 1024, chunks:
     for b in bundles:
         if ctx > b.max_context:
             raise EdgeKVError(f"--ctx {ctx} exceeds {b.path.name}'s verified context {b.max_context}")
-        gen = Generator(make_backend("auto", b, threads, max_logits_rows=prefill_chunk), KVCache(b, ctx),
-                        prefill_chunk=prefill_chunk)
+        be = make_backend("auto", b, threads, max_logits_rows=prefill_chunk, ctx=ctx)
+        gen = Generator(be, KVCache(b, ctx, memory=be.memory), prefill_chunk=prefill_chunk)
         runners.append(gen)
         results.append(SchemeResult(b.path.name, b.scheme.name, b.kv_bytes_per_token()))
     print(f"edgekv eval: {len(bundles)} bundle(s), {n_windows} windows of {ctx} tokens ({len(ids)} tokens of "

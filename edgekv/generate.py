@@ -41,7 +41,8 @@ class Stats:
 class Generator:
     def __init__(self, backend, cache: KVCache, prefill_chunk: int = 256):
         self.backend, self.cache = backend, cache
-        self.prefill_chunk = prefill_chunk
+        # a TensorRT engine takes at most its profile's max_prefill tokens per call
+        self.prefill_chunk = min(prefill_chunk, getattr(backend, "max_prefill", prefill_chunk))
         self.pos = 0  # next RoPE position (equals cache.n for a linear cache)
         self._one = np.zeros((1, 1), np.int64)
         self._pos1 = np.zeros((1, 1), np.int64)

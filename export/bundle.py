@@ -132,7 +132,7 @@ def verify(model: Transformer, bundle_dir: Path, prompt: list[int], steps: int, 
 
     bundle = load_bundle(bundle_dir)
     backend = OrtBackend(bundle, threads)
-    cache = KVCache(bundle, min(max_context, len(prompt) + steps + 1))
+    cache = KVCache(bundle, min(max_context, len(prompt) + steps + 1), memory=backend.memory)
     gen = Generator(backend, cache)
     names = io_names(model.cfg.n_layers, model.scheme)
     par = Parity()
@@ -140,9 +140,9 @@ def verify(model: Transformer, bundle_dir: Path, prompt: list[int], steps: int, 
     dtype = next(model.parameters()).dtype
     quantized = model.scheme.name != "float"
     ref = None
-    if quantized:  # same weights, float cache: the yardstick for the quantization noise
-        ref = Transformer(model.cfg, "float").to(dtype).eval()
-        ref.load_state_dict(model.state_dict(), strict=False)
+    if quantized or fp16:  # same weights, float cache, float32: the yardstick for quantization and fp16 noise
+        ref = Transformer(model.cfg, "float").eval()
+        ref.load_state_dict({k: v.float() for k, v in model.state_dict().items()}, strict=False)
 
     def torch_step(m, ids, past, pos0):
         s = len(ids)
@@ -177,14 +177,19 @@ def verify(model: Transformer, bundle_dir: Path, prompt: list[int], steps: int, 
         o_logits = gen.decode_step(t_tok).copy()
         t_log.append(t_logits)
         o_log.append(o_logits)
-    base_tol = 0.15 if fp16 else 2e-3
+    base_tol = 0.02 if fp16 else 2e-3
     noise = max(float(np.abs(a - b).max()) for a, b in zip(t_log, r_log)) if ref is not None else 0.0
     tol = max(base_tol, 2.0 * noise)
-    note = f"quantization noise (torch {model.scheme.name} vs float cache) {noise:.3g}" if quantized else ""
+    what = " + ".join(([model.scheme.name] if quantized else []) + (["fp16"] if fp16 else []))
+    note = f"{what} noise (torch {what} vs torch float32, float cache) {noise:.3g}" if ref is not None else ""
     par.add("logits (prefill)", np.abs(t_log[0] - o_log[0]).max(), tol, note)
     par.add("logits (decode)", max(np.abs(a - b).max() for a, b in zip(t_log[1:], o_log[1:])), tol, note)
+    # a different greedy token is a failure unless torch itself had the two within the tolerance
+    # (a near-tie that fp16 or a flipped quantization step may legitimately turn over)
     agree = sum(a == b for a, b in zip(t_tokens, o_tokens))
-    par.add("greedy tokens", steps - agree, 0, f"{agree}/{steps} identical")
+    ties = sum(a != b and t_log[i][a] - t_log[i][b] <= tol for i, (a, b) in enumerate(zip(t_tokens, o_tokens)))
+    par.add("greedy tokens", steps - agree - ties, 0,
+            f"{agree}/{steps} identical" + (f", {ties} near-tie(s) within tol" if ties else ""))
 
     # the cache the runtime filled (present.* written in place) against torch's presents
     from export.model import kv_load
@@ -196,7 +201,7 @@ def verify(model: Transformer, bundle_dir: Path, prompt: list[int], steps: int, 
         for j, kv in enumerate(("key", "value")):
             lo = names["past"].index(f"past.{i}.{kv}")
             t_t = past[lo: lo + n]
-            o_t = [torch.from_numpy(cache.buffers[nm][: cache.n].copy()) for nm in names["past"][lo: lo + n]]
+            o_t = [torch.from_numpy(cache.memory.read(cache.buffers[nm], cache.n)) for nm in names["past"][lo: lo + n]]
             sc = getattr(model.layers[i].attn, "k_scale" if kv == "key" else "v_scale", None)
             sc = None if sc is None else sc.float()
             t = kv_load(model.scheme, t_t, torch.float32, sc).numpy()
@@ -248,7 +253,8 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
     max_context = max_context or recipe.get("max_context") or min(cfg.max_position_embeddings, 4096)
     if max_context > cfg.max_position_embeddings:
         log(f"  note: --max-context {max_context} is beyond the model's trained {cfg.max_position_embeddings}")
-    out_dir = Path(out) if out else MODELS_DIR / "bundles" / f"{recipe['name']}-{kv}"
+    suffix = "-fp16" if dtype == "float16" else ""
+    out_dir = Path(out) if out else MODELS_DIR / "bundles" / f"{recipe['name']}-{kv}{suffix}"
     log(f"  {cfg.arch}: {cfg.n_layers} layers, {cfg.n_heads} heads ({cfg.n_kv_heads} KV), head_dim {cfg.head_dim}, "
         f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}  [{time.time() - t0:.1f}s]")
     torch_dtype = {"float32": torch.float32, "float16": torch.float16}[dtype]

@@ -1,0 +1,92 @@
+"""TensorRT engines of a bundle: where they are cached and the shapes they are built for.
+
+An engine is specific to a GPU, a TensorRT version and the shapes of its optimization profiles,
+so it lives under `BUNDLE/engines/<gpu>-trt<version>-ctx<N>-p<M>/` with `model.plan` and
+`engine.json` (what it was built from). Pure Python: the runtime (edgekv/trt_backend.py) finds
+engines with it and jetson/build_engine.py builds them; the profile shapes are tested here
+against the graph's inputs without TensorRT.
+
+Two profiles, because decode and prefill want different kernels:
+  0 decode:  S = 1, one logits row, past length P from 0 to ctx - 1
+  1 prefill: S from 1 to max_prefill (optimized for max_prefill), K rows up to max_prefill, P from 0 to ctx - 1
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+from edgekv.manifest import MANIFEST, Bundle
+
+DECODE, PREFILL = 0, 1
+PLAN, META = "model.plan", "engine.json"
+
+
+def engine_key(gpu: str, trt_version: str, ctx: int, max_prefill: int) -> str:
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") or "gpu"
+    return f"{slug}-trt{trt_version}-ctx{ctx}-p{max_prefill}"
+
+
+def bundle_fingerprint(bundle: Bundle) -> str:
+    """Changes whenever the bundle is re-exported (the manifest records the graph's checksum and sizes)."""
+    return hashlib.sha256((bundle.path / MANIFEST).read_bytes()).hexdigest()[:16]
+
+
+def profile_shapes(bundle: Bundle, ctx: int, max_prefill: int) -> list[dict[str, tuple[tuple, tuple, tuple]]]:
+    """Per profile: graph input -> (min, opt, max) shape."""
+    m = bundle.model
+    hkv, d = m["n_kv_heads"], m["head_dim"]
+    max_prefill = min(max_prefill, ctx)
+    past_specs = {}
+    for name in bundle.manifest["io"]["past"]:
+        spec = bundle.scheme.tensors[1] if name.endswith("_scale") else bundle.scheme.tensors[0]
+        past_specs[name] = spec
+
+    def profile(s: tuple, k: tuple, p: tuple) -> dict:
+        shapes = {
+            "input_ids": tuple((1, x) for x in s),
+            "position_ids": tuple((1, x) for x in s),
+            "logits_index": tuple((1, x) for x in k),
+            "key_mask": tuple((1, a + b) for a, b in zip(p, s)),
+        }
+        for name, spec in past_specs.items():
+            shapes[name] = tuple(spec.shape(x, 1, hkv, d) for x in p)
+        return shapes
+
+    opt_past = ctx // 2
+    decode = profile(s=(1, 1, 1), k=(1, 1, 1), p=(0, opt_past, ctx - 1))
+    prefill = profile(s=(1, max_prefill, max_prefill), k=(1, 1, max_prefill),
+                      p=(0, min(opt_past, ctx - max_prefill), ctx - 1))
+    # key_mask is [1, P + S] at every corner, so the three boxes agree with the graph's own shape
+    # arithmetic; the runtime never binds P + S beyond its capacity
+    return [decode, prefill]
+
+
+def engine_dir(bundle: Bundle, key: str) -> Path:
+    return bundle.path / "engines" / key
+
+
+def is_fresh(folder: Path, bundle: Bundle) -> bool:
+    meta = folder / META
+    if not (folder / PLAN).is_file() or not meta.is_file():
+        return False
+    try:
+        info = json.loads(meta.read_text())
+    except json.JSONDecodeError:
+        return False
+    return info.get("bundle_fingerprint") == bundle_fingerprint(bundle)
+
+
+def find_engine(bundle: Bundle, gpu: str, trt_version: str, ctx: int) -> tuple[Path, dict] | None:
+    """The fresh engine for this GPU and TensorRT whose profiles cover a `ctx`-slot cache
+    (the smallest such one), or None."""
+    best = None
+    prefix = engine_key(gpu, trt_version, 0, 0).split("-ctx")[0] + "-ctx"
+    for folder in sorted((bundle.path / "engines").glob(prefix + "*")):
+        if not is_fresh(folder, bundle):
+            continue
+        info = json.loads((folder / META).read_text())
+        if info["ctx"] >= ctx and (best is None or info["ctx"] < best[1]["ctx"]):
+            best = (folder, info)
+    return best

@@ -1,0 +1,121 @@
+"""Device memory for the KV cache: the four operations KVCache uses (alloc, ptr, read, write).
+
+- `OrtCudaMemory` (ort-cuda): onnxruntime OrtValues on the GPU, no extra library.
+- `CudaMemory` (trt): cuda-python's runtime API (cudaMalloc / cudaMemcpy).
+
+Each buffer is allocated once, zero-filled, for the whole capacity; backends bind slot ranges by
+address (base + slot * row bytes). Imports are lazy: this module loads without a GPU."""
+from __future__ import annotations
+
+import numpy as np
+
+from edgekv.errors import EdgeKVError
+
+
+class OrtCudaMemory:
+    device = "cuda"
+
+    def __init__(self, ort):
+        self.ort = ort
+
+    def free_bytes(self) -> int | None:
+        try:
+            return CudaMemory().free_bytes()
+        except EdgeKVError:  # without cuda-python, onnxruntime reports out-of-memory itself
+            return None
+
+    def alloc(self, shape: tuple, dtype):
+        zeros = np.zeros(shape, dtype)
+        ov = self.ort.OrtValue.ortvalue_from_shape_and_type(list(shape), zeros.dtype, "cuda", 0)
+        ov.update_inplace(zeros)
+        return ov
+
+    def ptr(self, buf) -> int:
+        return buf.data_ptr()
+
+    def read(self, buf, n: int) -> np.ndarray:
+        return buf.numpy()[:n].copy()  # whole-buffer copy: only for snapshots (prompt cache, /save)
+
+    def write(self, buf, arr: np.ndarray) -> None:
+        full = buf.numpy()
+        full[: len(arr)] = arr
+        buf.update_inplace(full)
+
+
+def cudart():
+    """cuda-python's runtime module (its import path moved in cuda-python 12.8)."""
+    try:
+        from cuda.bindings import runtime
+    except ImportError:
+        try:
+            from cuda import cudart as runtime
+        except ImportError:
+            raise _unavailable("the trt backend needs cuda-python: pip install cuda-python") from None
+    return runtime
+
+
+def _unavailable(msg: str) -> EdgeKVError:
+    from edgekv.backends import BackendUnavailable
+    return BackendUnavailable(msg)
+
+
+def check(result):
+    """cuda-python returns (error, *values); raise on an error, return the value(s)."""
+    err, *vals = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        name = getattr(err, "name", str(err))
+        if "MemoryAllocation" in name:
+            raise EdgeKVError(f"CUDA: out of device memory ({name}); use a smaller --ctx or close other programs")
+        if "NoDevice" in name or "InsufficientDriver" in name:
+            raise _unavailable(f"CUDA: no usable GPU ({name})")
+        raise EdgeKVError(f"CUDA error {name}")
+    return vals[0] if len(vals) == 1 else (tuple(vals) or None)
+
+
+class CudaBuffer:
+    def __init__(self, ptr: int, shape: tuple, dtype):
+        self.ptr, self.shape, self.dtype = int(ptr), tuple(shape), np.dtype(dtype)
+        self.nbytes = int(np.prod(shape)) * self.dtype.itemsize
+
+
+class CudaMemory:
+    device = "cuda"
+
+    def __init__(self):
+        self.rt = cudart()
+        self.buffers: list[CudaBuffer] = []
+
+    def free_bytes(self) -> int:
+        free, _total = check(self.rt.cudaMemGetInfo())
+        return int(free)
+
+    def alloc(self, shape: tuple, dtype) -> CudaBuffer:
+        nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        ptr = check(self.rt.cudaMalloc(max(nbytes, 1)))
+        check(self.rt.cudaMemset(ptr, 0, max(nbytes, 1)))
+        buf = CudaBuffer(ptr, shape, dtype)
+        self.buffers.append(buf)
+        return buf
+
+    def ptr(self, buf: CudaBuffer) -> int:
+        return buf.ptr
+
+    def read(self, buf: CudaBuffer, n: int) -> np.ndarray:
+        host = np.empty((n,) + buf.shape[1:], buf.dtype)
+        if host.nbytes:
+            check(self.rt.cudaMemcpy(host.ctypes.data, buf.ptr, host.nbytes,
+                                     self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost))
+        return host
+
+    def write(self, buf: CudaBuffer, arr: np.ndarray) -> None:
+        arr = np.ascontiguousarray(arr, buf.dtype)
+        if arr.nbytes > buf.nbytes:
+            raise EdgeKVError("write larger than the device buffer")
+        if arr.nbytes:
+            check(self.rt.cudaMemcpy(buf.ptr, arr.ctypes.data, arr.nbytes,
+                                     self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice))
+
+    def close(self) -> None:
+        for buf in self.buffers:
+            self.rt.cudaFree(buf.ptr)
+        self.buffers.clear()

@@ -1,0 +1,118 @@
+"""The `trt` backend: a TensorRT engine built on this device by `edgekv build-engine`.
+
+Buffers are allocated once with cuda-python: the KV cache (CudaMemory, via KVCache), staging
+buffers for the small inputs (sized for the largest call) and the logits. Per call the past is
+bound as the filled prefix and `present.*` at the write slot (set_tensor_address), so the engine
+appends to the cache in place; the small inputs go up and only the logits rows come back.
+
+Written against the TensorRT 10 Python API (JetPack 6 ships 10.3). It cannot run on the
+machines this project is developed on (no TensorRT there); `jetson/selftest.sh` checks it against
+ort-cpu on the device."""
+from __future__ import annotations
+
+import numpy as np
+
+from edgekv.cache import KVCache
+from edgekv.engines import DECODE, PREFILL, find_engine
+from edgekv.errors import EdgeKVError
+from edgekv.gpu import CudaMemory, check
+from edgekv.manifest import Bundle
+
+
+def import_tensorrt():
+    from edgekv.backends import BackendUnavailable
+    try:
+        import tensorrt as trt
+    except ImportError:
+        raise BackendUnavailable("the trt backend needs TensorRT's Python package (JetPack ships it as "
+                                 "python3-libnvinfer; elsewhere pip install tensorrt from NVIDIA's index)") from None
+    return trt
+
+
+def gpu_name(rt) -> str:
+    props = check(rt.cudaGetDeviceProperties(0))
+    name = props.name
+    return (name.decode(errors="replace") if isinstance(name, bytes) else str(name)).split("\x00")[0]
+
+
+class TrtBackend:
+    name = "trt"
+    device = "cuda"
+
+    def __init__(self, bundle: Bundle, ctx: int | None = None, max_logits_rows: int = 1):
+        from edgekv.backends import BackendUnavailable
+        trt = self.trt = import_tensorrt()
+        self.memory = CudaMemory()
+        rt = self.rt = self.memory.rt
+        ctx = ctx or min(2048, bundle.max_context)
+        gpu = gpu_name(rt)
+        found = find_engine(bundle, gpu, trt.__version__, ctx)
+        if found is None:
+            raise BackendUnavailable(f"no TensorRT engine of {bundle.path.name} for {gpu}, TensorRT {trt.__version__}, "
+                                     f"--ctx {ctx}: build one with `edgekv build-engine {bundle.path} --ctx {ctx}`")
+        folder, info = found
+        self.engine_info = info
+        self.max_prefill = int(info["max_prefill"])
+        logger = trt.Logger(trt.Logger.WARNING)
+        self.runtime = trt.Runtime(logger)
+        self.engine = self.runtime.deserialize_cuda_engine((folder / "model.plan").read_bytes())
+        if self.engine is None:
+            raise EdgeKVError(f"{folder}: TensorRT could not load the engine (rebuild it with `edgekv build-engine --force`)")
+        self.stream = check(rt.cudaStreamCreate())
+        # one execution context per profile: decode steps and prefill chunks never re-select a profile
+        self.contexts = []
+        for p in (DECODE, PREFILL):
+            c = self.engine.create_execution_context()
+            c.set_optimization_profile_async(p, self.stream)
+            self.contexts.append(c)
+        check(rt.cudaStreamSynchronize(self.stream))
+        self.vocab = bundle.model["vocab_size"]
+        rows = max(max_logits_rows, self.max_prefill)
+        staging = CudaMemory()  # the small inputs, sized once for the largest call
+        self._staging = staging
+        self.d_ids = staging.alloc((1, self.max_prefill), np.int64)
+        self.d_pos = staging.alloc((1, self.max_prefill), np.int64)
+        self.d_idx = staging.alloc((1, rows), np.int64)
+        self.d_mask = staging.alloc((1, int(info["ctx"])), np.bool_)
+        self.d_logits = staging.alloc((1, rows, self.vocab), np.float32)
+        self.logits = np.empty((1, rows, self.vocab), np.float32)
+
+    def _up(self, buf, arr: np.ndarray) -> None:
+        arr = np.ascontiguousarray(arr, buf.dtype)
+        check(self.rt.cudaMemcpyAsync(buf.ptr, arr.ctypes.data, arr.nbytes,
+                                      self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice, self.stream))
+
+    def run(self, input_ids: np.ndarray, position_ids: np.ndarray, logits_index: np.ndarray,
+            cache: KVCache) -> np.ndarray:
+        if cache.memory.device != "cuda":
+            raise EdgeKVError("trt needs its KV cache in device memory (build it with memory=backend.memory)")
+        b, s = input_ids.shape
+        k = logits_index.shape[1]
+        n = cache.n
+        cache.check_room(s)
+        if b != 1 or s > self.max_prefill or k > s:
+            raise EdgeKVError(f"trt: this engine takes batch 1 and at most {self.max_prefill} tokens per call "
+                              f"(got batch {b}, {s} tokens); rebuild with a larger --max-prefill")
+        ctx = self.contexts[DECODE if s == 1 else PREFILL]
+        mask = cache.key_mask_for(s)
+        self._up(self.d_ids, input_ids)
+        self._up(self.d_pos, position_ids)
+        self._up(self.d_idx, logits_index)
+        self._up(self.d_mask, mask)
+        for name, buf, shape in (("input_ids", self.d_ids, (1, s)), ("position_ids", self.d_pos, (1, s)),
+                                 ("logits_index", self.d_idx, (1, k)), ("key_mask", self.d_mask, mask.shape)):
+            ctx.set_input_shape(name, tuple(shape))
+            ctx.set_tensor_address(name, buf.ptr)
+        for name in cache.names:
+            ctx.set_input_shape(name, tuple(cache.slots_shape(name, n)))
+            ctx.set_tensor_address(name, cache.ptr(name, 0))  # past: the filled prefix
+            ctx.set_tensor_address("present" + name[4:], cache.ptr(name, n))  # present: at the write slot
+        ctx.set_tensor_address("logits", self.d_logits.ptr)
+        if not ctx.execute_async_v3(self.stream):
+            raise EdgeKVError("trt: the engine failed to run (see TensorRT's message above)")
+        out = self.logits.reshape(-1)[: k * self.vocab].reshape(1, k, self.vocab)
+        check(self.rt.cudaMemcpyAsync(out.ctypes.data, self.d_logits.ptr, out.nbytes,
+                                      self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream))
+        check(self.rt.cudaStreamSynchronize(self.stream))
+        cache.n = n + s
+        return out

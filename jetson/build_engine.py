@@ -1,0 +1,131 @@
+"""Build a bundle's TensorRT engine on the device: `edgekv build-engine BUNDLE [--ctx N] [--max-prefill N]`.
+
+- Strongly typed network: the graph's own types decide precision (an fp16 bundle builds fp16
+  kernels; the INT8 cache enters through the unit-scale Q/DQ pairs of docs/graph.md).
+- Two optimization profiles (edgekv/engines.py): decode (S = 1) and prefill (S up to
+  --max-prefill), both with the past length from 0 to the capacity.
+- Cached under BUNDLE/engines/<gpu>-trt<version>-ctx<N>-p<M>/ and rebuilt only when the bundle
+  changed (or with --force); written to a temporary folder first, then renamed.
+- Memory is checked before building: an Orin shares its memory between CPU and GPU, and a
+  build that runs out of it can take the whole board down with it.
+
+Needs TensorRT's Python package and cuda-python (JetPack provides both). Not runnable on the
+development machines of this project (no TensorRT there); jetson/selftest.sh runs it."""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from edgekv.cache import available_memory
+from edgekv.engines import META, PLAN, bundle_fingerprint, engine_dir, engine_key, is_fresh, profile_shapes
+from edgekv.errors import EdgeKVError
+from edgekv.manifest import load_bundle
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def memory_needed(bundle, ctx: int, workspace: int) -> int:
+    """A rough ceiling for the build: weights held by the parser and by the builder, the KV cache
+    of the largest profile, and the tactic workspace."""
+    weights = sum(f.stat().st_size for f in bundle.path.glob("model.onnx*"))
+    return 2 * weights + bundle.kv_bytes_per_token() * ctx + workspace
+
+
+def free_memory(rt) -> int:
+    from edgekv.gpu import check
+    free_gpu, _ = check(rt.cudaMemGetInfo())
+    host = available_memory()  # on an Orin the GPU's memory is the system's: the smaller one counts
+    return min(int(free_gpu), host) if host is not None else int(free_gpu)
+
+
+def build_engine(bundle_path: str, ctx: int | None = None, max_prefill: int = 256, workspace_mib: int = 1024,
+                 force: bool = False) -> Path:
+    from edgekv.gpu import cudart
+    from edgekv.trt_backend import gpu_name, import_tensorrt
+
+    bundle = load_bundle(bundle_path)
+    trt = import_tensorrt()
+    rt = cudart()
+    ctx = ctx or min(2048, bundle.max_context)
+    if ctx > bundle.max_context:
+        raise EdgeKVError(f"--ctx {ctx} exceeds the {bundle.max_context} tokens this bundle was verified for")
+    max_prefill = min(max_prefill, ctx)
+    gpu = gpu_name(rt)
+    key = engine_key(gpu, trt.__version__, ctx, max_prefill)
+    folder = engine_dir(bundle, key)
+    if not force and is_fresh(folder, bundle):
+        log(f"engine up to date: {folder}")
+        return folder
+    workspace = workspace_mib * 2**20
+    need, free = memory_needed(bundle, ctx, workspace), free_memory(rt)
+    if need > free:
+        raise EdgeKVError(f"building the engine needs about {need / 2**20:.0f} MiB, only {free / 2**20:.0f} MiB free "
+                          f"(the GPU shares memory with the CPU on a Jetson): close other programs, or use a "
+                          f"smaller --ctx / --workspace-mib")
+
+    logger = trt.Logger(trt.Logger.WARNING)
+    builder = trt.Builder(logger)
+    network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
+    parser = trt.OnnxParser(network, logger)
+    log(f"parsing {bundle.onnx_path} ({bundle.scheme.name}, {bundle.dtype}) with TensorRT {trt.__version__} on {gpu}")
+    if not parser.parse_from_file(str(bundle.onnx_path)):  # reads the external weights beside it
+        errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
+        raise EdgeKVError("TensorRT could not parse the graph: " + (errors[0] if errors else "unknown error")
+                          + ("" if len(errors) < 2 else f" (+{len(errors) - 1} more)")
+                          + f"; `edgekv check-trt {bundle.path} --trt {trt.__version__[:4]}` names the nodes")
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace)
+    profiles = profile_shapes(bundle, ctx, max_prefill)
+    for shapes in profiles:
+        prof = builder.create_optimization_profile()
+        for name, (lo, opt, hi) in shapes.items():
+            prof.set_shape(name, lo, opt, hi)
+        config.add_optimization_profile(prof)
+
+    log(f"building {key} (decode + prefill profiles; several minutes on an Orin) ...")
+    done = threading.Event()
+    t0 = time.time()
+
+    def ticker():  # the build is one blocking call: show that it is alive
+        while not done.wait(15):
+            log(f"  ... {time.time() - t0:.0f} s")
+
+    threading.Thread(target=ticker, daemon=True).start()
+    try:
+        plan = builder.build_serialized_network(network, config)
+    finally:
+        done.set()
+    if plan is None:
+        raise EdgeKVError("TensorRT failed to build the engine (its messages are above); if it ran out of memory, "
+                          "use a smaller --ctx / --max-prefill / --workspace-mib")
+    took = time.time() - t0
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=folder.parent))
+    try:
+        (tmp / PLAN).write_bytes(bytes(plan))
+        (tmp / META).write_text(json.dumps({
+            "bundle_fingerprint": bundle_fingerprint(bundle), "gpu": gpu, "tensorrt": trt.__version__,
+            "ctx": ctx, "max_prefill": max_prefill, "workspace_mib": workspace_mib, "build_s": round(took, 1),
+            "profiles": [{n: [list(x) for x in v] for n, v in p.items() if not n.startswith("past.") or n.startswith("past.0.")}
+                         for p in profiles],
+        }, indent=1))
+        if folder.exists():
+            shutil.rmtree(folder)
+        tmp.rename(folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log(f"engine written: {folder / PLAN} ({(folder / PLAN).stat().st_size / 2**20:.1f} MiB, built in {took:.0f} s)")
+    return folder
+
+
+def cmd_build_engine(args) -> int:
+    build_engine(args.bundle, args.ctx, args.max_prefill, args.workspace_mib, args.force)
+    return 0

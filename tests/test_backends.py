@@ -1,0 +1,208 @@
+"""Backend selection and its errors, the cache's memory interface, engine profiles and cache keys.
+
+The GPU backends (ort-cuda, trt) cannot run here; what can be checked without a GPU is: the
+pointer-only path they use (a cache in memory the backend may only address, never index),
+their one-line errors, `auto`, and the TensorRT profiles against the graph's inputs. The tests
+that need a GPU are at the end and skip with the reason."""
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from edgekv.backends import BackendUnavailable, OrtBackend, make_backend
+from edgekv.cache import KVCache
+from edgekv.engines import META, PLAN, bundle_fingerprint, engine_key, find_engine, profile_shapes
+from edgekv.errors import EdgeKVError
+from edgekv.generate import Generator
+from edgekv.manifest import load_bundle
+from tests.conftest import run_edgekv
+
+
+class Opaque:
+    def __init__(self, arr):
+        self._arr = arr  # private: like device memory, reachable only by address
+
+
+class OpaqueMemory:
+    """Host memory that behaves like device memory: the backend gets addresses, never arrays."""
+    device = "cpu"
+
+    def free_bytes(self):
+        return None
+
+    def alloc(self, shape, dtype):
+        return Opaque(np.zeros(shape, dtype))
+
+    def ptr(self, buf):
+        return buf._arr.ctypes.data
+
+    def read(self, buf, n):
+        return buf._arr[:n].copy()
+
+    def write(self, buf, arr):
+        buf._arr[: len(arr)] = arr
+
+
+def ids(n, seed=0):
+    return [int(x) for x in np.random.default_rng(seed).integers(3, 300, n)]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_bundle_int8", "tiny_bundle_float"])
+def test_pointer_only_cache_gives_the_same_logits(fixture, request):
+    b = load_bundle(request.getfixturevalue(fixture))
+    be = OrtBackend(b, threads=1, max_logits_rows=8)
+    host = Generator(be, KVCache(b, 64), prefill_chunk=5)
+    opaque = Generator(be, KVCache(b, 64, memory=OpaqueMemory()), prefill_chunk=5)
+    seq = ids(12)
+    a = [host.prefill(seq).copy()] + [host.decode_step(t).copy() for t in ids(6, 1)]
+    o = [opaque.prefill(seq).copy()] + [opaque.decode_step(t).copy() for t in ids(6, 1)]
+    np.testing.assert_array_equal(np.stack(a), np.stack(o))
+    # snapshot/restore go through read/write too
+    snap = opaque.cache.snapshot()
+    for name, arr in snap.items():
+        np.testing.assert_array_equal(arr, host.cache.buffers[name][:18])
+    fresh = KVCache(b, 64, memory=OpaqueMemory())
+    fresh.restore(snap)
+    assert fresh.n == 18
+    for name in snap:
+        np.testing.assert_array_equal(fresh.memory.read(fresh.buffers[name], 18), snap[name])
+
+
+def test_cache_slot_addresses_follow_the_layout(tiny_bundle_int8):
+    b = load_bundle(tiny_bundle_int8)
+    c = KVCache(b, 32)
+    for name, buf in c.buffers.items():
+        assert c.ptr(name, 0) == buf.ctypes.data
+        assert c.ptr(name, 7) == buf[7:].ctypes.data
+        assert c.slots_shape(name, 3) == list(buf[:3].shape)
+
+
+def test_backend_and_cache_memory_must_agree(tiny_bundle_int8):
+    b = load_bundle(tiny_bundle_int8)
+    be = OrtBackend(b, threads=1)
+
+    class Elsewhere(OpaqueMemory):
+        device = "cuda"
+
+    g = Generator(be, KVCache(b, 16, memory=Elsewhere()))
+    with pytest.raises(EdgeKVError, match="memory"):
+        g.prefill(ids(3))
+
+
+def test_gpu_backends_say_what_they_need(tiny_bundle_int8):
+    import onnxruntime as ort
+
+    b = load_bundle(tiny_bundle_int8)
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        with pytest.raises(BackendUnavailable, match="onnxruntime-gpu"):
+            make_backend("ort-cuda", b)
+    try:
+        import tensorrt  # noqa: F401
+    except ImportError:
+        with pytest.raises(BackendUnavailable, match="TensorRT"):
+            make_backend("trt", b)
+    with pytest.raises(EdgeKVError, match="unknown backend"):
+        make_backend("tpu", b)
+    assert make_backend("auto", b).name in ("ort-cpu", "ort-cuda", "trt")
+
+
+def test_cli_backend_errors_are_one_line(tiny_bundle_int8):
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" in ort.get_available_providers():
+        pytest.skip("onnxruntime here has CUDA: ort-cuda would run")
+    r = run_edgekv("generate", tiny_bundle_int8, "hi", "--backend", "ort-cuda", "--max-new-tokens", "2")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().count("\n") == 0 and "onnxruntime-gpu" in r.stderr
+    r = run_edgekv("build-engine", tiny_bundle_int8)
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "TensorRT" in r.stderr
+    r = run_edgekv("generate", tiny_bundle_int8, "hi", "--backend", "auto", "--max-new-tokens", "2")
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("fixture", ["tiny_bundle_int8", "tiny_bundle_float"])
+def test_engine_profiles_fit_the_graph(fixture, request):
+    b = load_bundle(request.getfixturevalue(fixture))
+    g = onnx.load(str(b.onnx_path), load_external_data=False).graph
+    ctx, max_prefill = 64, 16
+    decode, prefill = profile_shapes(b, ctx, max_prefill)
+    for prof in (decode, prefill):
+        assert set(prof) == {i.name for i in g.input}  # every input has shapes, nothing else
+        for inp in g.input:
+            dims = inp.type.tensor_type.shape.dim
+            lo, opt, hi = prof[inp.name]
+            assert len(lo) == len(opt) == len(hi) == len(dims), inp.name
+            for j, d in enumerate(dims):
+                assert lo[j] <= opt[j] <= hi[j]
+                if d.HasField("dim_value"):  # static dims must be exactly the graph's
+                    assert lo[j] == opt[j] == hi[j] == d.dim_value, (inp.name, j)
+        # the graph's key_mask is [1, P + S]: every corner of the box must say so
+        past0 = next(n for n in prof if n.startswith("past."))
+        for c in range(3):
+            assert prof["key_mask"][c][1] == prof[past0][c][0] + prof["input_ids"][c][1]
+        assert prof[past0][2][0] == ctx - 1  # the past reaches the capacity
+    assert decode["input_ids"] == ((1, 1),) * 3 and prefill["input_ids"][2] == (1, max_prefill)
+
+
+def test_engine_cache_is_keyed_and_goes_stale(tiny_bundle_int8, tmp_path):
+    import shutil
+
+    src = load_bundle(tiny_bundle_int8)
+    copy = tmp_path / "bundle"
+    shutil.copytree(src.path, copy)
+    b = load_bundle(copy)
+    key = engine_key("Orin (nvgpu)", "10.3.0", 512, 256)
+    assert key == "orin-nvgpu-trt10.3.0-ctx512-p256"
+    folder = copy / "engines" / key
+    folder.mkdir(parents=True)
+    (folder / PLAN).write_bytes(b"plan")
+    (folder / META).write_text(json.dumps({"bundle_fingerprint": bundle_fingerprint(b), "ctx": 512, "max_prefill": 256}))
+    assert find_engine(b, "Orin (nvgpu)", "10.3.0", 256)[0] == folder  # covers a smaller cache
+    assert find_engine(b, "Orin (nvgpu)", "10.3.0", 1024) is None  # not a larger one
+    assert find_engine(b, "Orin (nvgpu)", "10.4.0", 256) is None  # nor another TensorRT
+    assert find_engine(b, "H200", "10.3.0", 256) is None  # nor another GPU
+    man = json.loads((copy / "edgekv.json").read_text())
+    man["exported_by"] = "a re-export"
+    (copy / "edgekv.json").write_text(json.dumps(man))
+    assert find_engine(load_bundle(copy), "Orin (nvgpu)", "10.3.0", 256) is None  # the bundle changed: stale
+
+
+def _cuda_skip_reason():
+    try:
+        from edgekv.gpu import CudaMemory
+        CudaMemory().free_bytes()
+    except Exception as e:  # no cuda-python, or no GPU
+        return f"needs cuda-python and a CUDA GPU ({str(e).splitlines()[0][:80]}); jetson/selftest.sh runs it on the device"
+    return None
+
+
+@pytest.mark.skipif(_cuda_skip_reason() is not None, reason=str(_cuda_skip_reason()))
+def test_cuda_memory_slots_round_trip(tiny_bundle_int8):
+    from edgekv.gpu import CudaMemory
+
+    b = load_bundle(tiny_bundle_int8)
+    c = KVCache(b, 32, memory=CudaMemory())
+    rng = np.random.default_rng(0)
+    snap = {n: rng.integers(-127, 127, c.slots_shape(n, 9)).astype(c.dtypes[n]) for n in c.names}
+    c.restore(snap)
+    for n in c.names:
+        np.testing.assert_array_equal(c.snapshot()[n], snap[n])
+        assert c.ptr(n, 5) - c.ptr(n, 0) == 5 * c.row_bytes[n]
+
+
+def _ort_cuda_skip_reason():
+    import onnxruntime as ort
+    return None if "CUDAExecutionProvider" in ort.get_available_providers() else \
+        "needs onnxruntime-gpu with CUDA; jetson/selftest.sh runs it on the device"
+
+
+@pytest.mark.skipif(_ort_cuda_skip_reason() is not None, reason=str(_ort_cuda_skip_reason()))
+def test_ort_cuda_matches_ort_cpu(tiny_bundle_int8):
+    b = load_bundle(tiny_bundle_int8)
+    out = []
+    for name in ("ort-cpu", "ort-cuda"):
+        be = make_backend(name, b)
+        g = Generator(be, KVCache(b, 64, memory=be.memory))
+        out.append(np.stack([g.prefill(ids(12)).copy()] + [g.decode_step(t).copy() for t in ids(6, 1)]))
+    np.testing.assert_allclose(out[1], out[0], atol=2e-3)
