@@ -206,3 +206,39 @@ def test_ort_cuda_matches_ort_cpu(tiny_bundle_int8):
         g = Generator(be, KVCache(b, 64, memory=be.memory))
         out.append(np.stack([g.prefill(ids(12)).copy()] + [g.decode_step(t).copy() for t in ids(6, 1)]))
     np.testing.assert_allclose(out[1], out[0], atol=2e-3)
+
+
+def test_tegrastats_lines_are_read():
+    from jetson.selftest import parse_tegrastats
+
+    nano = ("RAM 2448/7620MB (lfb 6x4MB) SWAP 0/3810MB (cached 0MB) CPU [2%@729,0%@729] GR3D_FREQ 0% "
+            "cpu@47.5C VDD_IN 4937mW/4937mW VDD_CPU_GPU_CV 593mW/593mW VDD_SOC 1383mW/1383mW")
+    agx = "RAM 5120/30536MB (lfb 10x4MB) CPU [1%@2201] VDD_GPU_SOC 2391mW/2391mW VIN_SYS_5V0 3519mW/3519mW"
+    assert parse_tegrastats(nano) == {"ram_used_mib": 2448, "ram_total_mib": 7620, "power_mw": 4937}
+    assert parse_tegrastats(agx)["power_mw"] == 3519
+    assert parse_tegrastats("nothing here") == {}
+
+
+def test_selftest_reports_what_it_could_not_check(tiny_bundle_int8, tmp_path):
+    """The owner's one command, run here: no TensorRT, so it must fail visibly, say why, and still
+    write the report with what it did check."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    rep = tmp_path / "report.json"
+    r = subprocess.run(["bash", str(ROOT / "jetson" / "selftest.sh"), str(tiny_bundle_int8), "--ctx", "64",
+                        "--skip-bench", "--report", str(rep)], capture_output=True, text=True, timeout=600,
+                       env={"PYTHON": sys.executable, "PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT)})
+    try:
+        import tensorrt  # noqa: F401
+        pytest.skip("TensorRT is installed here: the self-test would really build")
+    except ImportError:
+        pass
+    assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr
+    d = json.loads(rep.read_text())
+    assert d["passed"] is False and d["env"]["onnxruntime"]
+    trt = next(row for row in d["parity"] if row["backend"] == "trt")
+    assert trt["status"] == "unavailable" and "TensorRT" in trt["why"]
+    assert "== FAIL" in r.stdout

@@ -1,0 +1,191 @@
+"""The Jetson self-test: does edgekv work on this board, and how fast? One command, one report.
+
+    bash jetson/selftest.sh BUNDLE [--ctx 1024] [--report FILE] [--skip-bench]
+
+1. versions: JetPack/L4T, TensorRT, CUDA, onnxruntime providers, cuda-python, free memory
+2. builds (or reuses) the TensorRT engine for BUNDLE (a bundle exported on the workstation,
+   best with --dtype float16, copied here)
+3. runs the same prompt through ort-cpu (the reference), ort-cuda (if onnxruntime-gpu is
+   installed) and trt: ✓/✗ per backend with the max |logit diff| (fed the same tokens) against
+   the tolerance the exporter measured for this bundle, and whether free-running greedy tokens
+   are equal
+4. the benchmark on the fastest backend (time to first token, decode tokens/s, peak memory), with
+   power and RAM from tegrastats when present
+5. writes one JSON report (and prints a summary); exit status 0 only if every check that must
+   pass on a Jetson passed (trt required; ort-cuda optional)."""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from edgekv.backends import BackendUnavailable, make_backend
+from edgekv.cache import KVCache
+from edgekv.errors import EdgeKVError
+from edgekv.generate import Generator
+from edgekv.manifest import load_bundle
+from edgekv.text import TextCodec
+
+PROMPT = "What is the capital of France? Answer in one sentence."
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def parse_tegrastats(line: str) -> dict:
+    """RAM used (MiB) and board input power (mW) from one tegrastats line, where present."""
+    out = {}
+    m = re.search(r"RAM (\d+)/(\d+)MB", line)
+    if m:
+        out["ram_used_mib"], out["ram_total_mib"] = int(m.group(1)), int(m.group(2))
+    m = re.search(r"(?:VDD_IN|VIN_SYS_5V0|POM_5V_IN) (\d+)mW", line)
+    if m:
+        out["power_mw"] = int(m.group(1))
+    return out
+
+
+class Tegrastats:
+    """Samples tegrastats in the background (Jetson only; absent elsewhere)."""
+
+    def __init__(self, interval_ms: int = 500):
+        self.samples: list[dict] = []
+        exe = shutil.which("tegrastats")
+        self.proc = subprocess.Popen([exe, "--interval", str(interval_ms)], stdout=subprocess.PIPE, text=True) if exe else None
+        if self.proc:
+            threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for line in self.proc.stdout:
+            s = parse_tegrastats(line)
+            if s:
+                self.samples.append(s)
+
+    def stop(self) -> dict:
+        if not self.proc:
+            return {"tegrastats": "not found (not a Jetson)"}
+        self.proc.terminate()
+        self.proc.wait(timeout=5)
+        p = [s["power_mw"] for s in self.samples if "power_mw" in s]
+        r = [s["ram_used_mib"] for s in self.samples if "ram_used_mib" in s]
+        return {"samples": len(self.samples), "power_mw_mean": float(np.mean(p)) if p else None,
+                "power_mw_max": max(p) if p else None, "ram_used_mib_max": max(r) if r else None}
+
+
+def greedy_run(be, bundle, prompt: list[int], steps: int, ctx: int, feed: list[int] | None = None):
+    """Logits of the prefill and `steps` decode steps; fed `feed` tokens if given (so two backends
+    see the same inputs), else its own greedy tokens."""
+    g = Generator(be, KVCache(bundle, ctx, memory=be.memory))
+    logits = [g.prefill(prompt).copy()]
+    tokens = []
+    for i in range(steps):
+        tok = int(np.argmax(logits[-1])) if feed is None else feed[i]
+        tokens.append(int(np.argmax(logits[-1])))
+        logits.append(g.decode_step(tok).copy())
+    return np.stack(logits), tokens
+
+
+def compare_backends(bundle, ctx: int, steps: int = 32) -> tuple[list[dict], bool]:
+    codec = TextCodec(bundle)
+    prompt = codec.chat_ids([{"role": "user", "content": PROMPT}])
+    steps = min(steps, ctx - len(prompt) - 1)
+    if steps < 1:
+        raise EdgeKVError(f"--ctx {ctx} is too small for the {len(prompt)}-token test prompt")
+    tol = bundle.manifest.get("parity", {}).get("outputs", {}).get("logits (decode)", {}).get("tol", 0.05)
+    ref_be = make_backend("ort-cpu", bundle)
+    ref_logits, ref_tokens = greedy_run(ref_be, bundle, prompt, steps, ctx)
+    say(f"  reference ort-cpu: \"{codec.decode(ref_tokens)[:60]}...\"")
+    rows, ok = [], True
+    for name, required in (("ort-cuda", False), ("trt", True)):
+        try:
+            be = make_backend(name, bundle, ctx=ctx)
+        except BackendUnavailable as e:
+            rows.append({"backend": name, "status": "unavailable", "why": str(e)})
+            say(f"  {'✗' if required else '-'} {name:<9} unavailable: {e}")
+            ok &= not required
+            continue
+        fed, _ = greedy_run(be, bundle, prompt, steps, ctx, feed=ref_tokens)
+        diff = float(np.abs(fed - ref_logits).max())
+        _, own = greedy_run(be, bundle, prompt, steps, ctx)
+        same = sum(a == b for a, b in zip(own, ref_tokens))
+        first = next((i for i, (a, b) in enumerate(zip(own, ref_tokens)) if a != b), None)
+        # a divergence is acceptable only at a near-tie of the reference's own logits
+        tie = first is not None and ref_logits[first][ref_tokens[first]] - ref_logits[first][own[first]] <= tol
+        good = diff <= tol and (first is None or tie)
+        ok &= good
+        rows.append({"backend": name, "status": "pass" if good else "fail", "max_abs_logit_diff": diff, "tol": tol,
+                     "greedy_identical": same, "greedy_steps": steps, "first_divergence": first})
+        say(f"  {'✓' if good else '✗'} {name:<9} max|diff| = {diff:.3g} (tol {tol:.3g}); greedy {same}/{steps} identical"
+            + (f" (first differs at step {first}{', a near-tie' if tie else ''})" if first is not None else ""))
+    return rows, ok
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="jetson/selftest.sh", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("bundle", help="bundle folder exported on the workstation (best: --dtype float16)")
+    ap.add_argument("--ctx", type=int, default=1024, help="KV capacity for the engine, the checks and the bench")
+    ap.add_argument("--report", default="edgekv-selftest.json", help="report file")
+    ap.add_argument("--skip-bench", action="store_true", help="only versions, engine and parity")
+    args = ap.parse_args(argv)
+    from jetson.env_check import report
+
+    rep = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "bundle": args.bundle}
+    try:
+        bundle = load_bundle(args.bundle)
+        ctx = min(args.ctx, bundle.max_context)
+        say("== versions")
+        rep["env"] = env = report()
+        for k in ("l4t", "tensorrt", "cuda", "onnxruntime", "onnxruntime_providers", "mem_available_mib"):
+            say(f"  {k:<22} {env.get(k)}")
+        say(f"  bundle                 {bundle.path.name}: kv {bundle.scheme.name}, {bundle.dtype}")
+
+        say("== TensorRT engine")
+        ok = True
+        try:
+            from jetson.build_engine import build_engine
+            rep["engine"] = str(build_engine(args.bundle, ctx))
+        except EdgeKVError as e:
+            rep["engine"] = f"failed: {e}"
+            say(f"  ✗ {e}")
+            ok = False
+
+        say(f"== backends against ort-cpu (same prompt, fed the same tokens; tolerance from the bundle's export)")
+        rep["parity"], parity_ok = compare_backends(bundle, ctx)
+        ok &= parity_ok
+
+        if not args.skip_bench:
+            say("== benchmark")
+            best = next((r["backend"] for r in reversed(rep["parity"]) if r["status"] == "pass"), "ort-cpu")
+            out = Path(args.report).with_suffix(".bench.json")
+            ts = Tegrastats()
+            cmd = [sys.executable, "-m", "edgekv", "bench", args.bundle, "--backend", best, "--capacities", str(ctx),
+                   "--prompt-lengths", f"64,{min(512, ctx - 80)}", "--fill", "64", "--rss-tokens", "200",
+                   "--json", str(out)]
+            p = subprocess.run(cmd, text=True)
+            rep["power"] = ts.stop()
+            if p.returncode == 0:
+                rep["bench"] = json.loads(out.read_text())
+            else:
+                rep["bench"] = "failed"
+                ok = False
+            say(f"  power/RAM: {rep['power']}")
+        rep["passed"] = ok
+    except EdgeKVError as e:
+        say(f"selftest: error: {e}")
+        rep["passed"], rep["error"] = False, str(e)
+    Path(args.report).write_text(json.dumps(rep, indent=1, default=str))
+    say(f"== {'PASS' if rep['passed'] else 'FAIL'}; report: {args.report}")
+    return 0 if rep["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
