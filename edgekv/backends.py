@@ -2,7 +2,7 @@
 
 Interface: `run(input_ids [B,S], position_ids [B,S], logits_index [B,K], cache) -> logits
 [B,K,V]` (a host view into a buffer the backend owns; copy it to keep it). The call appends the
-S new tokens' K/V to the cache at slot cache.n and advances cache.n. Each backend brings the
+S new tokens' K/V to the cache at its write slot and advances it. Each backend brings the
 memory its cache lives in (`backend.memory`): build the cache with
 `KVCache(bundle, ctx, memory=backend.memory)`.
 
@@ -13,7 +13,9 @@ memory its cache lives in (`backend.memory`): build the cache with
 | `trt` | a TensorRT engine (`edgekv build-engine`) | device memory (cuda-python) | tensorrt, cuda-python |
 
 All three bind the past as the filled prefix `buf[:n]` and `present.*` straight into the buffer
-at the write slot `buf[n:n+S]` by address (cache.ptr); only the logits rows reach the host."""
+at the write slot `buf[w:w+S]` by address (cache.ptr; w == n unless the cache is a ring that has
+wrapped, where the overwritten slots are masked out of the past); only the logits rows reach the
+host."""
 from __future__ import annotations
 
 import os
@@ -98,7 +100,7 @@ class OrtBackend:
             raise EdgeKVError(f"{self.name} needs its KV cache in {self.device} memory (build it with memory=backend.memory)")
         io = self.io
         b, s = input_ids.shape
-        n = cache.n
+        n, w = cache.n, cache.w  # past = the n filled slots; present goes to slots w..w+s
         cache.check_room(s)
         # the small inputs and the logits stay on the host; onnxruntime moves them if it must
         io.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, np.int64))
@@ -111,11 +113,11 @@ class OrtBackend:
             # past: only the filled prefix, so cost follows the context, not the capacity
             io.bind_input(name, self.device, 0, dt, cache.slots_shape(name, n), cache.ptr(name, 0))
             # present: the new tokens' slots, so the graph writes the cache in place
-            io.bind_output("present" + name[4:], self.device, 0, dt, cache.slots_shape(name, s), cache.ptr(name, n))
+            io.bind_output("present" + name[4:], self.device, 0, dt, cache.slots_shape(name, s), cache.ptr(name, w))
         logits = self._ensure_logits(b, logits_index.shape[1])
         io.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
         self.session.run_with_iobinding(io)
-        cache.n = n + s
+        cache.advance(s)
         return logits
 
 

@@ -84,9 +84,34 @@ class KVCache:
                           for name, shape in self.shapes.items()}
         self.nbytes = need
         self.bytes_per_token = need // capacity
-        self.n = 0  # filled slots
-        # the graph's key_mask input: which of the P + S keys exist (all, for a linear cache)
-        self.key_mask = np.ones((batch, capacity), dtype=np.bool_)
+        self.n = 0  # filled slots: the past the graph sees is buf[:n]
+        self.w = 0  # write slot: the next call's present.* go to buf[w:w+S] (== n for a linear cache)
+        self.sinks = None  # ring mode: slots [0, sinks) are kept forever, [sinks, capacity) wrap
+        # the graph's key_mask input: which of the P + S keys exist (all, for a linear cache); a
+        # ring binds the whole buffer as past and masks the slots about to be overwritten
+        self.key_mask = np.ones((batch, 2 * capacity), dtype=np.bool_)
+
+    # -- ring (StreamingLLM): keep the first `sinks` slots, overwrite the oldest of the rest
+    def enable_ring(self, sinks: int) -> None:
+        if not 0 <= sinks < self.capacity - 1:
+            raise EdgeKVError(f"ring cache: {sinks} sink slots leave no ring in a capacity of {self.capacity}")
+        self.sinks = sinks
+
+    @property
+    def wrapped(self) -> bool:
+        return self.sinks is not None and self.n == self.capacity and self.w < self.n
+
+    def max_write(self) -> int:
+        """The most tokens one call may write: up to the end of the buffer (a ring call never
+        wraps in the middle; the next one starts again after the sinks)."""
+        return self.capacity - self.w
+
+    def advance(self, s: int) -> None:
+        """After a call wrote s tokens at the write slot."""
+        self.w += s
+        self.n = max(self.n, self.w)
+        if self.sinks is not None and self.w == self.capacity:
+            self.w = self.sinks
 
     def ptr(self, name: str, slot: int) -> int:
         """Address of slot `slot` of buffer `name` (host or device memory)."""
@@ -96,29 +121,41 @@ class KVCache:
         return [count] + list(self.shapes[name][1:])
 
     def key_mask_for(self, s: int) -> np.ndarray:
-        return self.key_mask[:, : self.n + s]
+        m = self.key_mask[:, : self.n + s]
+        if self.sinks is not None:
+            m[:] = True
+            if self.w < self.n:  # slots being overwritten: their old keys leave the context now
+                m[:, self.w: self.w + s] = False
+        return m
 
     def used_bytes(self) -> int:
         return self.n * self.bytes_per_token
 
     def reset(self) -> None:
-        self.n = 0
+        self.n = self.w = 0
 
     def truncate(self, n: int) -> None:
         """Forget everything after the first n slots (undo / regenerate)."""
-        if not 0 <= n <= self.n:
-            raise ValueError(f"cannot truncate a cache of {self.n} tokens to {n}")
-        self.n = n
+        if not 0 <= n <= self.n or self.wrapped:
+            raise ValueError(f"cannot truncate a cache of {self.n} tokens to {n}" + (" (the ring has wrapped)" if self.wrapped else ""))
+        self.n = self.w = n
 
     def room(self) -> int:
-        return self.capacity - self.n
+        """Tokens that still fit (a ring always has room: it overwrites)."""
+        return self.capacity - self.n if self.sinks is None else 1 << 62
 
     def check_room(self, s: int) -> None:
+        if self.sinks is not None:
+            if s > self.max_write():
+                raise ContextOverflow(f"ring cache: a call of {s} tokens would wrap; at most {self.max_write()} now")
+            return
         if s > self.room():
             raise ContextOverflow(f"context full: {self.n} + {s} tokens exceed the cache capacity of "
                                   f"{self.capacity} (raise --ctx)")
 
     def snapshot(self) -> dict[str, np.ndarray]:
+        if self.wrapped:
+            raise EdgeKVError("cannot snapshot a ring cache that has wrapped (its slots are out of order)")
         return {name: self.memory.read(buf, self.n) for name, buf in self.buffers.items()}
 
     def restore(self, snap: dict[str, np.ndarray]) -> None:
@@ -132,4 +169,4 @@ class KVCache:
             if snap[name].shape[1:] != tuple(self.shapes[name][1:]) or snap[name].dtype != self.dtypes[name]:
                 raise EdgeKVError("snapshot does not match this cache's layout")
             self.memory.write(buf, snap[name])
-        self.n = n
+        self.n = self.w = n

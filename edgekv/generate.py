@@ -61,11 +61,15 @@ class Generator:
         every token from index `logits_from` on [S - logits_from, V] (the head runs only there)."""
         if not ids:
             raise EdgeKVError("empty prompt: nothing to feed the model")
-        self.cache.check_room(len(ids))
+        if self.cache.sinks is None:  # a linear cache must hold the whole prompt (a ring overwrites)
+            self.cache.check_room(len(ids))
         out = []
         last = None
-        for start in range(0, len(ids), self.prefill_chunk):
-            chunk = np.asarray(ids[start: start + self.prefill_chunk], np.int64)[None]  # [1, S]
+        start = 0
+        while start < len(ids):
+            # a ring cache takes a call only up to the end of its buffer
+            step = min(self.prefill_chunk, self.cache.max_write())
+            chunk = np.asarray(ids[start: start + step], np.int64)[None]  # [1, S]
             s = chunk.shape[1]
             pos = np.arange(self.pos, self.pos + s, dtype=np.int64)[None]
             first = max(0, logits_from - start)  # rows of this chunk that are wanted
@@ -73,6 +77,7 @@ class Generator:
             idx = (np.arange(first, s) if wanted else np.array([s - 1]))[None].astype(np.int64)
             logits = self.backend.run(chunk, pos, idx, self.cache)
             self.pos += s
+            start += s
             if wanted:
                 out.append(logits[0].copy())
             else:

@@ -88,7 +88,7 @@ class TrtBackend:
             raise EdgeKVError("trt needs its KV cache in device memory (build it with memory=backend.memory)")
         b, s = input_ids.shape
         k = logits_index.shape[1]
-        n = cache.n
+        n, w = cache.n, cache.w
         cache.check_room(s)
         if b != 1 or s > self.max_prefill or k > s:
             raise EdgeKVError(f"trt: this engine takes batch 1 and at most {self.max_prefill} tokens per call "
@@ -106,7 +106,7 @@ class TrtBackend:
         for name in cache.names:
             ctx.set_input_shape(name, tuple(cache.slots_shape(name, n)))
             ctx.set_tensor_address(name, cache.ptr(name, 0))  # past: the filled prefix
-            ctx.set_tensor_address("present" + name[4:], cache.ptr(name, n))  # present: at the write slot
+            ctx.set_tensor_address("present" + name[4:], cache.ptr(name, w))  # present: at the write slot
         ctx.set_tensor_address("logits", self.d_logits.ptr)
         if not ctx.execute_async_v3(self.stream):
             raise EdgeKVError("trt: the engine failed to run (see TensorRT's message above)")
@@ -114,5 +114,5 @@ class TrtBackend:
         check(self.rt.cudaMemcpyAsync(out.ctypes.data, self.d_logits.ptr, out.nbytes,
                                       self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream))
         check(self.rt.cudaStreamSynchronize(self.stream))
-        cache.n = n + s
+        cache.advance(s)
         return out

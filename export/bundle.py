@@ -18,7 +18,7 @@ import edgekv
 from edgekv.errors import EdgeKVError
 from edgekv.manifest import FORMAT_VERSION, MANIFEST, io_names
 from export.loaders import Source, SourceError, load_gguf, load_hf_folder
-from edgekv.kvschemes import INT4, STATIC, unpack_int4
+from edgekv.kvschemes import INT4, INT4_GROUP, INT4_LEVELS, STATIC, unpack_int4
 from export.model import Transformer, UnsupportedModel
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
@@ -212,6 +212,8 @@ def verify(model: Transformer, bundle_dir: Path, prompt: list[int], steps: int, 
                 r = r_past[names_ref.index(f"past.{i}.{kv}")].float().numpy()
                 if model.scheme.rotate:  # this scheme caches K/V in the rotated basis
                     r = r @ model.layers[i].attn.had.float().numpy()
+                if kv == "key" and model.scheme.center_keys:  # ... and its keys centered
+                    r = r - model.layers[i].attn.k_offset.float().numpy()
                 noise_rms = max(noise_rms, float(np.sqrt(((t - r) ** 2).mean()) / max(np.sqrt((r ** 2).mean()), 1e-12)))
             if i == 0 and quantized:
                 a, b = t_t[0].numpy(), o_t[0].numpy()
@@ -261,8 +263,8 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
     model = Transformer(cfg, kv)
     model.load_state_dict(src.state_dict, strict=False)  # inv_freq is computed, lm_head may be tied
     calibration = None
-    if kv in STATIC:
-        calibration = calibrate_static(model, src, kv, calib_text, calib_tokens)
+    if kv in STATIC or model.scheme.center_keys:
+        calibration = calibrate(model, src, kv, calib_text, calib_tokens)
     model = model.to(torch_dtype).eval()
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -320,18 +322,23 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
     return out_dir
 
 
-def calibrate_static(model: Transformer, src: Source, kv: str, calib_text: str | None, calib_tokens: int) -> dict:
+def calibrate(model: Transformer, src: Source, kv: str, calib_text: str | None, calib_tokens: int) -> dict:
     from tokenizers import Tokenizer
 
-    from export.calibrate import calibration_text, kv_absmax, set_static_scales
+    from export.calibrate import calibration_text, key_mean, kv_absmax, set_key_offsets, set_static_scales
 
     text, desc = calibration_text(calib_text)
     ids = Tokenizer.from_str(src.tokenizer_json).encode(text, add_special_tokens=False).ids[:calib_tokens]
     if len(ids) < 64:
         raise ExportError(f"calibration text too short: {len(ids)} tokens (need at least 64)")
-    log(f"calibrating {kv} scales on {len(ids)} tokens of {desc[:60]}...")
+    log(f"calibrating {kv} on {len(ids)} tokens of {desc[:60]}...")
     ref = Transformer(src.config, "float").eval()
     ref.load_state_dict(src.state_dict, strict=False)
+    if model.scheme.center_keys:
+        set_key_offsets(model, key_mean(ref, ids))
+        return {"text": desc, "tokens": len(ids),
+                "method": "key offset = mean key per (layer, KV head, channel) after RoPE"
+                          + (" and the rotation" if model.scheme.rotate else "") + "; int4 levels fixed (INT4_LEVELS)"}
     stats = kv_absmax(ref, ids)
     per_tensor = kv == "int8-tensor"
     set_static_scales(model, stats, per_tensor, model.scheme.min_scale)
@@ -351,6 +358,8 @@ def build_manifest(src: Source, recipe: dict, kv: str, dtype: str, max_context: 
 
     scheme = get_scheme(kv)
     names = io_names(cfg.n_layers, scheme)
+    int4 = {"int4_levels": list(INT4_LEVELS), "int4_group": INT4_GROUP, "rotation": "hadamard" if scheme.rotate else None} \
+        if kv in INT4 else {}
     return {
         "format_version": FORMAT_VERSION,
         "exporter": {"edgekv_version": edgekv.__version__, "torch": torch.__version__, "onnx": onnx.__version__,
@@ -366,7 +375,7 @@ def build_manifest(src: Source, recipe: dict, kv: str, dtype: str, max_context: 
         "max_context": max_context,
         "kv": {"scheme": kv, "description": scheme.description,
                "tensors": [{"suffix": t.suffix, "dtype": t.dtype, "last_dim": t.last or None} for t in scheme.tensors],
-               "layout": "slot-major [P, B, Hkv, D]; scales [P, B, Hkv]",
+               "layout": "slot-major [P, B, Hkv, D]; scales [P, B, Hkv]", **int4,
                "bytes_per_token": scheme.bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim,
                                                          2 if dtype == "float16" else 4)},
         "io": names,

@@ -1,5 +1,6 @@
-"""Calibration of the static int8 schemes: absmax of K (after RoPE) and V per layer, KV head and
-channel, over calibration text run through the float model."""
+"""Calibration at export, over calibration text run through the float model (K after RoPE):
+- int8-static / int8-tensor: absmax of K and V per layer, KV head and channel -> scales;
+- int4: the mean key per layer, KV head and channel -> the offset subtracted before quantizing."""
 from __future__ import annotations
 
 import importlib
@@ -40,6 +41,46 @@ def calibration_text(path: str | None) -> tuple[str, str]:
 
 
 @torch.no_grad()
+def key_mean(model_float: Transformer, ids: list[int], window: int = 512) -> list[torch.Tensor]:
+    """Per layer the mean key [Hkv, D] over every token of `ids` (after RoPE, before any rotation)."""
+    cfg = model_float.cfg
+    sums = [torch.zeros(cfg.n_kv_heads, cfg.head_dim, dtype=torch.float64) for _ in range(cfg.n_layers)]
+    count = [0]
+
+    def observer(i):
+        def obs(k, v):  # [S, B, Hkv, D]
+            sums[i] += k.double().sum((0, 1))
+            if i == 0:
+                count[0] += k.shape[0] * k.shape[1]
+        return obs
+
+    _run_observed(model_float, ids, window, observer)
+    return [(s / max(count[0], 1)).float() for s in sums]
+
+
+def _run_observed(model_float: Transformer, ids: list[int], window: int, observer) -> None:
+    for i, layer in enumerate(model_float.layers):
+        layer.attn.observer = observer(i)
+    try:
+        for start in range(0, len(ids), window):
+            chunk = torch.tensor([ids[start: start + window]])
+            s = chunk.shape[1]
+            model_float(chunk, torch.arange(s)[None], torch.ones(1, s, dtype=torch.bool), torch.tensor([[s - 1]]),
+                        *model_float.past_like(0, 1))
+    finally:
+        for layer in model_float.layers:
+            layer.attn.observer = None
+
+
+def set_key_offsets(model: Transformer, means: list[torch.Tensor]) -> None:
+    """The offsets live where the keys are quantized: in the rotated basis when the scheme rotates
+    (the mean of rotated keys is the rotated mean: rotation is linear)."""
+    for layer, m in zip(model.layers, means):
+        a = layer.attn
+        a.k_offset.copy_(m @ a.had.float() if model.scheme.rotate else m)
+
+
+@torch.no_grad()
 def kv_absmax(model_float: Transformer, ids: list[int], window: int = 512) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (k_absmax [Hkv, D], v_absmax [Hkv, D]) over every token of `ids`."""
     cfg = model_float.cfg
@@ -52,17 +93,7 @@ def kv_absmax(model_float: Transformer, ids: list[int], window: int = 512) -> li
             stats[i][1] = torch.maximum(stats[i][1], v.abs().amax((0, 1)).float())
         return obs
 
-    for i, layer in enumerate(model_float.layers):
-        layer.attn.observer = observer(i)
-    try:
-        for start in range(0, len(ids), window):
-            chunk = torch.tensor([ids[start: start + window]])
-            s = chunk.shape[1]
-            model_float(chunk, torch.arange(s)[None], torch.ones(1, s, dtype=torch.bool), torch.tensor([[s - 1]]),
-                        *model_float.past_like(0, 1))
-    finally:
-        for layer in model_float.layers:
-            layer.attn.observer = None
+    _run_observed(model_float, ids, window, observer)
     return [tuple(x) for x in stats]
 
 

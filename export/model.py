@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgekv.kvschemes import INT4, STATIC, get_scheme, hadamard, n_groups
+from edgekv.kvschemes import INT4, INT4_LEVELS, INT4_THRESHOLDS, STATIC, get_scheme, hadamard, int4_byte_table, n_groups
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 
@@ -129,13 +129,15 @@ def rotate_half_matrix(d: int) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, static_scales: bool = False):
+    def __init__(self, cfg: ModelConfig, static_scales: bool = False, center_keys: bool = False):
         super().__init__()
         self.cfg = cfg
         self.observer = None  # calibration: a callable fed (k, v) after RoPE; None when exporting
         if static_scales:  # int8-static / int8-tensor: calibrated constants, baked into the graph
             self.register_buffer("k_scale", torch.ones(cfg.n_kv_heads, cfg.head_dim))
             self.register_buffer("v_scale", torch.ones(cfg.n_kv_heads, cfg.head_dim))
+        if center_keys:  # int4: calibrated mean key per channel, subtracted before quantizing
+            self.register_buffer("k_offset", torch.zeros(cfg.n_kv_heads, cfg.head_dim))
         self.register_buffer("had", torch.from_numpy(hadamard(cfg.head_dim)), persistent=False)
         h, hkv, d, e = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden_size
         # q, k, v projections fused into one matrix (rows: q, then k, then v): one MatMul per layer
@@ -157,6 +159,11 @@ class Attention(nn.Module):
         k_new, v_new = k.transpose(0, 1), v.transpose(0, 1)  # [S, B, Hkv, D] slot-major
         if self.observer is not None:
             self.observer(k_new, v_new)
+        if scheme.center_keys:
+            # q.(k - m) = q.k - q.m: the same shift for every key a query sees, and softmax ignores
+            # a shift, so the offset is never added back. It takes the keys' large per-channel
+            # mean out of the int4 range, leaving the levels for what varies.
+            k_new = k_new - self.k_offset.to(x.dtype)
         ks, vs = (self.k_scale, self.v_scale) if hasattr(self, "k_scale") else (None, None)
         present_k, k_hat = kv_store(scheme, k_new, ks)
         present_v, v_hat = kv_store(scheme, v_new, vs)
@@ -192,10 +199,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig, static_scales: bool = False):
+    def __init__(self, cfg: ModelConfig, static_scales: bool = False, center_keys: bool = False):
         super().__init__()
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = Attention(cfg, static_scales)
+        self.attn = Attention(cfg, static_scales, center_keys)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -212,7 +219,7 @@ class Transformer(nn.Module):
         self.scheme = get_scheme(kv_scheme)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         static = self.scheme.name in STATIC
-        self.layers = nn.ModuleList(Block(cfg, static) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(Block(cfg, static, self.scheme.center_keys) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
@@ -283,11 +290,14 @@ def kv_store(scheme, x, static_scale=None):
         S, B, Hkv, D = x.shape
         g = n_groups(D)
         xg = x.reshape(S, B, Hkv, g, D // g)
-        scale = (xg.abs().amax(-1).float() / 7.0).clamp(min=scheme.min_scale).to(torch.float16)  # [S,B,Hkv,G]
-        q = torch.clamp(torch.round(xg / scale.to(x.dtype)[..., None]), -7.0, 7.0)
-        x_hat = (q * scale.to(x.dtype)[..., None]).reshape(S, B, Hkv, D)
-        u = (q.reshape(S, B, Hkv, D // 2, 2) + 8.0)  # nibbles 1..15; arithmetic packing (no bitwise ops in TensorRT)
-        packed = u[..., 0] + 16.0 * u[..., 1]  # [S,B,Hkv,D/2], integers 17..255 as float
+        scale = xg.abs().amax(-1).float().clamp(min=scheme.min_scale).to(torch.float16)  # [S,B,Hkv,G] absmax = level 1
+        y = xg / scale.to(x.dtype)[..., None]
+        # nearest level: count the midpoints below (comparisons, no bitwise or argmin ops for TensorRT)
+        codes = (y[..., None] > torch.tensor(INT4_THRESHOLDS, dtype=x.dtype)).to(x.dtype).sum(-1)  # [S,B,Hkv,G,D/G] 0..15
+        levels = torch.tensor(INT4_LEVELS, dtype=x.dtype)
+        x_hat = (levels[codes.long()] * scale.to(x.dtype)[..., None]).reshape(S, B, Hkv, D)
+        c = codes.reshape(S, B, Hkv, D // 2, 2)
+        packed = c[..., 0] + 16.0 * c[..., 1]  # [S,B,Hkv,D/2] two codes per byte, arithmetically
         return [packed.to(torch.uint8), scale], x_hat
     raise NotImplementedError(scheme.name)
 
@@ -299,12 +309,12 @@ def kv_load(scheme, tensors, dtype, static_scale=None):
         return tensors[0].to(dtype) * static_scale.to(dtype)
     if scheme.name in INT4:
         packed, scale = tensors
-        b = packed.to(dtype)  # [P,B,Hkv,D/2]
-        hi = torch.floor(b / 16.0)
-        lo = b - 16.0 * hi
-        P, B, Hkv, D2 = b.shape
-        q = torch.stack([lo, hi], -1).reshape(P, B, Hkv, scale.shape[-1], 2 * D2 // scale.shape[-1]) - 8.0
-        return (q * scale.to(dtype)[..., None]).reshape(P, B, Hkv, 2 * D2)
+        P, B, Hkv, D2 = packed.shape
+        g = scale.shape[-1]
+        # one Gather decodes both nibbles of every byte: [256, 2] table of levels
+        table = torch.from_numpy(int4_byte_table()).to(dtype)
+        v = table[packed.to(dtype).long()]  # [P,B,Hkv,D/2,2]
+        return (v.reshape(P, B, Hkv, g, 2 * D2 // g) * scale.to(dtype)[..., None]).reshape(P, B, Hkv, 2 * D2)
     if scheme.name == "int8":
         q, scale = tensors
         return q.to(dtype) * scale.to(dtype)[..., None]

@@ -95,15 +95,58 @@ def test_short_or_empty_text_refused(tiny_bundle_int8, tmp_path):
 
 
 def test_int4_pack_roundtrip_and_error_bound():
-    from edgekv.kvschemes import dequantize_int4, pack_int4, quantize_int4, unpack_int4
+    from edgekv.kvschemes import INT4_LEVELS, dequantize_int4, pack_int4, quantize_int4, unpack_int4
 
-    q = np.random.default_rng(1).integers(-7, 8, (5, 1, 3, 64)).astype(np.int8)
-    assert pack_int4(q).shape == (5, 1, 3, 32) and pack_int4(q).dtype == np.uint8
-    np.testing.assert_array_equal(unpack_int4(pack_int4(q)), q)
+    c = np.random.default_rng(1).integers(0, 16, (5, 1, 3, 64)).astype(np.uint8)
+    assert pack_int4(c).shape == (5, 1, 3, 32) and pack_int4(c).dtype == np.uint8
+    np.testing.assert_array_equal(unpack_int4(pack_int4(c)), c)
     x = np.random.default_rng(2).standard_normal((20, 1, 3, 64)).astype(np.float32)
     packed, scale = quantize_int4(x)
     err = np.abs(dequantize_int4(packed, scale) - x).reshape(20, 1, 3, 2, 32)
-    assert (err <= scale.astype(np.float32)[..., None] / 2 + 1e-6).all()
+    # nearest level: off by at most half the widest gap between neighbouring levels (times the scale)
+    half_gap = np.diff(INT4_LEVELS).max() / 2
+    assert (err <= scale.astype(np.float32)[..., None] * half_gap * (1 + 1e-3) + 1e-6).all()
+    # and each value is coded to the nearest level, not merely within the bound
+    lv = np.asarray(INT4_LEVELS)
+    y = (x.reshape(20, 1, 3, 2, 32) / scale.astype(np.float32)[..., None]).reshape(-1)
+    best = np.abs(y[:, None] - lv).min(1)
+    got = np.abs(y - lv[unpack_int4(packed).reshape(-1)])
+    assert (got <= best + 1e-6).all()
+
+
+def test_int4_levels_are_symmetric_and_sorted():
+    from edgekv.kvschemes import INT4_LEVELS, int4_byte_table
+
+    lv = np.asarray(INT4_LEVELS, np.float32)
+    assert len(lv) == 16 and (np.diff(lv) > 0).all() and lv[0] == -1 and lv[-1] == 1
+    np.testing.assert_allclose(lv, -lv[::-1])
+    t = int4_byte_table()
+    assert t.shape == (256, 2) and t[0x3A, 0] == lv[0xA] and t[0x3A, 1] == lv[0x3]
+
+
+def test_key_offset_is_softmax_invariant(monkeypatch):
+    """Subtracting a constant vector from every key and never adding it back leaves attention
+    unchanged: with quantization switched off, any key offset gives the float model's logits."""
+    import export.model as M
+
+    cfg = M.ModelConfig(arch="llama", vocab_size=64, hidden_size=64, intermediate_size=96, n_layers=2, n_heads=4,
+                        n_kv_heads=2, head_dim=16)
+    torch.manual_seed(0)
+    ref = M.Transformer(cfg, "float").eval()
+    m = M.Transformer(cfg, "int4-norot").eval()
+    m.load_state_dict(ref.state_dict(), strict=False)
+    for layer in m.layers:
+        layer.attn.k_offset.copy_(torch.randn_like(layer.attn.k_offset) * 5)
+    monkeypatch.setattr(M, "kv_store", lambda scheme, x, s=None: ([x, x], x))  # no quantization
+    monkeypatch.setattr(M, "kv_load", lambda scheme, t, dtype, s=None: t[0])
+    ids = torch.randint(0, cfg.vocab_size, (1, 12))
+    args = (ids, torch.arange(12)[None], torch.ones(1, 12, dtype=torch.bool), torch.arange(12)[None])
+    empty = [torch.zeros(0, 1, 2, 16)] * (2 * 2 * cfg.n_layers)  # P = 0, two tensors per K and V
+    with torch.no_grad():
+        a = ref(*args, *ref.past_like(0, 1))[0]
+        b = m(*args, *empty)[0]
+        assert all(float(layer.attn.k_offset.abs().max()) > 1 for layer in m.layers)
+    torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("name", ["int4", "int4-norot"])

@@ -95,3 +95,47 @@ def test_logits_from_returns_exactly_the_tail_rows(tiny_bundle_int8):
     tail = runtime(tiny_bundle_int8, chunk=16).prefill(seq, all_logits=True, logits_from=21)
     assert tail.shape == (19, full.shape[1])
     np.testing.assert_allclose(tail, full[21:], atol=1e-5)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_bundle_int8", "tiny_bundle_float"])
+def test_ring_cache_equals_a_linear_cache_that_masks_evicted_tokens(fixture, request):
+    """A ring of capacity C with k sinks, decoding past the wrap, must at every step give the
+    logits of a large linear cache in which each step masks the tokens the ring has evicted
+    (all but the sinks and the C - k - 1 most recent). Not a fresh prefill of the kept tokens:
+    the kept tokens' deeper-layer K/V were computed while the evicted ones were still visible,
+    in both caches alike."""
+    path = request.getfixturevalue(fixture)
+    C, k = 16, 3
+    seq = ids(40, seed=5)
+    ring = runtime(path, capacity=C, chunk=4)
+    ring.cache.enable_ring(k)
+    got = [ring.prefill(seq[:10]).copy()] + [ring.decode_step(t).copy() for t in seq[10:]]
+    assert ring.cache.n == C and ring.pos == len(seq)
+
+    ref = runtime(path, capacity=64, chunk=4)
+    want = [ref.prefill(seq[:10]).copy()]
+    for t in range(10, len(seq)):
+        ref.cache.key_mask[:] = True
+        ref.cache.key_mask[0, k: max(k, t - (C - k - 1))] = False  # evicted by the time token t is fed
+        want.append(ref.decode_step(seq[t]).copy())
+    # int8: the slots sit in another order, the float sums differ in the last bits, and now and
+    # then an int8 rounding flips (docs/graph.md); a float cache matches to float precision
+    atol = 1e-2 if "int8" in fixture else 2e-4
+    np.testing.assert_allclose(np.stack(got), np.stack(want), atol=atol, rtol=1e-4)
+    # and eviction matters: without the mask (everything visible) the logits differ far more
+    full = runtime(path, capacity=64, chunk=4)
+    full_logits = [full.prefill(seq[:10]).copy()] + [full.decode_step(t).copy() for t in seq[10:]]
+    assert np.abs(np.stack(full_logits)[-5:] - np.stack(got)[-5:]).max() > 10 * atol
+    with pytest.raises(ContextOverflow):  # a linear cache of the ring's size overflows
+        runtime(path, capacity=C).prefill(seq)
+
+
+def test_ring_prefill_crosses_the_wrap_and_refuses_undo(tiny_bundle_int8):
+    g = runtime(tiny_bundle_int8, capacity=16, chunk=7)
+    g.cache.enable_ring(2)
+    g.prefill(ids(50, seed=6))  # chunks are cut at the buffer's end
+    assert g.cache.n == 16 and 2 <= g.cache.w < 16 and g.pos == 50
+    with pytest.raises(ValueError, match="wrapped"):
+        g.cache.truncate(4)
+    with pytest.raises(EdgeKVError, match="ring"):
+        g.cache.snapshot()
