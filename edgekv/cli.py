@@ -78,6 +78,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, metavar="OUT", help="write OUT (.json) plus .csv and .md beside it")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="write the accuracy-vs-memory plot")
 
+    p = sub.add_parser("eval-context", formatter_class=Formatter, help="ring vs drop-turns when a chat outgrows the cache",
+                       description="Generate a long greedy conversation with the whole history in the cache, then score its "
+                                   "replies under each context-full policy at --ctx: KL divergence and top-1 agreement "
+                                   "against the full-history model, reply perplexity, prefill tokens per turn.")
+    p.add_argument("bundle", help="bundle folder written by `edgekv export`")
+    p.add_argument("--ctx", type=int, default=512, help="the cache capacity the policies run in")
+    p.add_argument("--turns", type=int, default=24, help="conversation turns (built-in questions)")
+    p.add_argument("--reply-tokens", type=int, default=96, help="longest reply in the reference conversation")
+    p.add_argument("--system", default=None, help="system prompt (default: the chat template's own)")
+    p.add_argument("--sinks", type=int, default=None, help="ring: slots kept at the start (default: the system prompt's tokens)")
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all available)")
+    p.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
+
     p = sub.add_parser("check-trt", formatter_class=Formatter, help="hold a graph against TensorRT's ONNX parser rules",
                        description="Check every node of a bundle's graph (or an .onnx file) against the ONNX parser "
                                    "rules of a TensorRT version: ops, types, build-time constants, Q/DQ, UINT8, opset.")
@@ -148,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "eval":
             from edgekv.evaluate import cmd_eval
             return cmd_eval(args)
+        if args.cmd == "eval-context":
+            from edgekv.context_eval import cmd_eval_context
+            return cmd_eval_context(args)
         if args.cmd == "check-trt":
             from edgekv.trt_check import cmd_check_trt
             return cmd_check_trt(args)
