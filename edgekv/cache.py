@@ -154,11 +154,10 @@ class KVCache:
                                   f"{self.capacity} (raise --ctx)")
 
     def snapshot(self) -> dict[str, np.ndarray]:
-        if self.wrapped:
-            raise EdgeKVError("cannot snapshot a ring cache that has wrapped (its slots are out of order)")
+        """The filled slots (a wrapped ring's too: restore it with its write slot `w`)."""
         return {name: self.memory.read(buf, self.n) for name, buf in self.buffers.items()}
 
-    def restore(self, snap: dict[str, np.ndarray]) -> None:
+    def restore(self, snap: dict[str, np.ndarray], w: int | None = None) -> None:
         n = {v.shape[0] for v in snap.values()}
         if len(n) != 1 or set(snap) != set(self.buffers):
             raise EdgeKVError("snapshot does not match this cache's layout")
@@ -170,3 +169,7 @@ class KVCache:
                 raise EdgeKVError("snapshot does not match this cache's layout")
             self.memory.write(buf, snap[name])
         self.n = self.w = n
+        if w is not None and w != n:  # a ring that had wrapped: the next write goes to its old slot
+            if self.sinks is None or not self.sinks <= w < n == self.capacity:
+                raise EdgeKVError("snapshot of a wrapped ring does not fit this cache")
+            self.w = w

@@ -1,10 +1,15 @@
 """`edgekv chat`: streaming multi-turn chat that keeps its KV cache between turns.
 
 Each turn renders the whole conversation with the bundle's chat template, finds the longest
-prefix already in the cache (token ids are tracked slot by slot) and prefills only the rest: the
-new message and the template glue. When a turn would not fit, whole old turns are dropped (the
-system prompt stays) and the kept turns are prefilled again: positions stay inside what the
-bundle was verified for, and the model never sees a torn message. See docs/chat.md."""
+prefix already fed (token ids are tracked) and prefills only the rest: the new message and the
+template glue. When the conversation outgrows the cache (--context):
+  ring (default)  the first tokens (system prompt, attention sinks) stay, the oldest of the rest
+                  are overwritten (StreamingLLM); nothing is prefilled again. When positions reach
+                  the bundle's verified context, old turns are dropped once and the kept ones
+                  re-prefilled from position 0.
+  drop-turns      whole old exchanges are dropped and the kept turns prefilled again.
+`edgekv eval-context` measured the ring closer to the full-history model (half the KL
+divergence) at a tenth of the prefill; docs/chat.md."""
 from __future__ import annotations
 
 import json
@@ -31,16 +36,43 @@ HELP = """commands:
   /quit            exit (Ctrl-D too); Ctrl-C stops a reply"""
 
 
+CONTEXT_POLICIES = ("ring", "drop-turns")
+
+
+def sink_count(codec, system: str | None) -> int:
+    """Tokens before the first user message's text: the system prompt and its template glue."""
+    sys_msg = [{"role": "system", "content": system}] if system else []
+    a = codec.chat_ids(sys_msg + [{"role": "user", "content": "alpha"}])
+    b = codec.chat_ids(sys_msg + [{"role": "user", "content": "omega"}])
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
 class ChatSession:
-    def __init__(self, bundle, codec, gen, params: SamplingParams, system: str | None, max_new_tokens: int):
+    def __init__(self, bundle, codec, gen, params: SamplingParams, system: str | None, max_new_tokens: int,
+                 context: str = "drop-turns"):
+        if context not in CONTEXT_POLICIES:
+            raise EdgeKVError(f"unknown context policy {context!r}; choose {' or '.join(CONTEXT_POLICIES)}")
         self.bundle, self.codec, self.gen = bundle, codec, gen
         self.params, self.max_new = params, max_new_tokens
         self.rng = np.random.default_rng(params.seed)
         self.system = system
+        self.ring = context == "ring"
+        self._set_sinks()
         self.messages: list[dict] = []
         self.ids: list[int] = []  # token ids held by the cache, slot by slot
         self.last = Stats()
         self.dropped_turns = 0
+
+    def _set_sinks(self) -> None:
+        """Ring: the system prompt's slots are the sinks (at most half the cache)."""
+        if self.ring:
+            c = self.gen.cache
+            c.sinks = None  # re-armed below; only called with an empty cache
+            c.enable_ring(min(sink_count(self.codec, self.system), c.capacity // 2))
+
+    def _room(self) -> int:
+        """Tokens that may still be fed: the cache's room, and for a ring the positions left."""
+        return min(self.gen.cache.room(), self.bundle.max_context - self.gen.pos)
 
     # -- conversation -------------------------------------------------------------------------
     def _msgs(self, extra=()):
@@ -59,13 +91,19 @@ class ChatSession:
         return self.codec.encode(new_text)
 
     def _keep_common_prefix(self, target: list[int]) -> int:
-        """Truncate the cache to the longest prefix it shares with `target`; return its length."""
+        """Truncate the cache to the longest prefix it shares with `target`; return its length.
+        A ring that has wrapped cannot be truncated (its slots are out of order): it starts over."""
         n = 0
         for a, b in zip(self.ids, target):
             if a != b:
                 break
             n += 1
-        self.gen.truncate(n)
+        if n < len(self.ids):
+            if self.gen.cache.wrapped:
+                self.gen.reset()
+                n = 0
+            else:
+                self.gen.truncate(n)
         self.ids = self.ids[:n]
         return n
 
@@ -74,9 +112,7 @@ class ChatSession:
         number of tokens prefilled."""
         n = self._keep_common_prefix(target)
         if n == len(target):  # the model needs at least one new token to produce logits
-            n -= 1
-            self.gen.truncate(n)
-            self.ids = self.ids[:n]
+            n = self._keep_common_prefix(target[:-1])
         self._logits = self.gen.prefill(target[n:]).copy()
         self.ids = list(target)  # only now: an interrupted prefill leaves ids at the common prefix
         return len(target) - n
@@ -84,10 +120,14 @@ class ChatSession:
     def _fit(self, user: str) -> list[int]:
         """Token ids for the conversation + the new message, dropping old turns until the prompt
         leaves room for a reply."""
-        room_for_reply = min(self.max_new, self.gen.cache.capacity // 4)
+        cap = self.gen.cache.capacity
+        room_for_reply = min(self.max_new, cap // 4)
+        target = self._render(self._msgs([{"role": "user", "content": user}]))
+        if self.ring and len(target) + room_for_reply <= self.bundle.max_context:
+            return target  # the ring overwrites what does not fit; positions are still verified
         while True:
             target = self._render(self._msgs([{"role": "user", "content": user}]))
-            if len(target) + room_for_reply <= self.gen.cache.capacity or not self.messages:
+            if len(target) + room_for_reply <= cap or not self.messages:
                 break
             # drop the oldest exchange (user + assistant) as a whole
             self.messages = self.messages[2:] if len(self.messages) >= 2 else []
@@ -136,7 +176,7 @@ class ChatSession:
             if tok in self.codec.stop_ids:
                 st.stop_reason = "stop"
                 # feed the end-of-turn token, so the cache holds the turn the way the template renders it
-                if self.gen.cache.room() > 0:
+                if self._room() > 0:
                     self.gen.decode_step(tok)
                     self.ids.append(tok)
                 return
@@ -146,7 +186,7 @@ class ChatSession:
             if piece:
                 pieces.append(piece)
                 write(piece)
-            if self.gen.cache.room() < 1:
+            if self._room() < 1:
                 st.stop_reason = "context"
                 return
             logits = self.gen.decode_step(tok)
@@ -166,6 +206,7 @@ class ChatSession:
         self.messages = []
         self.gen.reset()
         self.ids = []
+        self._set_sinks()  # the system prompt may have changed
 
     def stats_line(self) -> str:
         st, c = self.last, self.gen.cache
@@ -173,6 +214,7 @@ class ChatSession:
         return (f"TTFT {st.ttft_s * 1000:.0f} ms | prefill {st.prompt_tokens} tok @ {st.prefill_tps:.0f} tok/s | "
                 f"decode {st.new_tokens} tok @ {st.decode_tps:.1f} tok/s | KV {c.n}/{c.capacity} slots, "
                 f"{c.used_bytes() / mib:.2f}/{c.nbytes / mib:.2f} MiB"
+                + (" | ring: oldest tokens overwritten" if c.wrapped else "")
                 + (f" | {self.dropped_turns} old turn(s) dropped" if self.dropped_turns else ""))
 
     def warm_system(self, prompt_cache: str | None) -> str:
@@ -209,7 +251,7 @@ class ChatSession:
         p = Path(path)
         meta = {"edgekv_chat": 1, "bundle_sha256": self.bundle.manifest["source"].get("sha256"),
                 "bundle_scheme": self.bundle.scheme.name, "system": self.system, "messages": self.messages,
-                "ids": self.ids}
+                "ids": self.ids, "ring": {"w": self.gen.cache.w, "sinks": self.gen.cache.sinks}}
         snap = self.gen.cache.snapshot()
         tmp = p.with_name(p.name + ".tmp")
         with open(tmp, "wb") as f:
@@ -226,14 +268,17 @@ class ChatSession:
         if (meta.get("bundle_sha256"), meta.get("bundle_scheme")) != (self.bundle.manifest["source"].get("sha256"),
                                                                      self.bundle.scheme.name):
             raise EdgeKVError(f"{path}: saved with another model or KV scheme")
-        self.gen.cache.restore(snap)
-        self.gen.pos = self.gen.cache.n
+        ring = meta.get("ring") or {}
+        if ring.get("w") is not None and ring.get("w") != len(meta["ids"]) and not self.ring:
+            raise EdgeKVError(f"{path}: saved from a ring cache that has wrapped; load it with --context ring")
+        self.gen.cache.restore(snap, w=ring.get("w"))
+        self.gen.pos = len(meta["ids"])  # positions run with the conversation, also past a ring's wrap
         self.system, self.messages, self.ids = meta["system"], meta["messages"], meta["ids"]
 
 
 def cmd_chat(args) -> int:
     bundle, codec, gen = open_runtime(args.bundle, args.ctx, args.backend, args.threads)
-    session = ChatSession(bundle, codec, gen, sampling_from(args), args.system, args.max_new_tokens)
+    session = ChatSession(bundle, codec, gen, sampling_from(args), args.system, args.max_new_tokens, args.context)
     interactive = sys.stdin.isatty() and not args.json
     if args.system or args.prompt_cache:
         note = session.warm_system(args.prompt_cache)
@@ -270,7 +315,8 @@ def cmd_chat(args) -> int:
         if args.json:
             print(json.dumps({"user": line, "text": text, **asdict(st), "prefill_tps": st.prefill_tps,
                               "decode_tps": st.decode_tps, "kv_slots": gen.cache.n, "kv_capacity": gen.cache.capacity,
-                              "kv_bytes_used": gen.cache.used_bytes(), "dropped_turns": session.dropped_turns}),
+                              "kv_bytes_used": gen.cache.used_bytes(), "dropped_turns": session.dropped_turns,
+                              "context": args.context, "ring_wrapped": gen.cache.wrapped, "position": gen.pos}),
                   flush=True)
         else:
             out.write("\n")

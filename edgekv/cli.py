@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="system prompt (default: the chat template's own)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="longest reply in tokens")
     p.add_argument("--json", action="store_true", help="one JSON object per turn on stdout")
+    p.add_argument("--context", default="ring", choices=["ring", "drop-turns"],
+                   help="when the conversation outgrows --ctx: ring = keep the system prompt, overwrite the oldest "
+                        "tokens (StreamingLLM); drop-turns = drop whole old exchanges and re-prefill (docs/chat.md)")
     p.add_argument("--prompt-cache", default=None, metavar="FILE",
                    help="save the system prompt's KV here after its first prefill; restore it on later starts "
                         "(checked against the bundle and the system prompt; a stale file is rebuilt)")

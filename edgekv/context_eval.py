@@ -77,17 +77,9 @@ def score(gen: Generator, ids: list[int], spans: list[tuple[int, int]], start_at
     return out
 
 
-def sink_count(codec: TextCodec, system: str | None) -> int:
-    """Tokens before the first user message's text: the system prompt and template glue."""
-    sys_msg = [{"role": "system", "content": system}] if system else []
-    a = codec.chat_ids(sys_msg + [{"role": "user", "content": "alpha"}])
-    b = codec.chat_ids(sys_msg + [{"role": "user", "content": "omega"}])
-    return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
-
-
 def evaluate_context(bundle_path: str, ctx: int = 512, turns: int = 24, reply_tokens: int = 96,
                      system: str | None = None, sinks: int | None = None, threads: int | None = None, out=sys.stdout) -> dict:
-    from edgekv.chat import ChatSession
+    from edgekv.chat import ChatSession, sink_count
 
     bundle = load_bundle(bundle_path)
     codec = TextCodec(bundle)

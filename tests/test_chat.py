@@ -14,10 +14,10 @@ from edgekv.text import TextCodec
 from tests.conftest import ROOT, run_edgekv
 
 
-def session(path, ctx=256, max_new=12):
+def session(path, ctx=256, max_new=12, context="drop-turns"):
     b = load_bundle(path)
     return ChatSession(b, TextCodec(b), Generator(OrtBackend(b, threads=1), KVCache(b, ctx)), SamplingParams(),
-                       "You are terse.", max_new)
+                       "You are terse.", max_new, context)
 
 
 def test_kept_cache_equals_prefill_from_scratch(tiny_bundle_int8):
@@ -71,14 +71,55 @@ def test_piped_json_conversation_and_unknown_command(tiny_bundle_int8):
     assert "unknown command /nonsense" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_long_piped_conversation_on_small_ctx_ends_normally(tiny_bundle_int8):
+@pytest.mark.parametrize("context", ["ring", "drop-turns"])
+def test_long_piped_conversation_on_small_ctx_ends_normally(tiny_bundle_int8, context):
     lines = "".join(f"Tell me fact number {i} about trains and tea.\n" for i in range(40))
     r = run_edgekv("chat", tiny_bundle_int8, "--ctx", "96", "--temperature", "0", "--max-new-tokens", "16",
-                   "--json", input=lines)
+                   "--context", context, "--json", input=lines)
     assert r.returncode == 0, r.stderr
     turns = [json.loads(l) for l in r.stdout.splitlines()]
-    assert len(turns) == 40 and turns[-1]["dropped_turns"] > 0
-    assert all(t["kv_slots"] <= 96 for t in turns)
+    assert len(turns) == 40 and all(t["kv_slots"] <= 96 for t in turns)
+    # the tiny bundle is verified for 256 positions: ~1,500 tokens of talk cross it several times
+    assert all(t["position"] <= 256 for t in turns) and turns[-1]["dropped_turns"] > 0
+    if context == "ring":  # the ring overwrote before it ever had to drop a turn
+        first_wrap = next(i for i, t in enumerate(turns) if t["ring_wrapped"])
+        assert turns[first_wrap]["dropped_turns"] == 0
+
+
+def test_ring_chat_keeps_the_cache_like_a_fresh_prefill_until_it_wraps(tiny_bundle_int8):
+    """Before the ring wraps, the ring policy is the kept cache: greedy replies equal those of a
+    session that prefills the whole conversation again each turn."""
+    s = session(tiny_bundle_int8, 256, context="ring")
+    assert s.gen.cache.sinks > 0  # the system prompt's slots
+    b = load_bundle(tiny_bundle_int8)
+    for q in ("hello there", "and again"):
+        s.reply(q)
+        assert not s.gen.cache.wrapped
+        new = s.ids[len(s.last_prompt_ids):]
+        g = Generator(OrtBackend(b, threads=1), KVCache(b, 256))
+        logits = g.prefill(s.last_prompt_ids)
+        fresh = []
+        for _ in range(len(new)):
+            fresh.append(int(np.argmax(logits)))
+            logits = g.decode_step(fresh[-1])
+        assert fresh == new
+
+
+def test_ring_chat_saves_and_loads_a_wrapped_cache(tiny_bundle_int8, tmp_path):
+    def ring_session():
+        return session(tiny_bundle_int8, 64, context="ring")
+
+    s = ring_session()
+    for i in range(8):
+        s.reply(f"tea {i}")
+        if s.gen.cache.wrapped:
+            break
+    assert s.gen.cache.wrapped and s.dropped_turns == 0
+    s.save(tmp_path / "c.npz")
+    t = ring_session()
+    t.load(tmp_path / "c.npz")
+    assert (t.gen.cache.n, t.gen.cache.w, t.gen.pos) == (s.gen.cache.n, s.gen.cache.w, s.gen.pos)
+    assert s.reply("and now?")[0] == t.reply("and now?")[0]
 
 
 @pytest.mark.slow

@@ -137,5 +137,14 @@ def test_ring_prefill_crosses_the_wrap_and_refuses_undo(tiny_bundle_int8):
     assert g.cache.n == 16 and 2 <= g.cache.w < 16 and g.pos == 50
     with pytest.raises(ValueError, match="wrapped"):
         g.cache.truncate(4)
-    with pytest.raises(EdgeKVError, match="ring"):
-        g.cache.snapshot()
+    # a wrapped ring is saved with its write slot and continues the same after a restore
+    snap, w = g.cache.snapshot(), g.cache.w
+    h = runtime(tiny_bundle_int8, capacity=16, chunk=7)
+    h.cache.enable_ring(2)
+    h.cache.restore(snap, w=w)
+    h.pos = g.pos
+    for t in ids(5, seed=7):
+        np.testing.assert_array_equal(h.decode_step(t), g.decode_step(t))
+    linear = runtime(tiny_bundle_int8, capacity=16)
+    with pytest.raises(EdgeKVError, match="wrapped ring"):
+        linear.cache.restore(snap, w=w)
