@@ -143,8 +143,8 @@ class OrtCudaBackend(OrtBackend):
                                      "libraries missing; `python -m jetson.env_check` shows what is there)")
 
     def make_memory(self):
-        from edgekv.gpu import OrtCudaMemory
-        return OrtCudaMemory(self.ort)
+        from edgekv.gpu import OrtValueMemory
+        return OrtValueMemory(self.ort, "cuda")
 
 
 def default_threads() -> int:

@@ -1,6 +1,6 @@
 """Device memory for the KV cache: the four operations KVCache uses (alloc, ptr, read, write).
 
-- `OrtCudaMemory` (ort-cuda): onnxruntime OrtValues on the GPU, no extra library.
+- `OrtValueMemory` (ort-cuda): onnxruntime OrtValues on the GPU, no extra library.
 - `CudaMemory` (trt): cuda-python's runtime API (cudaMalloc / cudaMemcpy).
 
 Each buffer is allocated once, zero-filled, for the whole capacity; backends bind slot ranges by
@@ -12,11 +12,12 @@ import numpy as np
 from edgekv.errors import EdgeKVError
 
 
-class OrtCudaMemory:
-    device = "cuda"
+class OrtValueMemory:
+    """KV buffers as onnxruntime OrtValues: on the GPU for ort-cuda (device "cuda"); with device
+    "cpu" the same code runs in CI."""
 
-    def __init__(self, ort):
-        self.ort = ort
+    def __init__(self, ort, device: str = "cuda"):
+        self.ort, self.device = ort, device
 
     def free_bytes(self) -> int | None:
         try:
@@ -26,7 +27,7 @@ class OrtCudaMemory:
 
     def alloc(self, shape: tuple, dtype):
         zeros = np.zeros(shape, dtype)
-        ov = self.ort.OrtValue.ortvalue_from_shape_and_type(list(shape), zeros.dtype, "cuda", 0)
+        ov = self.ort.OrtValue.ortvalue_from_shape_and_type(list(shape), zeros.dtype.type, self.device, 0)
         ov.update_inplace(zeros)
         return ov
 

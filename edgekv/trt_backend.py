@@ -59,11 +59,12 @@ class TrtBackend:
         if self.engine is None:
             raise EdgeKVError(f"{folder}: TensorRT could not load the engine (rebuild it with `edgekv build-engine --force`)")
         self.stream = check(rt.cudaStreamCreate())
+        self.stream_handle = int(self.stream)  # TensorRT takes the raw handle
         # one execution context per profile: decode steps and prefill chunks never re-select a profile
         self.contexts = []
         for p in (DECODE, PREFILL):
             c = self.engine.create_execution_context()
-            c.set_optimization_profile_async(p, self.stream)
+            c.set_optimization_profile_async(p, self.stream_handle)
             self.contexts.append(c)
         check(rt.cudaStreamSynchronize(self.stream))
         self.vocab = bundle.model["vocab_size"]
@@ -108,7 +109,7 @@ class TrtBackend:
             ctx.set_tensor_address(name, cache.ptr(name, 0))  # past: the filled prefix
             ctx.set_tensor_address("present" + name[4:], cache.ptr(name, w))  # present: at the write slot
         ctx.set_tensor_address("logits", self.d_logits.ptr)
-        if not ctx.execute_async_v3(self.stream):
+        if not ctx.execute_async_v3(self.stream_handle):
             raise EdgeKVError("trt: the engine failed to run (see TensorRT's message above)")
         out = self.logits.reshape(-1)[: k * self.vocab].reshape(1, k, self.vocab)
         check(self.rt.cudaMemcpyAsync(out.ctypes.data, self.d_logits.ptr, out.nbytes,

@@ -69,6 +69,26 @@ def test_pointer_only_cache_gives_the_same_logits(fixture, request):
         np.testing.assert_array_equal(fresh.memory.read(fresh.buffers[name], 18), snap[name])
 
 
+def test_ortvalue_memory_runs_the_ort_cuda_path_on_the_cpu(tiny_bundle_int8):
+    """ort-cuda keeps the cache in OrtValues; the same class on the CPU must give the same logits."""
+    import onnxruntime as ort
+
+    from edgekv.gpu import OrtValueMemory
+
+    b = load_bundle(tiny_bundle_int8)
+    be = OrtBackend(b, threads=1)
+    host = Generator(be, KVCache(b, 32))
+    ov = Generator(be, KVCache(b, 32, memory=OrtValueMemory(ort, "cpu")))
+    a = [host.prefill(ids(9)).copy()] + [host.decode_step(t).copy() for t in ids(4, 2)]
+    o = [ov.prefill(ids(9)).copy()] + [ov.decode_step(t).copy() for t in ids(4, 2)]
+    np.testing.assert_array_equal(np.stack(a), np.stack(o))
+    snap = ov.cache.snapshot()
+    fresh = KVCache(b, 32, memory=OrtValueMemory(ort, "cpu"))
+    fresh.restore(snap)
+    for name in snap:
+        np.testing.assert_array_equal(fresh.memory.read(fresh.buffers[name], 13), host.cache.buffers[name][:13])
+
+
 def test_cache_slot_addresses_follow_the_layout(tiny_bundle_int8):
     b = load_bundle(tiny_bundle_int8)
     c = KVCache(b, 32)
