@@ -2,8 +2,8 @@
 
     python -m jetson.env_check [--json]
 
-Runs anywhere (a workstation prints what is missing). The first piece of the Jetson self-test;
-the engine build and the GPU backends are not written yet (docs/tensorrt.md)."""
+Runs anywhere (a workstation prints what is missing). The first part of the Jetson self-test
+(jetson/selftest.sh; docs/tensorrt.md)."""
 from __future__ import annotations
 
 import json
