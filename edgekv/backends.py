@@ -46,6 +46,7 @@ class OrtBackend:
     """onnxruntime with IOBinding; the CPU provider (subclassed for CUDA)."""
     name = "ort-cpu"
     device = "cpu"
+    ring_ok = True  # onnxruntime runs the ring's aliased past/present (the aliased slots are masked)
 
     def __init__(self, bundle: Bundle, threads: int | None = None, max_logits_rows: int = 1):
         ort = self.ort = _import_ort()

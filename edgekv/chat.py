@@ -56,7 +56,9 @@ class ChatSession:
         self.params, self.max_new = params, max_new_tokens
         self.rng = np.random.default_rng(params.seed)
         self.system = system
-        self.ring = context == "ring"
+        self.ring = context == "ring" and getattr(gen.backend, "ring_ok", True)
+        self.note = "" if self.ring or context != "ring" else \
+            f"(context policy: drop-turns; the {gen.backend.name} backend cannot run a ring)"
         self._set_sinks()
         self.messages: list[dict] = []
         self.ids: list[int] = []  # token ids held by the cache, slot by slot
@@ -280,6 +282,8 @@ def cmd_chat(args) -> int:
     bundle, codec, gen = open_runtime(args.bundle, args.ctx, args.backend, args.threads)
     session = ChatSession(bundle, codec, gen, sampling_from(args), args.system, args.max_new_tokens, args.context)
     interactive = sys.stdin.isatty() and not args.json
+    if session.note:
+        print(session.note, file=sys.stderr)
     if args.system or args.prompt_cache:
         note = session.warm_system(args.prompt_cache)
         if interactive or args.prompt_cache:

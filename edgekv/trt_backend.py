@@ -38,6 +38,9 @@ def gpu_name(rt) -> str:
 class TrtBackend:
     name = "trt"
     device = "cuda"
+    # a wrapped ring binds its write slots inside the past; TensorRT does not allow an input and an
+    # output to overlap, so chat uses drop-turns on this backend
+    ring_ok = False
 
     def __init__(self, bundle: Bundle, ctx: int | None = None, max_logits_rows: int = 1):
         from edgekv.backends import BackendUnavailable
@@ -94,6 +97,8 @@ class TrtBackend:
         if b != 1 or s > self.max_prefill or k > s:
             raise EdgeKVError(f"trt: this engine takes batch 1 and at most {self.max_prefill} tokens per call "
                               f"(got batch {b}, {s} tokens); rebuild with a larger --max-prefill")
+        if w < n:
+            raise EdgeKVError("trt: a wrapped ring cache would alias inputs and outputs; use --context drop-turns")
         ctx = self.contexts[DECODE if s == 1 else PREFILL]
         mask = cache.key_mask_for(s)
         self._up(self.d_ids, input_ids)
