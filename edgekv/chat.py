@@ -125,8 +125,10 @@ class ChatSession:
         cap = self.gen.cache.capacity
         room_for_reply = min(self.max_new, cap // 4)
         target = self._render(self._msgs([{"role": "user", "content": user}]))
-        if self.ring and len(target) + room_for_reply <= self.bundle.max_context:
-            return target  # the ring overwrites what does not fit; positions are still verified
+        # a ring overwrites what does not fit in the cache, but positions must stay verified: it
+        # keeps going while a whole reply (--max-new-tokens) still has positions left
+        if self.ring and len(target) + min(self.max_new, self.bundle.max_context // 4) <= self.bundle.max_context:
+            return target
         while True:
             target = self._render(self._msgs([{"role": "user", "content": user}]))
             if len(target) + room_for_reply <= cap or not self.messages:
