@@ -66,10 +66,11 @@ def span_of(codec: TextCodec, ids: list[int], before: list[dict], reply: str) ->
     return start, start + len(r)
 
 
-def score(gen: Generator, ids: list[int], spans: list[tuple[int, int]], start_at: int = 0) -> list[np.ndarray]:
-    """Feed ids[start_at:] through gen (which already holds ids[:start_at]); return the log-probs
-    of the rows that predict each span's tokens."""
-    out, pos = [], start_at
+def score(gen: Generator, ids: list[int], spans: list[tuple[int, int]]) -> list[np.ndarray]:
+    """Feed ids through gen in one pass, teacher-forced; return the log-probs of the rows that
+    predict each span's tokens. (A ring fed a reply as one prefill evicts that many slots at
+    once, a little earlier than decoding token by token would.)"""
+    out, pos = [], 0
     for s, e in spans:
         lp = gen.prefill(ids[pos: e - 1], all_logits=True, logits_from=s - 1 - pos)
         out.append(log_softmax(lp))
@@ -123,7 +124,7 @@ def evaluate_context(bundle_path: str, ctx: int = 512, turns: int = 24, reply_to
 
     drop_gen = Generator(be, KVCache(bundle, ctx, memory=be.memory), prefill_chunk=256)
     # chat's defaults (max_new_tokens 512): it keeps room for a reply of min(512, ctx / 4) tokens
-    chat = ChatSession(bundle, codec, drop_gen, SamplingParams(temperature=0.0), system, 512)
+    chat = ChatSession(bundle, codec, drop_gen, SamplingParams(temperature=0.0), system, 512, context="drop-turns")
     drop, drop_prefill, prev = [], [], []
     for t, _ in turn_spans:
         chat.messages = [dict(m) for m in msgs[: 2 * t]]
