@@ -1,0 +1,97 @@
+"""The trt backend, the engine build and the self-test run their own logic against stand-ins for
+TensorRT and cuda-python (tests/fake_gpu.py: host memory as "device" memory, the graph run by
+onnxruntime at the addresses and shapes the backend set, inside the profile it selected)."""
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+from edgekv.backends import OrtBackend, make_backend
+from edgekv.cache import KVCache
+from edgekv.errors import EdgeKVError
+from edgekv.generate import Generator
+from edgekv.manifest import load_bundle
+from tests import fake_gpu
+
+
+@pytest.fixture
+def bundle_copy(tiny_bundle_int8, tmp_path):
+    dst = tmp_path / "bundle"
+    shutil.copytree(tiny_bundle_int8, dst)
+    return dst
+
+
+def ids(n, seed=0):
+    return [int(x) for x in np.random.default_rng(seed).integers(3, 300, n)]
+
+
+def test_build_engine_caches_and_the_trt_backend_matches_ort_cpu(bundle_copy, monkeypatch):
+    trt, _ = fake_gpu.install(monkeypatch)
+    from jetson.build_engine import build_engine
+
+    folder = build_engine(str(bundle_copy), ctx=64, max_prefill=16)
+    assert folder.name == "fake-orin-trt10.3.0-ctx64-p16" and (folder / "model.plan").is_file()
+    meta = json.loads((folder / "engine.json").read_text())
+    assert meta["ctx"] == 64 and meta["max_prefill"] == 16 and meta["gpu"] == "Fake Orin"
+    assert build_engine(str(bundle_copy), ctx=64, max_prefill=16) == folder and trt.built == 1  # reused
+    assert not list(folder.parent.glob(".*"))  # no temporary folder left behind
+
+    b = load_bundle(bundle_copy)
+    be = make_backend("trt", b, ctx=64, max_logits_rows=16)
+    assert be.name == "trt" and make_backend("auto", b, ctx=64).name == "trt"
+    assert make_backend("auto", b, ctx=128).name == "ort-cpu"  # no engine covers a 128-slot cache
+    g = Generator(be, KVCache(b, 64, memory=be.memory))
+    assert g.prefill_chunk == 16  # prefill is cut to the engine's profile
+    ref = Generator(OrtBackend(b, threads=1), KVCache(b, 64), prefill_chunk=16)
+    seq = ids(40)
+    got = [g.prefill(seq).copy()] + [g.decode_step(t).copy() for t in ids(8, 1)]
+    want = [ref.prefill(seq).copy()] + [ref.decode_step(t).copy() for t in ids(8, 1)]
+    np.testing.assert_array_equal(np.stack(got), np.stack(want))
+    all_rows = g.prefill(ids(12, 2), all_logits=True)  # eval's path: several logits rows per call
+    np.testing.assert_array_equal(all_rows, ref.prefill(ids(12, 2), all_logits=True))
+    # the cache lives in "device" memory and is read back through the memory interface
+    snap = g.cache.snapshot()
+    np.testing.assert_array_equal(snap["past.0.key"], ref.cache.buffers["past.0.key"][: ref.cache.n])
+
+
+def test_trt_refuses_a_wrapped_ring_and_chat_falls_back(bundle_copy, monkeypatch):
+    fake_gpu.install(monkeypatch)
+    from edgekv.chat import ChatSession
+    from edgekv.generate import SamplingParams
+    from edgekv.text import TextCodec
+    from jetson.build_engine import build_engine
+
+    build_engine(str(bundle_copy), ctx=32, max_prefill=8)
+    b = load_bundle(bundle_copy)
+    be = make_backend("trt", b, ctx=32)
+    g = Generator(be, KVCache(b, 32, memory=be.memory))
+    g.cache.enable_ring(2)
+    g.prefill(ids(32))
+    with pytest.raises(EdgeKVError, match="alias"):
+        g.decode_step(5)
+    s = ChatSession(b, TextCodec(b), Generator(be, KVCache(b, 32, memory=be.memory)), SamplingParams(), None, 8,
+                    context="ring")
+    assert not s.ring and "drop-turns" in s.note
+
+
+def test_selftest_passes_with_a_working_trt(bundle_copy, monkeypatch, tmp_path, capsys):
+    fake_gpu.install(monkeypatch)
+    from jetson.selftest import main
+
+    report = tmp_path / "r.json"
+    assert main([str(bundle_copy), "--ctx", "96", "--skip-bench", "--report", str(report)]) == 0
+    d = json.loads(report.read_text())
+    trt = next(r for r in d["parity"] if r["backend"] == "trt")
+    assert d["passed"] and trt["status"] == "pass" and trt["max_abs_logit_diff"] == 0.0
+    assert "✓ trt" in capsys.readouterr().out
+
+
+def test_build_engine_refuses_when_memory_is_short(bundle_copy, monkeypatch):
+    _, rt = fake_gpu.install(monkeypatch)
+    monkeypatch.setattr(rt, "cudaMemGetInfo", lambda: (fake_gpu.OK, 1 << 20, 16 << 30))
+    from jetson.build_engine import build_engine
+
+    with pytest.raises(EdgeKVError, match="MiB free"):
+        build_engine(str(bundle_copy), ctx=64)
+    assert not (bundle_copy / "engines").exists() or not any((bundle_copy / "engines").iterdir())
