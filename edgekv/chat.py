@@ -22,7 +22,7 @@ import numpy as np
 
 from edgekv.commands import open_runtime, sampling_from
 from edgekv.errors import EdgeKVError
-from edgekv.generate import SamplingParams, Stats, sample
+from edgekv.generate import SamplingParams, Stats
 from edgekv.text import StreamDecoder
 
 HELP = """commands:
@@ -169,34 +169,12 @@ class ChatSession:
         return text, st
 
     def _decode(self, st: Stats, dec: StreamDecoder, pieces: list, write, t0: float) -> None:
-        logits = self._logits
-        t_first = None
-        history = list(self.ids)
-        for _ in range(self.max_new):
-            tok = sample(logits, self.params, self.rng, history)
-            if t_first is None:
-                t_first = time.perf_counter()
-                st.ttft_s = t_first - t0
-            if tok in self.codec.stop_ids:
-                st.stop_reason = "stop"
-                # feed the end-of-turn token, so the cache holds the turn the way the template renders it
-                if self._room() > 0:
-                    self.gen.decode_step(tok)
-                    self.ids.append(tok)
-                return
-            st.new_tokens += 1
-            history.append(tok)
+        for tok in self.gen.decode(self._logits, self.max_new, self.params, self.rng, self.codec.stop_ids,
+                                   list(self.ids), st, t0, room=self._room, keep_turn=True, on_fed=self.ids.append):
             piece = dec.push(tok)
             if piece:
                 pieces.append(piece)
                 write(piece)
-            if self._room() < 1:
-                st.stop_reason = "context"
-                return
-            logits = self.gen.decode_step(tok)
-            self.ids.append(tok)
-            st.decode_s = time.perf_counter() - t_first
-        st.stop_reason = "length"
 
     def undo(self) -> bool:
         if len(self.messages) < 2:

@@ -94,36 +94,48 @@ class Generator:
 
     def generate(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
                  stop_ids: set[int], stats: Stats | None = None, history: list[int] | None = None):
-        """Yield new token ids. Stops at a stop token (not yielded), max_new_tokens or a full cache."""
+        """Prefill the prompt, then yield new token ids (see `decode`)."""
         stats = stats if stats is not None else Stats()
-        rng = np.random.default_rng(params.seed)
-        history = list(history or []) + list(prompt_ids)
         t0 = time.perf_counter()
         logits = self.prefill(prompt_ids)
         stats.prompt_tokens = len(prompt_ids)
         stats.prefill_s = time.perf_counter() - t0
+        yield from self.decode(logits, max_new_tokens, params, np.random.default_rng(params.seed), stop_ids,
+                               list(history or []) + list(prompt_ids), stats, t0)
+
+    def decode(self, logits: np.ndarray, max_new_tokens: int, params: SamplingParams, rng: np.random.Generator,
+               stop_ids: set[int], history: list[int], stats: Stats, t0: float, room=None,
+               keep_turn: bool = False, on_fed=None):
+        """The decode loop: sample from `logits` on and yield each new token id before it is fed.
+        Stops at a stop token (not yielded), max_new_tokens, or when `room()` (default: the
+        cache's) runs out. keep_turn (chat): the stop token and the last token are fed too, so the
+        cache holds the whole turn the way the template renders it. on_fed(tok) is called once a
+        token is in the cache (an interrupt in between leaves it out of both)."""
+        room = room or self.cache.room
         t_first = None
         for i in range(max_new_tokens):
             tok = sample(logits, params, rng, history)
-            if i == 0:
+            if t_first is None:
                 t_first = time.perf_counter()
                 stats.ttft_s = t_first - t0
             if tok in stop_ids:
                 stats.stop_reason = "stop"
-                break
+                if keep_turn and room() > 0:
+                    self.decode_step(tok)
+                    on_fed and on_fed(tok)
+                return
             stats.new_tokens += 1
             history.append(tok)
             yield tok
-            if i == max_new_tokens - 1:
-                stats.stop_reason = "length"
+            if i == max_new_tokens - 1 and not keep_turn:
                 break
-            if self.cache.room() < 1:
+            if room() < 1:
                 stats.stop_reason = "context"
-                break
+                return
             logits = self.decode_step(tok)
+            on_fed and on_fed(tok)
             stats.decode_s = time.perf_counter() - t_first
-        else:
-            stats.stop_reason = stats.stop_reason or "length"
+        stats.stop_reason = "length"
 
 
 def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator, history: list[int]) -> int:
