@@ -151,7 +151,7 @@ def cmd_bench(args) -> int:
     res["peak_rss_mib"] = rss_bytes()[1] / 2**20
     log("  read bandwidth ...")
     bw = read_bandwidth(threads)
-    weight_bytes = sum(f.stat().st_size for f in bundle.path.glob("model.onnx*"))
+    weight_bytes = bundle.graph_bytes()
     res["read_bandwidth_gbs"] = bw / 1e9
     res["weight_bytes"] = weight_bytes
     res["bandwidth_bound_tps"] = bw / weight_bytes

@@ -67,7 +67,7 @@ class KVCache:
         float_dtype = bundle.dtype
         shapes = {}
         for name in self.names:
-            spec = self.scheme.tensors[0] if not name.endswith("_scale") else self.scheme.tensors[1]
+            spec = self.scheme.spec_of(name)
             dtype = NP_DTYPES[float_dtype if spec.dtype == "float" else spec.dtype]
             shapes[name] = (spec.shape(capacity, batch, m["n_kv_heads"], m["head_dim"]), dtype)
         need = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in shapes.values())

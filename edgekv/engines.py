@@ -38,10 +38,7 @@ def profile_shapes(bundle: Bundle, ctx: int, max_prefill: int) -> list[dict[str,
     m = bundle.model
     hkv, d = m["n_kv_heads"], m["head_dim"]
     max_prefill = min(max_prefill, ctx)
-    past_specs = {}
-    for name in bundle.manifest["io"]["past"]:
-        spec = bundle.scheme.tensors[1] if name.endswith("_scale") else bundle.scheme.tensors[0]
-        past_specs[name] = spec
+    past_specs = {name: bundle.scheme.spec_of(name) for name in bundle.manifest["io"]["past"]}
 
     def profile(s: tuple, k: tuple, p: tuple) -> dict:
         shapes = {

@@ -59,6 +59,13 @@ class KVScheme:
         """Graph I/O names of one layer, in graph order: key tensors, then value tensors."""
         return [f"{prefix}.{layer}.{kv}{t.suffix}" for kv in ("key", "value") for t in self.tensors]
 
+    def spec_of(self, name: str) -> TensorSpec:
+        """The tensor spec behind a graph I/O name (past.3.key_scale -> the scale spec)."""
+        for t in self.tensors[1:]:  # the values' tensor has no suffix; the others are named by theirs
+            if name.endswith(t.suffix):
+                return t
+        return self.tensors[0]
+
     def bytes_per_token(self, n_layers: int, n_kv_heads: int, head_dim: int, float_bytes: int) -> int:
         per = 0
         for t in self.tensors:

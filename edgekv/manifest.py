@@ -66,6 +66,10 @@ class Bundle:
     def chat_template(self) -> str | None:
         return self.manifest.get("chat_template")
 
+    def graph_bytes(self) -> int:
+        """model.onnx and its external weights: what a decode step reads."""
+        return sum(f.stat().st_size for f in self.path.glob("model.onnx*"))
+
     def kv_bytes_per_token(self) -> int:
         m = self.model
         fb = 2 if self.dtype == "float16" else 4

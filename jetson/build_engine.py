@@ -34,8 +34,7 @@ def log(msg: str) -> None:
 def memory_needed(bundle, ctx: int, workspace: int) -> int:
     """A rough ceiling for the build: weights held by the parser and by the builder, the KV cache
     of the largest profile, and the tactic workspace."""
-    weights = sum(f.stat().st_size for f in bundle.path.glob("model.onnx*"))
-    return 2 * weights + bundle.kv_bytes_per_token() * ctx + workspace
+    return 2 * bundle.graph_bytes() + bundle.kv_bytes_per_token() * ctx + workspace
 
 
 def free_memory(rt) -> int:
