@@ -23,7 +23,7 @@ import numpy as np
 from edgekv.commands import open_runtime, sampling_from
 from edgekv.errors import EdgeKVError
 from edgekv.generate import SamplingParams, Stats
-from edgekv.text import StreamDecoder
+from edgekv.text import StreamDecoder, system_turn
 
 HELP = """commands:
   /help            this help
@@ -41,9 +41,8 @@ CONTEXT_POLICIES = ("ring", "drop-turns")
 
 def sink_count(codec, system: str | None) -> int:
     """Tokens before the first user message's text: the system prompt and its template glue."""
-    sys_msg = [{"role": "system", "content": system}] if system else []
-    a = codec.chat_ids(sys_msg + [{"role": "user", "content": "alpha"}])
-    b = codec.chat_ids(sys_msg + [{"role": "user", "content": "omega"}])
+    a = codec.chat_ids(system_turn(system) + [{"role": "user", "content": "alpha"}])
+    b = codec.chat_ids(system_turn(system) + [{"role": "user", "content": "omega"}])
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
@@ -78,8 +77,7 @@ class ChatSession:
 
     # -- conversation -------------------------------------------------------------------------
     def _msgs(self, extra=()):
-        sys_msg = [{"role": "system", "content": self.system}] if self.system else []
-        return sys_msg + self.messages + list(extra)
+        return system_turn(self.system) + self.messages + list(extra)
 
     def _render(self, msgs) -> list[int]:
         """Token ids of the conversation `msgs` plus the generation prompt. Where the rendered text
@@ -129,16 +127,14 @@ class ChatSession:
         # keeps going while a whole reply (--max-new-tokens) still has positions left
         if self.ring and len(target) + min(self.max_new, self.bundle.max_context // 4) <= self.bundle.max_context:
             return target
-        while True:
-            target = self._render(self._msgs([{"role": "user", "content": user}]))
-            if len(target) + room_for_reply <= cap or not self.messages:
-                break
+        while len(target) + room_for_reply > cap and self.messages:
             # drop the oldest exchange (user + assistant) as a whole
             self.messages = self.messages[2:] if len(self.messages) >= 2 else []
             self.dropped_turns += 1
-        if len(target) >= self.gen.cache.capacity:
+            target = self._render(self._msgs([{"role": "user", "content": user}]))
+        if len(target) >= cap:
             raise EdgeKVError(f"message too long: {len(target)} tokens with the system prompt, the cache holds "
-                              f"{self.gen.cache.capacity} (raise --ctx)")
+                              f"{cap} (raise --ctx)")
         return target
 
     def reply(self, user: str, write=None):
@@ -204,7 +200,7 @@ class ChatSession:
         was made for this bundle and this exact system prompt (anything else is rebuilt)."""
         if not self.system:
             return "no system prompt"
-        ids = self.codec.chat_ids([{"role": "system", "content": self.system}], add_generation_prompt=False)
+        ids = self.codec.chat_ids(system_turn(self.system), add_generation_prompt=False)
         if prompt_cache and Path(prompt_cache).is_file():
             wanted = self.system
             t0 = time.perf_counter()

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from edgekv.errors import EdgeKVError
@@ -150,32 +151,25 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+# command -> (module, function), imported only when run: `edgekv chat` never loads the exporter
+COMMANDS = {
+    "generate": ("edgekv.commands", "cmd_generate"),
+    "chat": ("edgekv.chat", "cmd_chat"),
+    "eval": ("edgekv.evaluate", "cmd_eval"),
+    "eval-context": ("edgekv.context_eval", "cmd_eval_context"),
+    "check-trt": ("edgekv.trt_check", "cmd_check_trt"),
+    "build-engine": ("jetson.build_engine", "cmd_build_engine"),
+    "bench": ("edgekv.bench", "cmd_bench"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.cmd == "export":
             return cmd_export(args)
-        if args.cmd == "generate":
-            from edgekv.commands import cmd_generate
-            return cmd_generate(args)
-        if args.cmd == "chat":
-            from edgekv.chat import cmd_chat
-            return cmd_chat(args)
-        if args.cmd == "eval":
-            from edgekv.evaluate import cmd_eval
-            return cmd_eval(args)
-        if args.cmd == "eval-context":
-            from edgekv.context_eval import cmd_eval_context
-            return cmd_eval_context(args)
-        if args.cmd == "check-trt":
-            from edgekv.trt_check import cmd_check_trt
-            return cmd_check_trt(args)
-        if args.cmd == "build-engine":
-            from jetson.build_engine import cmd_build_engine
-            return cmd_build_engine(args)
-        if args.cmd == "bench":
-            from edgekv.bench import cmd_bench
-            return cmd_bench(args)
+        module, func = COMMANDS[args.cmd]
+        return getattr(importlib.import_module(module), func)(args)
     except EdgeKVError as e:
         print(f"edgekv {args.cmd}: error: {e}", file=sys.stderr)
         return 1
@@ -184,7 +178,6 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     except BrokenPipeError:
         return 0
-    return 2
 
 
 def cmd_export(args) -> int:

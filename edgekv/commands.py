@@ -10,7 +10,7 @@ from edgekv.cache import KVCache
 from edgekv.errors import ContextOverflow, EdgeKVError
 from edgekv.generate import Generator, SamplingParams, Stats
 from edgekv.manifest import load_bundle
-from edgekv.text import StreamDecoder, TextCodec
+from edgekv.text import StreamDecoder, TextCodec, system_turn
 
 
 def open_runtime(bundle_path: str, ctx: int | None, backend: str = "auto", threads: int | None = None,
@@ -46,9 +46,7 @@ def cmd_generate(args) -> int:
     if args.raw:
         ids = codec.encode(args.prompt)
     else:
-        msgs = ([{"role": "system", "content": args.system}] if args.system else []) + \
-               [{"role": "user", "content": args.prompt}]
-        ids = codec.chat_ids(msgs)
+        ids = codec.chat_ids(system_turn(args.system) + [{"role": "user", "content": args.prompt}])
     if len(ids) >= gen.cache.capacity:
         raise ContextOverflow(f"prompt is {len(ids)} tokens, the cache holds {gen.cache.capacity} "
                               f"(raise --ctx, up to {bundle.max_context})")

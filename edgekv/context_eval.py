@@ -27,7 +27,7 @@ from edgekv.errors import EdgeKVError
 from edgekv.evaluate import log_softmax
 from edgekv.generate import Generator, SamplingParams
 from edgekv.manifest import load_bundle
-from edgekv.text import TextCodec
+from edgekv.text import TextCodec, system_turn
 
 QUESTIONS = [
     "Hi! My name is Lena and I live in Porto. What is a good name for a cat?",
@@ -101,7 +101,7 @@ def evaluate_context(bundle_path: str, ctx: int = 512, turns: int = 24, reply_to
         sess.reply(q)
         say(f"[reference {i + 1}/{len(questions)}] {time.time() - t0:.0f}s  {len(sess.ids)} tokens")
     msgs = sess.messages
-    sys_msg = [{"role": "system", "content": system}] if system else []
+    sys_msg = system_turn(system)
     full_ids = codec.chat_ids(sys_msg + msgs, add_generation_prompt=False)
     while len(full_ids) > big and len(msgs) > 2:  # re-tokenized text can run longer than the generated ids
         msgs, questions = msgs[:-2], questions[:-1]

@@ -105,7 +105,7 @@ class Generator:
 
     def decode(self, logits: np.ndarray, max_new_tokens: int, params: SamplingParams, rng: np.random.Generator,
                stop_ids: set[int], history: list[int], stats: Stats, t0: float, room=None,
-               keep_turn: bool = False, on_fed=None):
+               keep_turn: bool = False, on_fed=lambda tok: None):
         """The decode loop: sample from `logits` on and yield each new token id before it is fed.
         Stops at a stop token (not yielded), max_new_tokens, or when `room()` (default: the
         cache's) runs out. keep_turn (chat): the stop token and the last token are fed too, so the
@@ -122,7 +122,7 @@ class Generator:
                 stats.stop_reason = "stop"
                 if keep_turn and room() > 0:
                     self.decode_step(tok)
-                    on_fed and on_fed(tok)
+                    on_fed(tok)
                 return
             stats.new_tokens += 1
             history.append(tok)
@@ -133,7 +133,7 @@ class Generator:
                 stats.stop_reason = "context"
                 return
             logits = self.decode_step(tok)
-            on_fed and on_fed(tok)
+            on_fed(tok)
             stats.decode_s = time.perf_counter() - t_first
         stats.stop_reason = "length"
 

@@ -43,6 +43,11 @@ class TextCodec:
         return self.encode(self.render(messages, add_generation_prompt))
 
 
+def system_turn(system: str | None) -> list[dict]:
+    """The conversation's opening: the system message, or nothing (the template's own default)."""
+    return [{"role": "system", "content": system}] if system else []
+
+
 def _raise(msg):
     raise EdgeKVError(f"chat template: {msg}")
 

@@ -158,7 +158,7 @@ def main(argv=None) -> int:
             say(f"  ✗ {e}")
             ok = False
 
-        say(f"== backends against ort-cpu (same prompt, fed the same tokens; tolerance from the bundle's export)")
+        say("== backends against ort-cpu (same prompt, fed the same tokens; tolerance from the bundle's export)")
         rep["parity"], parity_ok = compare_backends(bundle, ctx)
         ok &= parity_ok
 
