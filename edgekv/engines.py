@@ -23,9 +23,14 @@ DECODE, PREFILL = 0, 1
 PLAN, META = "model.plan", "engine.json"
 
 
-def engine_key(gpu: str, trt_version: str, ctx: int, max_prefill: int) -> str:
+def _family(gpu: str, trt_version: str) -> str:
+    """The part of an engine's key that must match exactly: GPU and TensorRT version."""
     slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-") or "gpu"
-    return f"{slug}-trt{trt_version}-ctx{ctx}-p{max_prefill}"
+    return f"{slug}-trt{trt_version}"
+
+
+def engine_key(gpu: str, trt_version: str, ctx: int, max_prefill: int) -> str:
+    return f"{_family(gpu, trt_version)}-ctx{ctx}-p{max_prefill}"
 
 
 def bundle_fingerprint(bundle: Bundle) -> str:
@@ -79,8 +84,7 @@ def find_engine(bundle: Bundle, gpu: str, trt_version: str, ctx: int) -> tuple[P
     """The fresh engine for this GPU and TensorRT whose profiles cover a `ctx`-slot cache
     (the smallest such one), or None."""
     best = None
-    prefix = engine_key(gpu, trt_version, 0, 0).split("-ctx")[0] + "-ctx"
-    for folder in sorted((bundle.path / "engines").glob(prefix + "*")):
+    for folder in sorted((bundle.path / "engines").glob(_family(gpu, trt_version) + "-ctx*")):
         if not is_fresh(folder, bundle):
             continue
         info = json.loads((folder / META).read_text())

@@ -72,13 +72,12 @@ class TrtBackend:
         check(rt.cudaStreamSynchronize(self.stream))
         self.vocab = bundle.model["vocab_size"]
         rows = max(max_logits_rows, self.max_prefill)
-        staging = CudaMemory()  # the small inputs, sized once for the largest call
-        self._staging = staging
-        self.d_ids = staging.alloc((1, self.max_prefill), np.int64)
-        self.d_pos = staging.alloc((1, self.max_prefill), np.int64)
-        self.d_idx = staging.alloc((1, rows), np.int64)
-        self.d_mask = staging.alloc((1, int(info["ctx"])), np.bool_)
-        self.d_logits = staging.alloc((1, rows, self.vocab), np.float32)
+        # staging for the small inputs and the logits, sized once for the largest call
+        self.d_ids = self.memory.alloc((1, self.max_prefill), np.int64)
+        self.d_pos = self.memory.alloc((1, self.max_prefill), np.int64)
+        self.d_idx = self.memory.alloc((1, rows), np.int64)
+        self.d_mask = self.memory.alloc((1, int(info["ctx"])), np.bool_)
+        self.d_logits = self.memory.alloc((1, rows, self.vocab), np.float32)
         self.logits = np.empty((1, rows, self.vocab), np.float32)
 
     def _up(self, buf, arr: np.ndarray) -> None:
