@@ -102,7 +102,7 @@ class OrtBackend:
         io = self.io
         b, s = input_ids.shape
         n, w = cache.n, cache.w  # past = the n filled slots; present goes to slots w..w+s
-        cache.check_room(s)
+        cache.check_write(s)
         # the small inputs and the logits stay on the host; onnxruntime moves them if it must
         io.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, np.int64))
         io.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, np.int64))

@@ -145,13 +145,16 @@ class KVCache:
         return self.capacity - self.n if self.sinks is None else 1 << 62
 
     def check_room(self, s: int) -> None:
-        if self.sinks is not None:
-            if s > self.max_write():
-                raise ContextOverflow(f"ring cache: a call of {s} tokens would wrap; at most {self.max_write()} now")
-            return
+        """s more tokens fit (always, for a ring)."""
         if s > self.room():
             raise ContextOverflow(f"context full: {self.n} + {s} tokens exceed the cache capacity of "
                                   f"{self.capacity} (raise --ctx)")
+
+    def check_write(self, s: int) -> None:
+        """One graph call may write s tokens at the write slot (a ring's call may not wrap)."""
+        self.check_room(s)
+        if s > self.max_write():
+            raise ContextOverflow(f"ring cache: a call of {s} tokens would wrap; at most {self.max_write()} now")
 
     def snapshot(self) -> dict[str, np.ndarray]:
         """The filled slots (a wrapped ring's too: restore it with its write slot `w`)."""

@@ -61,8 +61,7 @@ class Generator:
         every token from index `logits_from` on [S - logits_from, V] (the head runs only there)."""
         if not ids:
             raise EdgeKVError("empty prompt: nothing to feed the model")
-        if self.cache.sinks is None:  # a linear cache must hold the whole prompt (a ring overwrites)
-            self.cache.check_room(len(ids))
+        self.cache.check_room(len(ids))  # the whole prompt, before any of it is fed
         out = []
         last = None
         start = 0

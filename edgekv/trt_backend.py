@@ -92,7 +92,7 @@ class TrtBackend:
         b, s = input_ids.shape
         k = logits_index.shape[1]
         n, w = cache.n, cache.w
-        cache.check_room(s)
+        cache.check_write(s)
         if b != 1 or s > self.max_prefill or k > s:
             raise EdgeKVError(f"trt: this engine takes batch 1 and at most {self.max_prefill} tokens per call "
                               f"(got batch {b}, {s} tokens); rebuild with a larger --max-prefill")
