@@ -5,7 +5,19 @@ import argparse
 import importlib
 import sys
 
+from edgekv.chat.policies import CONTEXT_POLICIES
 from edgekv.errors import EdgeKVError
+from edgekv.format.kvschemes import SCHEMES
+from edgekv.runtime.backends import BACKENDS
+
+# the setting a library error names (EdgeKVError.setting) -> the flag that changes it
+FLAGS = {"capacity": "--ctx", "context_policy": "--context", "max_context": "--max-context",
+         "max_prefill": "--max-prefill"}
+
+
+def explain(e: EdgeKVError) -> str:
+    """An error's one line, its fix naming the flag."""
+    return e.explain(FLAGS)
 
 
 class Formatter(argparse.RawDescriptionHelpFormatter):
@@ -29,7 +41,7 @@ def _add_sampling(p, temperature: float):
 
 def _add_runtime(p):
     p.add_argument("--ctx", type=int, default=None, help="KV cache capacity in tokens (default: min(2048, bundle max))")
-    p.add_argument("--backend", default="auto", choices=["auto", "ort-cpu", "ort-cuda", "trt"],
+    p.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="auto = trt if an engine is built, else ort-cuda if onnxruntime has CUDA, else ort-cpu")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all available)")
 
@@ -44,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "manifest. ONNX is checked against PyTorch before anything is written.")
     p.add_argument("model", nargs="?", default=None,
                    help="recipe name from models/, a Hugging Face folder, or a .gguf file (default: smollm2-135m-instruct)")
-    p.add_argument("--kv", default="int8", help="KV scheme: int8 | int8-static | int8-tensor | int4 | int4-norot | float")
+    # not choices=: an unknown scheme gets the exporter's own one-line error
+    p.add_argument("--kv", default="int8", help="KV scheme: " + " | ".join(SCHEMES))
     p.add_argument("--calib-text", default=None, metavar="FILE",
                    help="calibration text for int8-static / int8-tensor (default: docstrings of stdlib modules)")
     p.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens used at most")
@@ -116,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default=None, help="system prompt (default: the chat template's own)")
     p.add_argument("--max-new-tokens", type=int, default=512, help="longest reply in tokens")
     p.add_argument("--json", action="store_true", help="one JSON object per turn on stdout")
-    p.add_argument("--context", default="ring", choices=["ring", "drop-turns"],
+    p.add_argument("--context", default=CONTEXT_POLICIES[0], choices=CONTEXT_POLICIES,
                    help="when the conversation outgrows --ctx: ring = keep the system prompt, overwrite the oldest "
                         "tokens (StreamingLLM); drop-turns = drop whole old exchanges and re-prefill (docs/chat.md)")
     p.add_argument("--prompt-cache", default=None, metavar="FILE",
@@ -143,7 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rss-tokens", type=int, default=1000, help="tokens decoded while watching RSS")
     p.add_argument("--repeat", type=int, default=3, help="runs per measurement (the median is reported)")
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all available)")
-    p.add_argument("--backend", default="ort-cpu", choices=["auto", "ort-cpu", "ort-cuda", "trt"], help="backend to time")
+    p.add_argument("--backend", default="ort-cpu", choices=BACKENDS, help="backend to time")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON here")
     p.add_argument("--transformers", default=None, metavar="MODEL",
                    help="also time HF transformers (eager, same weights, same threads) on MODEL (a recipe, folder or "
@@ -151,45 +164,48 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-# command -> (module, function), imported only when run: `edgekv chat` never loads the exporter
+# command -> (module, function), imported only when run: `edgekv chat` never loads the exporter.
+# export/ and jetson/ import edgekv, never the reverse: the CLI reaches them only by name, here.
 COMMANDS = {
-    "generate": ("edgekv.commands", "cmd_generate"),
-    "chat": ("edgekv.chat", "cmd_chat"),
-    "eval": ("edgekv.evaluate", "cmd_eval"),
-    "eval-context": ("edgekv.context_eval", "cmd_eval_context"),
-    "check-trt": ("edgekv.trt_check", "cmd_check_trt"),
+    "export": ("export.bundle", "cmd_export"),
+    "generate": ("edgekv.tools.generate", "cmd_generate"),
+    "chat": ("edgekv.chat.terminal", "cmd_chat"),
+    "eval": ("edgekv.tools.evaluate", "cmd_eval"),
+    "eval-context": ("edgekv.tools.context_eval", "cmd_eval_context"),
+    "check-trt": ("edgekv.tools.trt_check", "cmd_check_trt"),
     "build-engine": ("jetson.build_engine", "cmd_build_engine"),
-    "bench": ("edgekv.bench", "cmd_bench"),
+    "bench": ("edgekv.tools.bench", "cmd_bench"),
 }
+# commands that go on after an error (chat's slash commands) print it themselves: they get `explain`
+REPORTS_ERRORS = {"chat"}
+# a command's module that needs a pip extra -> that extra
+EXTRAS = {"export.bundle": "export"}
+
+
+def load_command(name: str):
+    module, func = COMMANDS[name]
+    try:
+        return getattr(importlib.import_module(module), func)
+    except ImportError as e:
+        if module not in EXTRAS:
+            raise
+        raise EdgeKVError(f"{name} needs the exporter's dependencies ({e.name} missing): "
+                          f"pip install -e '.[{EXTRAS[module]}]'") from None
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        if args.cmd == "export":
-            return cmd_export(args)
-        module, func = COMMANDS[args.cmd]
-        return getattr(importlib.import_module(module), func)(args)
+        command = load_command(args.cmd)
+        return command(args, explain) if args.cmd in REPORTS_ERRORS else command(args)
     except EdgeKVError as e:
-        print(f"edgekv {args.cmd}: error: {e}", file=sys.stderr)
+        print(f"edgekv {args.cmd}: error: {explain(e)}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print(f"\nedgekv {args.cmd}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         return 0
-
-
-def cmd_export(args) -> int:
-    try:
-        import torch  # noqa: F401
-        from export.bundle import export_bundle
-    except ImportError as e:
-        raise EdgeKVError(f"export needs the exporter's dependencies ({e.name} missing): "
-                          "pip install -e '.[export]'") from None
-    export_bundle(args.model, kv=args.kv, out=args.out, max_context=args.max_context, dtype=args.dtype,
-                  steps=args.steps, threads=args.threads, calib_text=args.calib_text, calib_tokens=args.calib_tokens)
-    return 0
 
 
 if __name__ == "__main__":

@@ -5,7 +5,6 @@ import importlib.util
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -15,23 +14,15 @@ import onnx
 import torch
 
 import edgekv
-from edgekv.errors import EdgeKVError
-from edgekv.manifest import FORMAT_VERSION, MANIFEST, io_names
+from edgekv.errors import ExportError, note
+from edgekv.format.bundle import FORMAT_VERSION, MANIFEST, PARITY_LOGITS, io_names
+from edgekv.format.kvschemes import INT4_GROUP, INT4_LEVELS, get_scheme, unpack_int4
 from export.loaders import Source, SourceError, load_gguf, load_hf_folder
-from edgekv.kvschemes import INT4, INT4_GROUP, INT4_LEVELS, STATIC, unpack_int4
 from export.model import Transformer, UnsupportedModel
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_RECIPE = "smollm2-135m-instruct"
 TRT_TARGET = "10.3"  # JetPack 6's TensorRT: every bundle must pass its parser rules
-
-
-class ExportError(EdgeKVError):
-    pass
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
 
 
 # --- what MODEL means ----------------------------------------------------------------------
@@ -110,7 +101,7 @@ class Parity:
     def report(self) -> None:
         for name, r in self.rows.items():
             mark = "✓" if r["max_abs_diff"] <= r["tol"] else "✗"
-            log(f"  {mark} {name:<28} max|diff| = {r['max_abs_diff']:.3g}  (tol {r['tol']:.3g}){('  ' + r['note']) if r['note'] else ''}")
+            note(f"  {mark} {name:<28} max|diff| = {r['max_abs_diff']:.3g}  (tol {r['tol']:.3g}){('  ' + r['note']) if r['note'] else ''}")
 
 
 def verify(model: Transformer, bundle_dir: Path, prompt: list[int], steps: int, max_context: int,
@@ -125,15 +116,15 @@ def verify(model: Transformer, bundle_dir: Path, prompt: list[int], steps: int, 
     the same inputs (torch with this scheme against torch with a float cache), and the cache is
     compared dequantized, as an RMS ratio, against the same yardstick. A real bug (wrong layout, scale, order) is far outside
     both bounds; the float scheme is held to plain float tolerances."""
-    from edgekv.backends import OrtBackend
-    from edgekv.cache import KVCache
-    from edgekv.generate import Generator
-    from edgekv.manifest import load_bundle
+    from edgekv.runtime.assemble import open_runtime
 
-    bundle = load_bundle(bundle_dir)
-    backend = OrtBackend(bundle, threads)
-    cache = KVCache(bundle, min(max_context, len(prompt) + steps + 1), memory=backend.memory)
-    gen = Generator(backend, cache)
+    with open_runtime(bundle_dir, min(max_context, len(prompt) + steps + 1), "ort-cpu", threads) as rt:
+        return compare(model, rt.bundle, rt.generator(), prompt, steps, max_context)
+
+
+def compare(model: Transformer, bundle, gen, prompt: list[int], steps: int, max_context: int) -> tuple[Parity, dict]:
+    """verify's comparisons, on the runtime's generator `gen` of `bundle`."""
+    cache = gen.cache
     names = io_names(model.cfg.n_layers, model.scheme)
     par = Parity()
     fp16 = bundle.dtype == "float16"
@@ -181,9 +172,9 @@ def verify(model: Transformer, bundle_dir: Path, prompt: list[int], steps: int, 
     noise = max(float(np.abs(a - b).max()) for a, b in zip(t_log, r_log)) if ref is not None else 0.0
     tol = max(base_tol, 2.0 * noise)
     what = " + ".join(([model.scheme.name] if quantized else []) + (["fp16"] if fp16 else []))
-    note = f"{what} noise (torch {what} vs torch float32, float cache) {noise:.3g}" if ref is not None else ""
-    par.add("logits (prefill)", np.abs(t_log[0] - o_log[0]).max(), tol, note)
-    par.add("logits (decode)", max(np.abs(a - b).max() for a, b in zip(t_log[1:], o_log[1:])), tol, note)
+    why = f"{what} noise (torch {what} vs torch float32, float cache) {noise:.3g}" if ref is not None else ""
+    par.add("logits (prefill)", np.abs(t_log[0] - o_log[0]).max(), tol, why)
+    par.add(PARITY_LOGITS, max(np.abs(a - b).max() for a, b in zip(t_log[1:], o_log[1:])), tol, why)
     # a different greedy token is a failure unless torch itself had the two within the tolerance
     # (a near-tie that fp16 or a flipped quantization step may legitimately turn over)
     agree = sum(a == b for a, b in zip(t_tokens, o_tokens))
@@ -201,7 +192,7 @@ def verify(model: Transformer, bundle_dir: Path, prompt: list[int], steps: int, 
         for j, kv in enumerate(("key", "value")):
             lo = names["past"].index(f"past.{i}.{kv}")
             t_t = past[lo: lo + n]
-            o_t = [torch.from_numpy(cache.memory.read(cache.buffers[nm], cache.n)) for nm in names["past"][lo: lo + n]]
+            o_t = [torch.from_numpy(cache.memory.read(cache.buffers[nm], gen.seq.n)) for nm in names["past"][lo: lo + n]]
             sc = getattr(model.layers[i].attn, "k_scale" if kv == "key" else "v_scale", None)
             sc = None if sc is None else sc.float()
             t = kv_load(model.scheme, t_t, torch.float32, sc).numpy()
@@ -217,7 +208,7 @@ def verify(model: Transformer, bundle_dir: Path, prompt: list[int], steps: int, 
                 noise_rms = max(noise_rms, float(np.sqrt(((t - r) ** 2).mean()) / max(np.sqrt((r ** 2).mean()), 1e-12)))
             if i == 0 and quantized:
                 a, b = t_t[0].numpy(), o_t[0].numpy()
-                if model.scheme.name in INT4:  # compare the int4 values, not the packed bytes
+                if model.scheme.kind == "packed4":  # compare the int4 values, not the packed bytes
                     a, b = unpack_int4(a), unpack_int4(b)
                 worst_l0 = max(worst_l0, float(np.abs(a.astype(np.float32) - b.astype(np.float32)).max()))
     par.add("present.* (cache, RMS ratio)", worst_rms,
@@ -227,9 +218,8 @@ def verify(model: Transformer, bundle_dir: Path, prompt: list[int], steps: int, 
         par.add("present.0.* (int steps)", worst_l0, 1.0, "layer 0, before any flip can cascade")
 
     # far positions: RoPE at the end of the verified context
-    gen.reset()
     k = min(16, len(prompt))
-    gen.pos = max_context - k
+    gen.reset(pos=max_context - k)
     o = gen.prefill(prompt[:k]).copy()
     t, _ = torch_step(model, prompt[:k], None, max_context - k)
     par.add(f"logits (positions to {max_context})", np.abs(t - o).max(), tol)
@@ -241,63 +231,61 @@ def verify(model: Transformer, bundle_dir: Path, prompt: list[int], steps: int, 
 
 def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = None,
                   max_context: int | None = None, dtype: str = "float32", steps: int = 32,
-                  threads: int | None = None, force: bool = True, calib_text: str | None = None,
-                  calib_tokens: int = 4096) -> Path:
+                  threads: int | None = None, calib_text: str | None = None, calib_tokens: int = 4096) -> Path:
     t0 = time.time()
-    from edgekv.kvschemes import get_scheme
     try:
         get_scheme(kv)
     except ValueError as e:
         raise ExportError(str(e)) from None
-    log(f"loading {model_arg or DEFAULT_RECIPE} ...")
+    note(f"loading {model_arg or DEFAULT_RECIPE} ...")
     src, recipe = resolve_source(model_arg)
     cfg = src.config
     max_context = max_context or recipe.get("max_context") or min(cfg.max_position_embeddings, 4096)
     if max_context > cfg.max_position_embeddings:
-        log(f"  note: --max-context {max_context} is beyond the model's trained {cfg.max_position_embeddings}")
+        note(f"  note: --max-context {max_context} is beyond the model's trained {cfg.max_position_embeddings}")
     suffix = "-fp16" if dtype == "float16" else ""
     out_dir = Path(out) if out else MODELS_DIR / "bundles" / f"{recipe['name']}-{kv}{suffix}"
-    log(f"  {cfg.arch}: {cfg.n_layers} layers, {cfg.n_heads} heads ({cfg.n_kv_heads} KV), head_dim {cfg.head_dim}, "
+    note(f"  {cfg.arch}: {cfg.n_layers} layers, {cfg.n_heads} heads ({cfg.n_kv_heads} KV), head_dim {cfg.head_dim}, "
         f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}  [{time.time() - t0:.1f}s]")
     torch_dtype = {"float32": torch.float32, "float16": torch.float16}[dtype]
     model = Transformer(cfg, kv)
     model.load_state_dict(src.state_dict, strict=False)  # inv_freq is computed, lm_head may be tied
     calibration = None
-    if kv in STATIC or model.scheme.center_keys:
+    if model.scheme.kind == "static" or model.scheme.center_keys:
         calibration = calibrate(model, src, kv, calib_text, calib_tokens)
     model = model.to(torch_dtype).eval()
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        log(f"exporting ONNX (kv={kv}, dtype={dtype}) ...")
+        note(f"exporting ONNX (kv={kv}, dtype={dtype}) ...")
         from export.onnx_export import export_onnx, save_onnx
 
         proto = export_onnx(model)
         save_onnx(proto, tmp / "model.onnx")
         del proto
         onnx.checker.check_model(str(tmp / "model.onnx"), full_check=True)
-        from edgekv.trt_check import check_model
+        from edgekv.tools.trt_check import check_model
 
         violations = check_model(tmp / "model.onnx", TRT_TARGET)
         if violations:
             for v in violations[:10]:
-                log(f"  ✗ TensorRT {TRT_TARGET}: {v}")
+                note(f"  ✗ TensorRT {TRT_TARGET}: {v}")
             raise ExportError(f"the graph breaks {len(violations)} TensorRT {TRT_TARGET} parser rule(s); nothing written")
-        log(f"  ✓ TensorRT {TRT_TARGET} parser rules (edgekv check-trt)")
+        note(f"  ✓ TensorRT {TRT_TARGET} parser rules (edgekv check-trt)")
         (tmp / "tokenizer.json").write_text(src.tokenizer_json)
         manifest = build_manifest(src, recipe, kv, dtype, max_context, tmp)
         if calibration:
             manifest["kv"]["calibration"] = calibration
         _write_manifest(tmp, manifest)
-        log(f"  graph written and checked (onnx.checker full)  [{time.time() - t0:.1f}s]")
+        note(f"  graph written and checked (onnx.checker full)  [{time.time() - t0:.1f}s]")
 
-        from edgekv.text import TextCodec
-        from edgekv.manifest import load_bundle
+        from edgekv.runtime.text import TextCodec
+        from edgekv.format.bundle import load_bundle
 
         codec = TextCodec(load_bundle(tmp))
         prompt = parity_prompt(src, codec)
-        log(f"verifying ONNX Runtime against PyTorch: prefill {len(prompt)} tokens, {steps} decode steps ...")
+        note(f"verifying ONNX Runtime against PyTorch: prefill {len(prompt)} tokens, {steps} decode steps ...")
         par, info = verify(model, tmp, prompt, steps, max_context, threads)
         par.report()
         for f in [tmp, *tmp.iterdir()]:  # mkdtemp makes 0700; a bundle is meant to be shared
@@ -306,9 +294,7 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
             raise ExportError("parity check failed: ONNX does not match PyTorch; nothing written")
         manifest["parity"] = {"passed": True, **info, "outputs": par.rows}
         _write_manifest(tmp, manifest)
-        if out_dir.exists():
-            if not force:
-                raise ExportError(f"{out_dir} exists")
+        if out_dir.exists():  # replaced as a whole, only once the new bundle passed its checks
             old = out_dir.with_name(out_dir.name + ".old")
             shutil.rmtree(old, ignore_errors=True)
             os.rename(out_dir, old)
@@ -318,7 +304,7 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
             os.rename(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    log(f"✓ bundle written: {out_dir}  [{time.time() - t0:.1f}s]")
+    note(f"✓ bundle written: {out_dir}  [{time.time() - t0:.1f}s]")
     return out_dir
 
 
@@ -331,7 +317,7 @@ def calibrate(model: Transformer, src: Source, kv: str, calib_text: str | None, 
     ids = Tokenizer.from_str(src.tokenizer_json).encode(text, add_special_tokens=False).ids[:calib_tokens]
     if len(ids) < 64:
         raise ExportError(f"calibration text too short: {len(ids)} tokens (need at least 64)")
-    log(f"calibrating {kv} on {len(ids)} tokens of {desc[:60]}...")
+    note(f"calibrating {kv} on {len(ids)} tokens of {desc[:60]}...")
     ref = Transformer(src.config, "float").eval()
     ref.load_state_dict(src.state_dict, strict=False)
     if model.scheme.center_keys:
@@ -340,7 +326,7 @@ def calibrate(model: Transformer, src: Source, kv: str, calib_text: str | None, 
                 "method": "key offset = mean key per (layer, KV head, channel) after RoPE"
                           + (" and the rotation" if model.scheme.rotate else "") + "; int4 levels fixed (INT4_LEVELS)"}
     stats = kv_absmax(ref, ids)
-    per_tensor = kv == "int8-tensor"
+    per_tensor = model.scheme.per_tensor
     set_static_scales(model, stats, per_tensor, model.scheme.min_scale)
     return {"text": desc, "tokens": len(ids),
             "method": "absmax/127 per layer for K and for V" if per_tensor
@@ -354,12 +340,10 @@ def _write_manifest(folder: Path, manifest: dict) -> None:
 
 def build_manifest(src: Source, recipe: dict, kv: str, dtype: str, max_context: int, folder: Path) -> dict:
     cfg = src.config
-    from edgekv.kvschemes import get_scheme
-
     scheme = get_scheme(kv)
     names = io_names(cfg.n_layers, scheme)
     int4 = {"int4_levels": list(INT4_LEVELS), "int4_group": INT4_GROUP, "rotation": "hadamard" if scheme.rotate else None} \
-        if kv in INT4 else {}
+        if scheme.kind == "packed4" else {}
     return {
         "format_version": FORMAT_VERSION,
         "exporter": {"edgekv_version": edgekv.__version__, "torch": torch.__version__, "onnx": onnx.__version__,
@@ -385,3 +369,10 @@ def build_manifest(src: Source, recipe: dict, kv: str, dtype: str, max_context: 
         "chat_template": src.chat_template,
         "defaults": recipe.get("defaults", {}),
     }
+
+
+def cmd_export(args) -> int:
+    """`edgekv export` (edgekv/cli.py dispatches here by name)."""
+    export_bundle(args.model, kv=args.kv, out=args.out, max_context=args.max_context, dtype=args.dtype,
+                  steps=args.steps, threads=args.threads, calib_text=args.calib_text, calib_tokens=args.calib_tokens)
+    return 0

@@ -7,7 +7,7 @@ graph contract of docs/graph.md written as torch:
           *past)  ->  (logits [B,K,V], *present)
 
 `past`/`present` are per layer the tensors of the KV scheme (see kv_store/kv_load below and
-edgekv/kvschemes.py), slot-major [P,B,Hkv,D]. Only the S new tokens' K/V come out. The new
+edgekv/format/kvschemes.py), slot-major [P,B,Hkv,D]. Only the S new tokens' K/V come out. The new
 K/V go through quantize -> dequantize before attention, so a token sees exactly what later
 steps will read back from the cache (chunking then does not change results).
 """
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from edgekv.kvschemes import INT4, INT4_LEVELS, INT4_THRESHOLDS, STATIC, get_scheme, hadamard, int4_byte_table, n_groups
+from edgekv.format.kvschemes import INT4_LEVELS, INT4_THRESHOLDS, get_scheme, hadamard, int4_byte_table, n_groups
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
 
@@ -218,7 +218,7 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.scheme = get_scheme(kv_scheme)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        static = self.scheme.name in STATIC
+        static = self.scheme.kind == "static"
         self.layers = nn.ModuleList(Block(cfg, static, self.scheme.center_keys) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
@@ -250,10 +250,6 @@ class Transformer(nn.Module):
         logits = self.lm_head(self.norm(x)).float()  # [B, K, V]
         return (logits, *presents)
 
-    def empty_past(self, batch: int = 1, dtype=torch.float32):
-        """Past tensors with P = 0, in graph order."""
-        return [t for t in self.past_like(0, batch, dtype)]
-
     def past_like(self, slots: int, batch: int, dtype=torch.float32):
         cfg = self.cfg
         out = []
@@ -269,24 +265,25 @@ def _torch_dtype(name: str, float_dtype):
     return {"int8": torch.int8, "uint8": torch.uint8, "float16": torch.float16, "float": float_dtype}[name]
 
 
-# --- KV schemes in torch. The formats are defined in edgekv/kvschemes.py (shared with the
-# runtime and the numpy reference); these two functions are the only torch code that knows them.
+# --- KV schemes in torch. The formats are defined in edgekv/format/kvschemes.py (shared with the
+# runtime and the numpy reference); these two functions are the only torch code that knows them,
+# and they tell schemes apart by kind.
 
 def kv_store(scheme, x, static_scale=None):
     """x [S,B,Hkv,D] float -> (tensors to store, x_hat: what a reader of the cache will see)."""
-    if scheme.name == "float":
+    if scheme.kind == "float":
         return [x], x
-    if scheme.name in STATIC:  # constant scale [Hkv, D] (per channel, or one value repeated)
+    if scheme.kind == "static":  # constant scale [Hkv, D] (per channel, or one value repeated)
         s = static_scale.to(x.dtype)
         q = torch.clamp(torch.round(x / s), -127.0, 127.0)
         return [q.to(torch.int8)], q * s
-    if scheme.name == "int8":
+    if scheme.kind == "dynamic":
         # one fp16 scale per (token, head): absmax / 127, floored so an all-zero row stays finite
         scale = (x.abs().amax(-1).float() / 127.0).clamp(min=scheme.min_scale).to(torch.float16)  # [S,B,Hkv]
         s = scale.to(x.dtype)[..., None]
         q = torch.clamp(torch.round(x / s), -127.0, 127.0)
         return [q.to(torch.int8), scale], q * s
-    if scheme.name in INT4:
+    if scheme.kind == "packed4":
         S, B, Hkv, D = x.shape
         g = n_groups(D)
         xg = x.reshape(S, B, Hkv, g, D // g)
@@ -299,15 +296,15 @@ def kv_store(scheme, x, static_scale=None):
         c = codes.reshape(S, B, Hkv, D // 2, 2)
         packed = c[..., 0] + 16.0 * c[..., 1]  # [S,B,Hkv,D/2] two codes per byte, arithmetically
         return [packed.to(torch.uint8), scale], x_hat
-    raise NotImplementedError(scheme.name)
+    raise NotImplementedError(scheme.kind)
 
 
 def kv_load(scheme, tensors, dtype, static_scale=None):
-    if scheme.name == "float":
+    if scheme.kind == "float":
         return tensors[0]
-    if scheme.name in STATIC:
+    if scheme.kind == "static":
         return tensors[0].to(dtype) * static_scale.to(dtype)
-    if scheme.name in INT4:
+    if scheme.kind == "packed4":
         packed, scale = tensors
         P, B, Hkv, D2 = packed.shape
         g = scale.shape[-1]
@@ -315,7 +312,7 @@ def kv_load(scheme, tensors, dtype, static_scale=None):
         table = torch.from_numpy(int4_byte_table()).to(dtype)
         v = table[packed.to(dtype).long()]  # [P,B,Hkv,D/2,2]
         return (v.reshape(P, B, Hkv, g, 2 * D2 // g) * scale.to(dtype)[..., None]).reshape(P, B, Hkv, 2 * D2)
-    if scheme.name == "int8":
+    if scheme.kind == "dynamic":
         q, scale = tensors
         return q.to(dtype) * scale.to(dtype)[..., None]
-    raise NotImplementedError(scheme.name)
+    raise NotImplementedError(scheme.kind)

@@ -9,7 +9,7 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from edgekv.manifest import io_names
+from edgekv.format.bundle import io_names
 from export.model import Transformer
 
 OPSET = 18  # TensorRT 10.3 (JetPack 6) parses opsets up to 20; 18 keeps us well inside
@@ -40,7 +40,7 @@ def export_onnx(model: Transformer) -> onnx.ModelProto:
             dynamic_shapes=dynamic_shapes, optimize=False, verbose=False,
         )
     # Fold constant subgraphs only (TensorRT needs axes etc. as constants; the full onnxscript
-    # optimizer pass took ~3 minutes on the default model and changes nothing onnxruntime needs)
+    # optimizer pass is slow and changes nothing onnxruntime needs: docs/graph.md)
     import onnxscript.optimizer as opt
 
     opt.fold_constants(prog.model)

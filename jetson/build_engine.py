@@ -2,7 +2,7 @@
 
 - Strongly typed network: the graph's own types decide precision (an fp16 bundle builds fp16
   kernels; the INT8 cache enters through the unit-scale Q/DQ pairs of docs/graph.md).
-- Two optimization profiles (edgekv/engines.py): decode (S = 1) and prefill (S up to
+- Two optimization profiles (edgekv/runtime/backends/engines.py): decode (S = 1) and prefill (S up to
   --max-prefill), both with the past length from 0 to the capacity.
 - Cached under BUNDLE/engines/<gpu>-trt<version>-ctx<N>-p<M>/ and rebuilt only when the bundle
   changed (or with --force); written to a temporary folder first, then renamed.
@@ -15,20 +15,18 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
-from edgekv.cache import available_memory
-from edgekv.engines import META, PLAN, bundle_fingerprint, engine_dir, engine_key, is_fresh, profile_shapes
-from edgekv.errors import EdgeKVError
-from edgekv.manifest import load_bundle
-
-
-def log(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
+from edgekv.errors import EdgeKVError, note as log
+from edgekv.format.bundle import load_bundle
+from edgekv.runtime.backends.engines import META, PLAN, bundle_fingerprint, engine_dir, engine_key, is_fresh, profile_shapes
+from edgekv.runtime.backends.gpu import check, cudart
+from edgekv.runtime.backends.trt import gpu_name, import_tensorrt
+from edgekv.runtime.cache import default_capacity
+from edgekv.runtime.memory import available_memory
 
 
 def memory_needed(bundle, ctx: int, workspace: int) -> int:
@@ -38,7 +36,6 @@ def memory_needed(bundle, ctx: int, workspace: int) -> int:
 
 
 def free_memory(rt) -> int:
-    from edgekv.gpu import check
     free_gpu, _ = check(rt.cudaMemGetInfo())
     host = available_memory()  # on an Orin the GPU's memory is the system's: the smaller one counts
     return min(int(free_gpu), host) if host is not None else int(free_gpu)
@@ -46,15 +43,13 @@ def free_memory(rt) -> int:
 
 def build_engine(bundle_path: str, ctx: int | None = None, max_prefill: int = 256, workspace_mib: int = 1024,
                  force: bool = False) -> Path:
-    from edgekv.gpu import cudart
-    from edgekv.trt_backend import gpu_name, import_tensorrt
-
     bundle = load_bundle(bundle_path)
     trt = import_tensorrt()
     rt = cudart()
-    ctx = ctx or min(2048, bundle.max_context)
+    ctx = ctx or default_capacity(bundle)
     if ctx > bundle.max_context:
-        raise EdgeKVError(f"--ctx {ctx} exceeds the {bundle.max_context} tokens this bundle was verified for")
+        raise EdgeKVError(f"a {ctx}-slot cache exceeds the {bundle.max_context} tokens this bundle was verified for",
+                          setting="capacity", fix="use a smaller {}")
     max_prefill = min(max_prefill, ctx)
     gpu = gpu_name(rt)
     key = engine_key(gpu, trt.__version__, ctx, max_prefill)

@@ -27,12 +27,10 @@ from pathlib import Path
 
 import numpy as np
 
-from edgekv.backends import BackendUnavailable, make_backend
-from edgekv.cache import KVCache
-from edgekv.errors import EdgeKVError
-from edgekv.generate import Generator
-from edgekv.manifest import load_bundle
-from edgekv.text import TextCodec
+from edgekv.errors import BackendUnavailable, EdgeKVError
+from edgekv.format.bundle import load_bundle
+from edgekv.runtime.assemble import Runtime, open_runtime
+from edgekv.runtime.text import TextCodec
 
 PROMPT = "What is the capital of France? Answer in one sentence."
 
@@ -80,10 +78,10 @@ class Tegrastats:
                 "power_mw_max": max(p) if p else None, "ram_used_mib_max": max(r) if r else None}
 
 
-def greedy_run(be, bundle, prompt: list[int], steps: int, ctx: int, feed: list[int] | None = None):
+def greedy_run(rt: Runtime, prompt: list[int], steps: int, feed: list[int] | None = None):
     """Logits of the prefill and `steps` decode steps; fed `feed` tokens if given (so two backends
     see the same inputs), else its own greedy tokens."""
-    g = Generator(be, KVCache(bundle, ctx, memory=be.memory))
+    g = rt.generator()
     logits = [g.prefill(prompt).copy()]
     tokens = []
     for i in range(steps):
@@ -99,22 +97,23 @@ def compare_backends(bundle, ctx: int, steps: int = 32) -> tuple[list[dict], boo
     steps = min(steps, ctx - len(prompt) - 1)
     if steps < 1:
         raise EdgeKVError(f"--ctx {ctx} is too small for the {len(prompt)}-token test prompt")
-    tol = bundle.manifest.get("parity", {}).get("outputs", {}).get("logits (decode)", {}).get("tol", 0.05)
-    ref_be = make_backend("ort-cpu", bundle)
-    ref_logits, ref_tokens = greedy_run(ref_be, bundle, prompt, steps, ctx)
+    tol = bundle.logits_tolerance()
+    with open_runtime(bundle, ctx, "ort-cpu") as ref:
+        ref_logits, ref_tokens = greedy_run(ref, prompt, steps)
     say(f"  reference ort-cpu: \"{codec.decode(ref_tokens)[:60]}...\"")
     rows, ok = [], True
     for name, required in (("ort-cuda", False), ("trt", True)):
         try:
-            be = make_backend(name, bundle, ctx=ctx)
+            rt = open_runtime(bundle, ctx, name, log=None)
         except BackendUnavailable as e:
             rows.append({"backend": name, "status": "unavailable", "why": str(e)})
             say(f"  {'✗' if required else '-'} {name:<9} unavailable: {e}")
             ok &= not required
             continue
-        fed, _ = greedy_run(be, bundle, prompt, steps, ctx, feed=ref_tokens)
+        with rt:
+            fed, _ = greedy_run(rt, prompt, steps, feed=ref_tokens)
+            _, own = greedy_run(rt, prompt, steps)
         diff = float(np.abs(fed - ref_logits).max())
-        _, own = greedy_run(be, bundle, prompt, steps, ctx)
         same = sum(a == b for a, b in zip(own, ref_tokens))
         first = next((i for i, (a, b) in enumerate(zip(own, ref_tokens)) if a != b), None)
         # a divergence is acceptable only at a near-tie of the reference's own logits

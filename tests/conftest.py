@@ -96,7 +96,8 @@ def tiny_bundle_float(tiny_llama, tmp_path_factory) -> Path:
 def real_bundle(tmp_path_factory) -> Path:
     """The default recipe exported with the int8 scheme (reused if the README's quickstart made it)."""
     existing = ROOT / "models" / "bundles" / "smollm2-135m-instruct-int8"
-    from edgekv.manifest import load_bundle, BundleError
+    from edgekv.errors import BundleError
+    from edgekv.format.bundle import load_bundle
 
     # CI always exports afresh; a developer's run reuses the quickstart's bundle to save minutes
     if not os.environ.get("CI") and existing.is_dir():

@@ -29,6 +29,7 @@ class FakeCudart(types.ModuleType):
     def __init__(self):
         super().__init__("cuda.bindings.runtime")
         self.allocs: dict[int, np.ndarray] = {}
+        self.streams: set[int] = set()
         self.cudaMemcpyKind = types.SimpleNamespace(cudaMemcpyHostToDevice=1, cudaMemcpyDeviceToHost=2)
 
     def cudaMalloc(self, n):
@@ -53,7 +54,13 @@ class FakeCudart(types.ModuleType):
         return (OK,)
 
     def cudaStreamCreate(self):
-        return OK, 7
+        handle = 7 + len(self.streams)
+        self.streams.add(handle)
+        return OK, handle
+
+    def cudaStreamDestroy(self, stream):
+        self.streams.remove(stream)
+        return (OK,)
 
     def cudaStreamSynchronize(self, stream):
         return (OK,)

@@ -10,12 +10,13 @@ import numpy as np
 import onnx
 import pytest
 
-from edgekv.backends import BackendUnavailable, OrtBackend, make_backend
-from edgekv.cache import KVCache
-from edgekv.engines import META, PLAN, bundle_fingerprint, engine_key, find_engine, profile_shapes
+from edgekv.errors import BackendUnavailable
+from edgekv.runtime.backends import OrtBackend, make_backend
+from edgekv.runtime.cache import KVCache
+from edgekv.runtime.backends.engines import META, PLAN, bundle_fingerprint, engine_key, find_engine, profile_shapes
 from edgekv.errors import EdgeKVError
-from edgekv.generate import Generator
-from edgekv.manifest import load_bundle
+from edgekv.runtime.generate import Generator
+from edgekv.format.bundle import load_bundle
 from tests.conftest import run_edgekv
 
 
@@ -59,21 +60,21 @@ def test_pointer_only_cache_gives_the_same_logits(fixture, request):
     o = [opaque.prefill(seq).copy()] + [opaque.decode_step(t).copy() for t in ids(6, 1)]
     np.testing.assert_array_equal(np.stack(a), np.stack(o))
     # snapshot/restore go through read/write too
-    snap = opaque.cache.snapshot()
+    snap = opaque.snapshot()
     for name, arr in snap.items():
         np.testing.assert_array_equal(arr, host.cache.buffers[name][:18])
-    fresh = KVCache(b, 64, memory=OpaqueMemory())
-    fresh.restore(snap)
-    assert fresh.n == 18
+    fresh = Generator(be, KVCache(b, 64, memory=OpaqueMemory()))
+    fresh.restore(snap, opaque.seq.ids)
+    assert fresh.seq.n == 18
     for name in snap:
-        np.testing.assert_array_equal(fresh.memory.read(fresh.buffers[name], 18), snap[name])
+        np.testing.assert_array_equal(fresh.cache.memory.read(fresh.cache.buffers[name], 18), snap[name])
 
 
 def test_ortvalue_memory_runs_the_ort_cuda_path_on_the_cpu(tiny_bundle_int8):
     """ort-cuda keeps the cache in OrtValues; the same class on the CPU must give the same logits."""
     import onnxruntime as ort
 
-    from edgekv.gpu import OrtValueMemory
+    from edgekv.runtime.backends.gpu import OrtValueMemory
 
     b = load_bundle(tiny_bundle_int8)
     be = OrtBackend(b, threads=1)
@@ -82,9 +83,9 @@ def test_ortvalue_memory_runs_the_ort_cuda_path_on_the_cpu(tiny_bundle_int8):
     a = [host.prefill(ids(9)).copy()] + [host.decode_step(t).copy() for t in ids(4, 2)]
     o = [ov.prefill(ids(9)).copy()] + [ov.decode_step(t).copy() for t in ids(4, 2)]
     np.testing.assert_array_equal(np.stack(a), np.stack(o))
-    snap = ov.cache.snapshot()
+    snap = ov.snapshot()
     fresh = KVCache(b, 32, memory=OrtValueMemory(ort, "cpu"))
-    fresh.restore(snap)
+    fresh.write(snap)
     for name in snap:
         np.testing.assert_array_equal(fresh.memory.read(fresh.buffers[name], 13), host.cache.buffers[name][:13])
 
@@ -190,7 +191,7 @@ def test_engine_cache_is_keyed_and_goes_stale(tiny_bundle_int8, tmp_path):
 
 def _cuda_skip_reason():
     try:
-        from edgekv.gpu import CudaMemory
+        from edgekv.runtime.backends.gpu import CudaMemory
         CudaMemory().free_bytes()
     except Exception as e:  # no cuda-python, or no GPU
         return f"needs cuda-python and a CUDA GPU ({str(e).splitlines()[0][:80]}); jetson/selftest.sh runs it on the device"
@@ -199,7 +200,7 @@ def _cuda_skip_reason():
 
 @pytest.mark.skipif(_cuda_skip_reason() is not None, reason=str(_cuda_skip_reason()))
 def test_cuda_memory_slots_round_trip(tiny_bundle_int8):
-    from edgekv.gpu import CudaMemory
+    from edgekv.runtime.backends.gpu import CudaMemory
 
     b = load_bundle(tiny_bundle_int8)
     c = KVCache(b, 32, memory=CudaMemory())

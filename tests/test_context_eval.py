@@ -5,7 +5,7 @@ from tests.conftest import run_edgekv
 
 
 def test_policies_equal_the_oracle_when_everything_fits(tiny_bundle_float):
-    from edgekv.context_eval import evaluate_context
+    from edgekv.tools.context_eval import evaluate_context
 
     # a cache as large as the reference: nothing is evicted or dropped, so both policies must
     # reproduce the full-history log-probs (float cache: to float precision)

@@ -38,11 +38,11 @@ def test_runtime_never_imports_torch(real_bundle):
 def test_int8_cached_decode_same_top1_as_uncached(real_bundle):
     """32 greedy steps through the int8 cache; each step's top-1 equals a full uncached forward
     of the same sequence (which quantizes its K/V inside the pass, the same way)."""
-    from edgekv.backends import OrtBackend
-    from edgekv.cache import KVCache
-    from edgekv.generate import Generator
-    from edgekv.manifest import load_bundle
-    from edgekv.text import TextCodec
+    from edgekv.runtime.backends import OrtBackend
+    from edgekv.runtime.cache import KVCache
+    from edgekv.runtime.generate import Generator
+    from edgekv.format.bundle import load_bundle
+    from edgekv.runtime.text import TextCodec
 
     b = load_bundle(real_bundle)
     codec = TextCodec(b)

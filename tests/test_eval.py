@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from edgekv.errors import EdgeKVError
-from edgekv.evaluate import evaluate, write_outputs
-from edgekv.kvschemes import SCHEMES, dequantize_int8, get_scheme, quantize_int8, quantize_static
+from edgekv.tools.evaluate import evaluate, write_outputs
+from edgekv.format.kvschemes import SCHEMES, dequantize_int8, get_scheme, quantize_int8, quantize_static
 from export.model import kv_load, kv_store
 from tests.conftest import run_edgekv
 
@@ -95,7 +95,7 @@ def test_short_or_empty_text_refused(tiny_bundle_int8, tmp_path):
 
 
 def test_int4_pack_roundtrip_and_error_bound():
-    from edgekv.kvschemes import INT4_LEVELS, dequantize_int4, pack_int4, quantize_int4, unpack_int4
+    from edgekv.format.kvschemes import INT4_LEVELS, dequantize_int4, pack_int4, quantize_int4, unpack_int4
 
     c = np.random.default_rng(1).integers(0, 16, (5, 1, 3, 64)).astype(np.uint8)
     assert pack_int4(c).shape == (5, 1, 3, 32) and pack_int4(c).dtype == np.uint8
@@ -115,7 +115,7 @@ def test_int4_pack_roundtrip_and_error_bound():
 
 
 def test_int4_levels_are_symmetric_and_sorted():
-    from edgekv.kvschemes import INT4_LEVELS, int4_byte_table
+    from edgekv.format.kvschemes import INT4_LEVELS, int4_byte_table
 
     lv = np.asarray(INT4_LEVELS, np.float32)
     assert len(lv) == 16 and (np.diff(lv) > 0).all() and lv[0] == -1 and lv[-1] == 1
@@ -151,7 +151,7 @@ def test_key_offset_is_softmax_invariant(monkeypatch):
 
 @pytest.mark.parametrize("name", ["int4", "int4-norot"])
 def test_torch_int4_matches_numpy_reference(name):
-    from edgekv.kvschemes import quantize_int4
+    from edgekv.format.kvschemes import quantize_int4
 
     x = torch.randn(10, 1, 3, 64)
     (packed, scale), x_hat = kv_store(get_scheme(name), x)
@@ -162,14 +162,14 @@ def test_torch_int4_matches_numpy_reference(name):
 
 
 def test_int4_bytes_under_0_30_of_fp16():
-    from edgekv.kvschemes import float16_bytes_per_token
+    from edgekv.format.kvschemes import float16_bytes_per_token
 
     b = SCHEMES["int4"].bytes_per_token(30, 3, 64, 2)
     assert b == 30 * 2 * 3 * (32 + 2 * 2) and b / float16_bytes_per_token(30, 3, 64) <= 0.30
 
 
 def test_hadamard_is_orthonormal():
-    from edgekv.kvschemes import hadamard
+    from edgekv.format.kvschemes import hadamard
 
     for d in (64, 24):
         h = hadamard(d)

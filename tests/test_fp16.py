@@ -5,10 +5,10 @@ import numpy as np
 import onnx
 import pytest
 
-from edgekv.backends import OrtBackend
-from edgekv.cache import KVCache
-from edgekv.generate import Generator
-from edgekv.manifest import load_bundle
+from edgekv.runtime.backends import OrtBackend
+from edgekv.runtime.cache import KVCache
+from edgekv.runtime.generate import Generator
+from edgekv.format.bundle import load_bundle
 from tests.conftest import run_edgekv
 
 

@@ -4,7 +4,7 @@ import onnx
 import pytest
 from onnx import TensorProto, numpy_helper
 
-from edgekv.manifest import load_bundle
+from edgekv.format.bundle import load_bundle
 
 
 @pytest.fixture(params=["int8", "float"])

@@ -2,11 +2,13 @@
 import numpy as np
 import pytest
 
-from edgekv.backends import OrtBackend
-from edgekv.cache import KVCache
+from edgekv.runtime.backends import OrtBackend
+from edgekv.runtime.cache import KVCache
 from edgekv.errors import ContextOverflow, EdgeKVError
-from edgekv.generate import Generator, SamplingParams, sample
-from edgekv.manifest import load_bundle
+from edgekv.runtime.generate import Generator
+from edgekv.runtime.sampling import SamplingParams, sample
+from edgekv.runtime.sequence import Sequence
+from edgekv.format.bundle import load_bundle
 
 
 def runtime(path, capacity=128, rows=64, chunk=256):
@@ -40,10 +42,10 @@ def test_present_is_written_in_place_and_nothing_reallocated(tiny_bundle_int8):
     g = runtime(tiny_bundle_int8)
     ptrs = {k: v.ctypes.data for k, v in g.cache.buffers.items()}
     g.prefill(ids(7))
-    assert g.cache.n == 7
+    assert g.seq.n == 7
     for t in ids(5, seed=3):
         g.decode_step(t)
-    assert g.cache.n == 12
+    assert g.seq.n == 12
     for k, buf in g.cache.buffers.items():
         assert buf.ctypes.data == ptrs[k]
         filled = np.abs(buf[:12].astype(np.float32)).reshape(12, -1).max(1)
@@ -108,15 +110,22 @@ def test_ring_cache_equals_a_linear_cache_that_masks_evicted_tokens(fixture, req
     C, k = 16, 3
     seq = ids(40, seed=5)
     ring = runtime(path, capacity=C, chunk=4)
-    ring.cache.enable_ring(k)
+    ring.seq.enable_ring(k)
     got = [ring.prefill(seq[:10]).copy()] + [ring.decode_step(t).copy() for t in seq[10:]]
-    assert ring.cache.n == C and ring.pos == len(seq)
+    assert ring.seq.n == C and ring.seq.pos == len(seq)
+
+    class Evicting(Sequence):
+        """A linear sequence that masks what the ring has evicted by the time token `pos` is fed."""
+
+        def key_mask(self, s):
+            m = super().key_mask(s).copy()
+            m[0, k: max(k, self.pos - (C - k - 1))] = False
+            return m
 
     ref = runtime(path, capacity=64, chunk=4)
+    ref = Generator(ref.backend, ref.cache, Evicting(64, ref.cache.max_positions), prefill_chunk=4)
     want = [ref.prefill(seq[:10]).copy()]
     for t in range(10, len(seq)):
-        ref.cache.key_mask[:] = True
-        ref.cache.key_mask[0, k: max(k, t - (C - k - 1))] = False  # evicted by the time token t is fed
         want.append(ref.decode_step(seq[t]).copy())
     # int8: the slots sit in another order, the float sums differ in the last bits, and now and
     # then an int8 rounding flips (docs/graph.md); a float cache matches to float precision
@@ -132,19 +141,19 @@ def test_ring_cache_equals_a_linear_cache_that_masks_evicted_tokens(fixture, req
 
 def test_ring_prefill_crosses_the_wrap_and_refuses_undo(tiny_bundle_int8):
     g = runtime(tiny_bundle_int8, capacity=16, chunk=7)
-    g.cache.enable_ring(2)
+    g.seq.enable_ring(2)
     g.prefill(ids(50, seed=6))  # chunks are cut at the buffer's end
-    assert g.cache.n == 16 and 2 <= g.cache.w < 16 and g.pos == 50
+    assert g.seq.n == 16 and 2 <= g.seq.w < 16 and g.seq.pos == 50
     with pytest.raises(ValueError, match="wrapped"):
-        g.cache.truncate(4)
+        g.truncate(4)
     # a wrapped ring is saved with its write slot and continues the same after a restore
-    snap, w = g.cache.snapshot(), g.cache.w
+    snap, w = g.snapshot(), g.seq.w
     h = runtime(tiny_bundle_int8, capacity=16, chunk=7)
-    h.cache.enable_ring(2)
-    h.cache.restore(snap, w=w)
-    h.pos = g.pos
+    h.seq.enable_ring(2)
+    h.restore(snap, g.seq.ids, w=w)
+    assert h.seq.pos == g.seq.pos
     for t in ids(5, seed=7):
         np.testing.assert_array_equal(h.decode_step(t), g.decode_step(t))
     linear = runtime(tiny_bundle_int8, capacity=16)
     with pytest.raises(EdgeKVError, match="wrapped ring"):
-        linear.cache.restore(snap, w=w)
+        linear.restore(snap, g.seq.ids, w=w)

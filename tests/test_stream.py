@@ -1,7 +1,7 @@
 """Streaming detokenization: never half a UTF-8 character, never a dropped character."""
 
-from edgekv.manifest import load_bundle
-from edgekv.text import StreamDecoder, TextCodec
+from edgekv.format.bundle import load_bundle
+from edgekv.runtime.text import StreamDecoder, TextCodec
 
 TEXTS = ["The capital of France is Paris.", "naïve café 東京 🙂🙂 ünïcödé", "emoji 🙂 and tea\n\nnew  lines"]
 

@@ -4,8 +4,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from edgekv.manifest import load_bundle
-from edgekv.trt_check import check_model
+from edgekv.format.bundle import load_bundle
+from edgekv.tools.trt_check import check_model
 from tests.conftest import run_edgekv
 
 

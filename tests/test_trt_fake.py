@@ -7,11 +7,11 @@ import shutil
 import numpy as np
 import pytest
 
-from edgekv.backends import OrtBackend, make_backend
-from edgekv.cache import KVCache
+from edgekv.runtime.backends import OrtBackend, make_backend
+from edgekv.runtime.cache import KVCache
 from edgekv.errors import EdgeKVError
-from edgekv.generate import Generator
-from edgekv.manifest import load_bundle
+from edgekv.runtime.generate import Generator
+from edgekv.format.bundle import load_bundle
 from tests import fake_gpu
 
 
@@ -27,7 +27,7 @@ def ids(n, seed=0):
 
 
 def test_build_engine_caches_and_the_trt_backend_matches_ort_cpu(bundle_copy, monkeypatch):
-    trt, _ = fake_gpu.install(monkeypatch)
+    trt, rt = fake_gpu.install(monkeypatch)
     from jetson.build_engine import build_engine
 
     folder = build_engine(str(bundle_copy), ctx=64, max_prefill=16)
@@ -39,7 +39,8 @@ def test_build_engine_caches_and_the_trt_backend_matches_ort_cpu(bundle_copy, mo
 
     b = load_bundle(bundle_copy)
     be = make_backend("trt", b, ctx=64, max_logits_rows=16)
-    assert be.name == "trt" and make_backend("auto", b, ctx=64).name == "trt"
+    with make_backend("auto", b, ctx=64) as auto:
+        assert be.name == "trt" and auto.name == "trt"
     assert make_backend("auto", b, ctx=128).name == "ort-cpu"  # no engine covers a 128-slot cache
     g = Generator(be, KVCache(b, 64, memory=be.memory))
     assert g.prefill_chunk == 16  # prefill is cut to the engine's profile
@@ -51,22 +52,27 @@ def test_build_engine_caches_and_the_trt_backend_matches_ort_cpu(bundle_copy, mo
     all_rows = g.prefill(ids(12, 2), all_logits=True)  # eval's path: several logits rows per call
     np.testing.assert_array_equal(all_rows, ref.prefill(ids(12, 2), all_logits=True))
     # the cache lives in "device" memory and is read back through the memory interface
-    snap = g.cache.snapshot()
-    np.testing.assert_array_equal(snap["past.0.key"], ref.cache.buffers["past.0.key"][: ref.cache.n])
+    snap = g.snapshot()
+    np.testing.assert_array_equal(snap["past.0.key"], ref.cache.buffers["past.0.key"][: ref.seq.n])
+    # close frees every device buffer (the KV cache's too) and the stream
+    ptrs, stream = [buf.ptr for buf in be.memory.buffers], be.stream
+    assert ptrs and all(p in rt.allocs for p in ptrs) and stream in rt.streams
+    be.close()
+    assert not any(p in rt.allocs for p in ptrs) and stream not in rt.streams
 
 
 def test_trt_refuses_a_wrapped_ring_and_chat_falls_back(bundle_copy, monkeypatch):
     fake_gpu.install(monkeypatch)
-    from edgekv.chat import ChatSession
-    from edgekv.generate import SamplingParams
-    from edgekv.text import TextCodec
+    from edgekv.chat.session import ChatSession
+    from edgekv.runtime.sampling import SamplingParams
+    from edgekv.runtime.text import TextCodec
     from jetson.build_engine import build_engine
 
     build_engine(str(bundle_copy), ctx=32, max_prefill=8)
     b = load_bundle(bundle_copy)
     be = make_backend("trt", b, ctx=32)
     g = Generator(be, KVCache(b, 32, memory=be.memory))
-    g.cache.enable_ring(2)
+    g.seq.enable_ring(2)
     g.prefill(ids(32))
     with pytest.raises(EdgeKVError, match="alias"):
         g.decode_step(5)

@@ -1,7 +1,9 @@
 """KV cache schemes: what each stores per token, its bytes, and the numpy reference maths.
 
-The exporter (torch, export/model.py) and the runtime (numpy, edgekv/cache.py) both read the
-tensor layout from here, so a bundle's manifest, its graph and the runtime's buffers agree.
+The exporter (torch, export/model.py) and the runtime (numpy, edgekv/runtime/cache.py) both
+read the tensor layout from here, so a bundle's manifest, its graph and the runtime's buffers
+agree. Each scheme says what kind it is (`kind`, one of KINDS): code that treats kinds
+differently asks that, never a scheme's name.
 """
 from __future__ import annotations
 
@@ -15,9 +17,8 @@ INT4_GROUP = 32  # int4 scales: one per 32 channels of a head
 # The 16 int4 levels, in units of the group's absmax (the scale). Not uniform: after the Hadamard
 # rotation K/V values are roughly Gaussian, so most of them sit near 0, and the levels are placed
 # where the values are (Lloyd-Max: 1-D k-means of absmax-normalized, rotated K and V of SmolLM2,
-# symmetric, ends pinned at ±1). Against uniform levels (-7..7)/7, the levels alone cut the int4
-# ΔPPL from +8.2 % to +6.1 % (first 8 eval windows); with centered keys int4 measures +3.7 %
-# (docs/kv-schemes.md). Part of the format: a stored code c means INT4_LEVELS[c] * scale.
+# symmetric, ends pinned at ±1; what they buy is in docs/kv-schemes.md). Part of the format: a
+# stored code c means INT4_LEVELS[c] * scale.
 INT4_LEVELS = (-1.0, -0.807, -0.653, -0.521, -0.399, -0.282, -0.168, -0.056,
                0.056, 0.168, 0.282, 0.399, 0.521, 0.653, 0.807, 1.0)
 # a value goes to the nearest level: code = how many midpoints it lies above
@@ -46,12 +47,22 @@ def n_groups(head_dim: int) -> int:
     return max(1, head_dim // INT4_GROUP)
 
 
+# what a scheme stores, by kind:
+#   float    the K/V values in the model's float dtype
+#   dynamic  int8 values and a scale per (token, head) computed in the graph
+#   static   int8 values with calibrated constant scales in the graph (no scale I/O)
+#   packed4  4-bit codes packed two per byte and a scale per group of channels
+KINDS = ("float", "dynamic", "static", "packed4")
+
+
 @dataclass(frozen=True)
 class KVScheme:
     name: str
+    kind: str  # one of KINDS
     tensors: tuple[TensorSpec, ...]
     description: str
     min_scale: float = 0.0
+    per_tensor: bool = False  # static: one scale per layer for K and one for V (else per channel)
     rotate: bool = False  # int4: a fixed orthogonal (Hadamard) rotation of q/k and v before quantizing
     center_keys: bool = False  # int4: subtract a calibrated per-channel key offset before quantizing
 
@@ -78,27 +89,27 @@ class KVScheme:
 _MIN_SCALE = 2.0 ** -14
 
 SCHEMES = {
-    "float": KVScheme("float", (TensorSpec("", "float", "D"),), "unquantized reference (model float dtype)"),
+    "float": KVScheme("float", "float", (TensorSpec("", "float", "D"),), "unquantized reference (model float dtype)"),
     "int8": KVScheme(
-        "int8",
+        "int8", "dynamic",
         (TensorSpec("", "int8", "D"), TensorSpec("_scale", "float16", "")),
         "int8 values, one fp16 absmax/127 scale per (token, head), computed in the graph",
         min_scale=_MIN_SCALE,
     ),
     "int8-static": KVScheme(
-        "int8-static",
+        "int8-static", "static",
         (TensorSpec("", "int8", "D"),),
         "int8 values, one constant scale per (layer, KV head, channel) calibrated at export; no scale I/O",
         min_scale=_MIN_SCALE,
     ),
     "int8-tensor": KVScheme(
-        "int8-tensor",
+        "int8-tensor", "static",
         (TensorSpec("", "int8", "D"),),
         "int8 values, one constant scale per layer for K and one for V (127/max, the naive baseline)",
-        min_scale=_MIN_SCALE,
+        min_scale=_MIN_SCALE, per_tensor=True,
     ),
     "int4": KVScheme(
-        "int4",
+        "int4", "packed4",
         (TensorSpec("", "uint8", "D/2"), TensorSpec("_scale", "float16", "G")),
         f"4-bit codes packed two per byte (uint8 I/O) on 16 non-uniform levels, fp16 absmax scale per (token, head, "
         f"{INT4_GROUP} channels), after a fixed Hadamard rotation that spreads outlier channels; keys centered by a "
@@ -106,16 +117,14 @@ SCHEMES = {
         min_scale=_MIN_SCALE, rotate=True, center_keys=True,
     ),
     "int4-norot": KVScheme(
-        "int4-norot",
+        "int4-norot", "packed4",
         (TensorSpec("", "uint8", "D/2"), TensorSpec("_scale", "float16", "G")),
         "int4 like `int4` but without the rotation (to show what the rotation buys)",
         min_scale=_MIN_SCALE, center_keys=True,
     ),
 }
 
-INT4 = {"int4", "int4-norot"}
-
-STATIC = {"int8-static", "int8-tensor"}  # schemes whose scales are calibrated constants in the graph
+assert all(s.kind in KINDS for s in SCHEMES.values())
 
 
 def get_scheme(name: str) -> KVScheme:

@@ -21,13 +21,16 @@ from pathlib import Path
 
 import numpy as np
 
-from edgekv.backends import make_backend
-from edgekv.cache import KVCache
+from edgekv.chat.conversation import Conversation, common_prefix, sink_count
+from edgekv.chat.policies import DropTurns
+from edgekv.chat.session import ChatSession
 from edgekv.errors import EdgeKVError
-from edgekv.evaluate import log_softmax
-from edgekv.generate import Generator, SamplingParams
-from edgekv.manifest import load_bundle
-from edgekv.text import TextCodec, system_turn
+from edgekv.format.bundle import load_bundle
+from edgekv.runtime.assemble import open_runtime
+from edgekv.runtime.generate import Generator
+from edgekv.runtime.sampling import SamplingParams
+from edgekv.runtime.text import TextCodec, system_turn
+from edgekv.tools.evaluate import log_softmax
 
 QUESTIONS = [
     "Hi! My name is Lena and I live in Porto. What is a good name for a cat?",
@@ -80,21 +83,24 @@ def score(gen: Generator, ids: list[int], spans: list[tuple[int, int]]) -> list[
 
 def evaluate_context(bundle_path: str, ctx: int = 512, turns: int = 24, reply_tokens: int = 96,
                      system: str | None = None, sinks: int | None = None, threads: int | None = None, out=sys.stdout) -> dict:
-    from edgekv.chat import ChatSession, sink_count
-
     bundle = load_bundle(bundle_path)
-    codec = TextCodec(bundle)
-    be = make_backend("auto", bundle, threads, max_logits_rows=256, ctx=bundle.max_context)
+    # the reference holds the whole conversation: caches up to the bundle's verified context
+    with open_runtime(bundle, bundle.max_context, "auto", threads, max_logits_rows=256, log=None) as rt:
+        return compare_policies(rt, ctx, turns, reply_tokens, system, sinks, out)
+
+
+def compare_policies(rt, ctx: int, turns: int, reply_tokens: int, system: str | None, sinks: int | None, out) -> dict:
+    bundle, codec = rt.bundle, rt.codec
     say = lambda s: print(s, file=out, flush=True)  # noqa: E731
     questions = (QUESTIONS * (1 + turns // len(QUESTIONS)))[:turns]
 
     # 1. the reference conversation: greedy, the whole history in the cache
     big = bundle.max_context
-    full_gen = Generator(be, KVCache(bundle, big, memory=be.memory), prefill_chunk=256)
+    full_gen = rt.generator(big)
     sess = ChatSession(bundle, codec, full_gen, SamplingParams(temperature=0.0), system, reply_tokens)
     t0 = time.time()
     for i, q in enumerate(questions):
-        if len(sess._render(sess._msgs([{"role": "user", "content": q}]))) + reply_tokens + 1 > big:
+        if len(sess.prompt_ids(q)) + reply_tokens + 1 > big:
             say(f"  stopping at {i} turns: the reference cache ({big}) is full")
             questions = questions[:i]
             break
@@ -116,29 +122,27 @@ def evaluate_context(bundle_path: str, ctx: int = 512, turns: int = 24, reply_to
     full_gen.reset()
     ref = score(full_gen, full_ids, spans)
     k = sink_count(codec, system) if sinks is None else sinks
-    ring_gen = Generator(be, KVCache(bundle, ctx, memory=be.memory), prefill_chunk=256)
-    ring_gen.cache.enable_ring(k)
+    ring_gen = rt.generator(ctx)
+    ring_gen.seq.enable_ring(k)
     ring = score(ring_gen, full_ids, spans)
     # a ring prefills only the new message and template glue: from the last reply's end to this one's start
     ring_prefill = [s - prev_e for prev_e, (s, _) in zip([0] + [e for _, e in spans[:-1]], spans)]
 
-    drop_gen = Generator(be, KVCache(bundle, ctx, memory=be.memory), prefill_chunk=256)
-    # chat's defaults (max_new_tokens 512): it keeps room for a reply of min(512, ctx / 4) tokens
-    chat = ChatSession(bundle, codec, drop_gen, SamplingParams(temperature=0.0), system, 512, context="drop-turns")
+    drop_gen = rt.generator(ctx)
+    policy, conv = DropTurns(), Conversation(codec, system)
     drop, drop_prefill, prev = [], [], []
     for t, _ in turn_spans:
-        chat.messages = [dict(m) for m in msgs[: 2 * t]]
-        chat.ids = []
-        target = chat._fit(msgs[2 * t]["content"])  # chat's own rule: drop whole old exchanges
-        kept = sys_msg + chat.messages + [msgs[2 * t], msgs[2 * t + 1]]
+        conv.messages = [dict(m) for m in msgs[: 2 * t]]
+        drop_gen.reset()
+        # chat's own rule, with its defaults (max_new_tokens 512: room for a reply of min(512, ctx / 4) tokens)
+        target = policy.fit(conv, msgs[2 * t]["content"], drop_gen.seq, 512)
+        kept = sys_msg + conv.messages + [msgs[2 * t], msgs[2 * t + 1]]
         ids = codec.chat_ids(kept, add_generation_prompt=False)
         s, e = span_of(codec, ids, kept[:-1], msgs[2 * t + 1]["content"])
         assert s == len(target)
         e = min(e, ctx + 1)  # chat would stop a reply at the cache's end; score what fits
-        drop_gen.reset()
         drop.append(score(drop_gen, ids, [(s, e)])[0])
-        common = next((i for i, (a, b) in enumerate(zip(prev, target)) if a != b), min(len(prev), len(target)))
-        drop_prefill.append(len(target) - common)
+        drop_prefill.append(len(target) - common_prefix(prev, target))
         prev = ids[: e]
 
     def metrics(lps, idx):

@@ -1,9 +1,10 @@
 """The `trt` backend: a TensorRT engine built on this device by `edgekv build-engine`.
 
 Buffers are allocated once with cuda-python: the KV cache (CudaMemory, via KVCache), staging
-buffers for the small inputs (sized for the largest call) and the logits. Per call the past is
-bound as the filled prefix and `present.*` at the write slot (set_tensor_address), so the engine
-appends to the cache in place; the small inputs go up and only the logits rows come back.
+buffers for the small inputs (sized for the largest call) and the logits; `close` frees them and
+the stream. Per call the past is bound as the filled prefix and `present.*` at the write slot
+(set_tensor_address), so the engine appends to the cache in place; the small inputs go up and
+only the logits rows come back.
 
 Written against the TensorRT 10 Python API (JetPack 6 ships 10.3). It cannot run on the
 machines this project is developed on (no TensorRT there); `jetson/selftest.sh` checks it against
@@ -12,15 +13,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgekv.cache import KVCache
-from edgekv.engines import DECODE, PREFILL, find_engine
-from edgekv.errors import EdgeKVError
-from edgekv.gpu import CudaMemory, check
-from edgekv.manifest import Bundle
+from edgekv.errors import BackendUnavailable, EdgeKVError
+from edgekv.format.bundle import Bundle
+from edgekv.runtime.backends.engines import DECODE, PREFILL, find_engine
+from edgekv.runtime.backends.gpu import CudaMemory, check
+from edgekv.runtime.cache import KVCache
+from edgekv.runtime.sequence import Sequence
 
 
 def import_tensorrt():
-    from edgekv.backends import BackendUnavailable
     try:
         import tensorrt as trt
     except ImportError:
@@ -40,22 +41,29 @@ class TrtBackend:
     device = "cuda"
     # a wrapped ring binds its write slots inside the past; TensorRT does not allow an input and an
     # output to overlap, so chat uses drop-turns on this backend
-    ring_ok = False
+    runs_ring = False
 
-    def __init__(self, bundle: Bundle, ctx: int | None = None, max_logits_rows: int = 1):
-        from edgekv.backends import BackendUnavailable
-        trt = self.trt = import_tensorrt()
+    def __init__(self, bundle: Bundle, ctx: int, max_logits_rows: int = 1):
+        self.trt = import_tensorrt()
         self.memory = CudaMemory()
-        rt = self.rt = self.memory.rt
-        ctx = ctx or min(2048, bundle.max_context)
+        self.rt = self.memory.rt
+        self.stream = None
+        try:
+            self._start(bundle, ctx, max_logits_rows)
+        except BaseException:  # free what was allocated before the failure
+            self.close()
+            raise
+
+    def _start(self, bundle: Bundle, ctx: int, max_logits_rows: int) -> None:
+        trt, rt = self.trt, self.rt
         gpu = gpu_name(rt)
         found = find_engine(bundle, gpu, trt.__version__, ctx)
         if found is None:
             raise BackendUnavailable(f"no TensorRT engine of {bundle.path.name} for {gpu}, TensorRT {trt.__version__}, "
-                                     f"--ctx {ctx}: build one with `edgekv build-engine {bundle.path} --ctx {ctx}`")
+                                     f"a {ctx}-slot cache: build one with `edgekv build-engine {bundle.path} --ctx {ctx}`")
         folder, info = found
         self.engine_info = info
-        self.max_prefill = int(info["max_prefill"])
+        self.max_tokens_per_call = int(info["max_prefill"])
         logger = trt.Logger(trt.Logger.WARNING)
         self.runtime = trt.Runtime(logger)
         self.engine = self.runtime.deserialize_cuda_engine((folder / "model.plan").read_bytes())
@@ -71,10 +79,10 @@ class TrtBackend:
             self.contexts.append(c)
         check(rt.cudaStreamSynchronize(self.stream))
         self.vocab = bundle.model["vocab_size"]
-        rows = max(max_logits_rows, self.max_prefill)
+        rows = max(max_logits_rows, self.max_tokens_per_call)
         # staging for the small inputs and the logits, sized once for the largest call
-        self.d_ids = self.memory.alloc((1, self.max_prefill), np.int64)
-        self.d_pos = self.memory.alloc((1, self.max_prefill), np.int64)
+        self.d_ids = self.memory.alloc((1, self.max_tokens_per_call), np.int64)
+        self.d_pos = self.memory.alloc((1, self.max_tokens_per_call), np.int64)
         self.d_idx = self.memory.alloc((1, rows), np.int64)
         self.d_mask = self.memory.alloc((1, int(info["ctx"])), np.bool_)
         self.d_logits = self.memory.alloc((1, rows, self.vocab), np.float32)
@@ -85,23 +93,22 @@ class TrtBackend:
         check(self.rt.cudaMemcpyAsync(buf.ptr, arr.ctypes.data, arr.nbytes,
                                       self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice, self.stream))
 
-    def run(self, input_ids: np.ndarray, position_ids: np.ndarray, logits_index: np.ndarray,
-            cache: KVCache) -> np.ndarray:
+    def run(self, cache: KVCache, seq: Sequence, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
         if cache.memory.device != "cuda":
             raise EdgeKVError("trt needs its KV cache in device memory (build it with memory=backend.memory)")
         b, s = input_ids.shape
         k = logits_index.shape[1]
-        n, w = cache.n, cache.w
-        cache.check_write(s)
-        if b != 1 or s > self.max_prefill or k > s:
-            raise EdgeKVError(f"trt: this engine takes batch 1 and at most {self.max_prefill} tokens per call "
-                              f"(got batch {b}, {s} tokens); rebuild with a larger --max-prefill")
+        n, w = seq.n, seq.w
+        if b != 1 or s > self.max_tokens_per_call or k > s:
+            raise EdgeKVError(f"trt: this engine takes batch 1 and at most {self.max_tokens_per_call} tokens per call "
+                              f"(got batch {b}, {s} tokens)", setting="max_prefill", fix="rebuild the engine with a larger {}")
         if w < n:
-            raise EdgeKVError("trt: a wrapped ring cache would alias inputs and outputs; use --context drop-turns")
+            raise EdgeKVError("trt: a wrapped ring cache would alias inputs and outputs", setting="context_policy",
+                              fix="use {} drop-turns")
         ctx = self.contexts[DECODE if s == 1 else PREFILL]
-        mask = cache.key_mask_for(s)
+        mask = seq.key_mask(s)
         self._up(self.d_ids, input_ids)
-        self._up(self.d_pos, position_ids)
+        self._up(self.d_pos, seq.positions(s))
         self._up(self.d_idx, logits_index)
         self._up(self.d_mask, mask)
         for name, buf, shape in (("input_ids", self.d_ids, (1, s)), ("position_ids", self.d_pos, (1, s)),
@@ -119,5 +126,18 @@ class TrtBackend:
         check(self.rt.cudaMemcpyAsync(out.ctypes.data, self.d_logits.ptr, out.nbytes,
                                       self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream))
         check(self.rt.cudaStreamSynchronize(self.stream))
-        cache.advance(s)
         return out
+
+    def close(self) -> None:
+        """Free the device buffers (the KV caches allocated from this backend's memory too) and the stream."""
+        if self.stream is not None:
+            self.rt.cudaStreamSynchronize(self.stream)
+            self.rt.cudaStreamDestroy(self.stream)
+            self.stream = None
+        self.memory.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

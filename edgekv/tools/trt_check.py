@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-DATA = Path(__file__).parent / "data" / "trt_onnx_ops.json"
+DATA = Path(__file__).parent.parent / "data" / "trt_onnx_ops.json"
 
 # onnx TensorProto element types -> the table's names
 _TYPES = {1: "FP32", 2: "UINT8", 3: "INT8", 6: "INT32", 7: "INT64", 9: "BOOL", 10: "FP16", 11: "DOUBLE", 16: "BF16",
@@ -175,7 +175,7 @@ def _prod(xs):
 
 def cmd_check_trt(args) -> int:
     from edgekv.errors import EdgeKVError
-    from edgekv.manifest import load_bundle
+    from edgekv.format.bundle import load_bundle
 
     p = Path(args.bundle)
     path = p if p.suffix == ".onnx" else load_bundle(p).onnx_path

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import numpy as np
 
-from edgekv.backends import default_threads, make_backend
-from edgekv.cache import KVCache
-from edgekv.generate import Generator
-from edgekv.manifest import load_bundle
+from edgekv.errors import note
+from edgekv.format.bundle import load_bundle
+from edgekv.runtime.assemble import Runtime, open_runtime
+from edgekv.runtime.backends import default_threads
+from edgekv.runtime.generate import Generator
 
 
 def rss_bytes() -> tuple[int, int]:
@@ -65,13 +66,13 @@ def time_once(g: Generator, prompt: list[int], decode_tokens: int) -> tuple[floa
     return t1 - t0, decode_tokens / (t2 - t1)
 
 
-def measure(be, bundle, configs: list[tuple[int, int]], decode_tokens: int, repeat: int) -> dict:
+def measure(rt: Runtime, configs: list[tuple[int, int]], decode_tokens: int, repeat: int) -> dict:
     """Time every (capacity, prompt length) configuration `repeat` times, round-robin: each
     round runs every configuration once, so a slow spell of a shared machine hits all of them
     alike instead of whichever was measured first. One backend (one session) serves all."""
-    caches = {C: KVCache(bundle, C, memory=be.memory) for C in sorted({c for c, _ in configs})}
-    gens = {key: Generator(be, caches[key[0]], prefill_chunk=512) for key in configs}
-    prompts = {key: sample_tokens(key[1], bundle.model["vocab_size"]) for key in configs}
+    caches = {C: rt.cache(C) for C in sorted({c for c, _ in configs})}
+    gens = {key: rt.generator(prefill_chunk=512, cache=caches[key[0]]) for key in configs}
+    prompts = {key: sample_tokens(key[1], rt.bundle.model["vocab_size"]) for key in configs}
     times = {key: ([], []) for key in configs}
     for r in range(repeat + 1):  # round 0 warms up the backend's allocations and is dropped
         for key in configs:
@@ -87,11 +88,10 @@ def measure(be, bundle, configs: list[tuple[int, int]], decode_tokens: int, repe
     return out
 
 
-def rss_over_decode(be, bundle, n_tokens: int):
-    cache = KVCache(bundle, min(bundle.max_context, n_tokens + 80), memory=be.memory)
-    n_tokens = min(n_tokens, cache.capacity - 65)  # 64 prompt tokens, then decode to the brim at most
-    g = Generator(be, cache)
-    tok = int(np.argmax(g.prefill(sample_tokens(64, bundle.model["vocab_size"]))))
+def rss_over_decode(rt: Runtime, n_tokens: int):
+    g = rt.generator(min(rt.bundle.max_context, n_tokens + 80))
+    n_tokens = min(n_tokens, g.cache.capacity - 65)  # 64 prompt tokens, then decode to the brim at most
+    tok = int(np.argmax(g.prefill(sample_tokens(64, rt.bundle.model["vocab_size"]))))
     for _ in range(16):  # let ORT settle its arenas first
         tok = int(np.argmax(g.decode_step(tok)))
     start = rss_bytes()[0]
@@ -108,14 +108,13 @@ def rss_over_decode(be, bundle, n_tokens: int):
 def cmd_bench(args) -> int:
     bundle = load_bundle(args.bundle)
     threads = args.threads or default_threads()
-    log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
     caps = [int(x) for x in args.capacities.split(",")]
     lens = [int(x) for x in args.prompt_lengths.split(",")]
     fills = [int(x) for x in args.fill.split(",")]
     big = max(caps)
     res = {"bundle": str(bundle.path), "kv_scheme": bundle.scheme.name, "threads": threads,
            "kv_bytes_per_token": bundle.kv_bytes_per_token(), "runs": []}
-    log(f"edgekv bench: {bundle.path.name} (kv {bundle.scheme.name}, {threads} threads, median of {args.repeat})")
+    note(f"edgekv bench: {bundle.path.name} (kv {bundle.scheme.name}, {threads} threads, median of {args.repeat})")
 
     plan = []  # (what, capacity, prompt length)
     for L in lens:  # time to first token by prompt length
@@ -125,11 +124,16 @@ def cmd_bench(args) -> int:
             if F + args.decode_tokens <= C and (F == min(fills) or C == big):
                 plan.append(("fill", C, F))
     configs = list(dict.fromkeys((C, L) for _, C, L in plan))
-    be = make_backend(args.backend, bundle, threads, ctx=big, log=log)
-    res["backend"] = be.name
-    log(f"  {len(configs)} configurations x {args.repeat + 1} rounds (round-robin; the first round is warm-up) "
-        f"on {be.name} ...")
-    seen = measure(be, bundle, configs, args.decode_tokens, args.repeat)
+    with open_runtime(bundle, big, args.backend, threads) as rt:
+        return bench(args, rt, res, configs, caps, fills, threads)
+
+
+def bench(args, rt: Runtime, res: dict, configs: list, caps: list[int], fills: list[int], threads: int) -> int:
+    bundle, big = rt.bundle, max(caps)
+    res["backend"] = rt.backend.name
+    note(f"  {len(configs)} configurations x {args.repeat + 1} rounds (round-robin; the first round is warm-up) "
+        f"on {rt.backend.name} ...")
+    seen = measure(rt, configs, args.decode_tokens, args.repeat)
     print(f"{'capacity':>8} {'prompt':>7} {'TTFT ms':>9} {'prefill tok/s':>14} {'decode tok/s':>13}")
     for key in configs:
         r = seen[key]
@@ -145,11 +149,11 @@ def cmd_bench(args) -> int:
         res["decode_ratio_big_vs_small_capacity"] = b["decode_tps"] / a["decode_tps"]
     best = max(r["decode_tps"] for r in res["runs"] if r["prompt_tokens"] == small_fill)
     res["decode_tps_at_small_fill"] = best
-    log(f"  RSS over {args.rss_tokens} decoded tokens ...")
-    res["rss"] = rss_over_decode(be, bundle, args.rss_tokens)
+    note(f"  RSS over {args.rss_tokens} decoded tokens ...")
+    res["rss"] = rss_over_decode(rt, args.rss_tokens)
     # peak before the bandwidth probe: its 1 GiB array is not the model's memory
     res["peak_rss_mib"] = rss_bytes()[1] / 2**20
-    log("  read bandwidth ...")
+    note("  read bandwidth ...")
     bw = read_bandwidth(threads)
     weight_bytes = bundle.graph_bytes()
     res["read_bandwidth_gbs"] = bw / 1e9
@@ -164,12 +168,12 @@ def cmd_bench(args) -> int:
         print(f"decode with --ctx {big} / --ctx {min(caps)} at fill {small_fill}: "
               f"{res['decode_ratio_big_vs_small_capacity']:.3f}x")
     if args.transformers:
-        log("  transformers (eager) on the same weights ...")
+        note("  transformers (eager) on the same weights ...")
         cmd = [sys.executable, "-m", "export.bench_transformers", args.transformers, "--threads", str(threads),
                "--prompt-tokens", str(small_fill), "--decode-tokens", str(args.decode_tokens), "--repeat", str(args.repeat)]
-        p = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
         if p.returncode != 0:
-            log(f"  transformers run failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
+            note(f"  transformers run failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
         else:
             hf = json.loads(p.stdout.strip().splitlines()[-1])
             res["transformers"] = hf
@@ -182,5 +186,5 @@ def cmd_bench(args) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(res, indent=1))
-        log(f"  wrote {args.json}")
+        note(f"  wrote {args.json}")
     return 0

@@ -18,13 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
-from edgekv.backends import make_backend
-from edgekv.cache import KVCache
 from edgekv.errors import EdgeKVError
-from edgekv.generate import Generator
-from edgekv.kvschemes import float16_bytes_per_token
-from edgekv.manifest import Bundle, load_bundle
-from edgekv.text import TextCodec
+from edgekv.format.bundle import Bundle, load_bundle
+from edgekv.format.kvschemes import float16_bytes_per_token
+from edgekv.runtime.assemble import open_runtime
+from edgekv.runtime.generate import Generator
+from edgekv.runtime.text import TextCodec
 
 
 def default_text() -> tuple[str, str]:
@@ -76,25 +75,32 @@ def evaluate(paths: list[str], text: str | None = None, ctx: int = 1024, chunks:
         text_desc = "user file"
     ids = codec.encode(text)
     if len(ids) < ctx + 1:
-        raise EdgeKVError(f"text too short: {len(ids)} tokens, one window needs {ctx + 1} (use a longer text or "
-                          f"a smaller --ctx)")
+        raise EdgeKVError(f"text too short: {len(ids)} tokens, one window needs {ctx + 1}", setting="capacity",
+                          fix="use a longer text or a smaller {}")
     stride = stride or ctx + 1  # default: windows do not overlap
     starts = list(range(0, len(ids) - ctx, stride))
     if chunks:
         starts = starts[:chunks]
-    n_windows = len(starts)
-    first = ctx // 2
     # the float bundle is the reference; without one, the first bundle is
     order = sorted(range(len(bundles)), key=lambda i: bundles[i].scheme.name != "float")
-    ref_i = order[0]
-    runners, results = [], []
-    for b in bundles:
-        if ctx > b.max_context:
-            raise EdgeKVError(f"--ctx {ctx} exceeds {b.path.name}'s verified context {b.max_context}")
-        be = make_backend("auto", b, threads, max_logits_rows=prefill_chunk, ctx=ctx)
-        gen = Generator(be, KVCache(b, ctx, memory=be.memory), prefill_chunk=prefill_chunk)
-        runners.append(gen)
-        results.append(SchemeResult(b.path.name, b.scheme.name, b.kv_bytes_per_token()))
+    runtimes, runners, results = [], [], []
+    try:
+        for b in bundles:
+            if ctx > b.max_context:
+                raise EdgeKVError(f"a window of {ctx} tokens exceeds {b.path.name}'s verified context {b.max_context}",
+                                  setting="capacity", fix="use a smaller {}")
+            rt = open_runtime(b, ctx, "auto", threads, max_logits_rows=prefill_chunk, log=None)
+            runtimes.append(rt)
+            runners.append(rt.generator(prefill_chunk=prefill_chunk))
+            results.append(SchemeResult(b.path.name, b.scheme.name, b.kv_bytes_per_token()))
+        return score_windows(bundles, runners, results, ids, starts, order, ctx, text_desc, out)
+    finally:
+        for rt in runtimes:
+            rt.close()
+
+
+def score_windows(bundles, runners, results, ids, starts, order, ctx, text_desc, out) -> dict:
+    n_windows, first, ref_i = len(starts), ctx // 2, order[0]
     print(f"edgekv eval: {len(bundles)} bundle(s), {n_windows} windows of {ctx} tokens ({len(ids)} tokens of "
           f"{text_desc}), scoring the second half of each; reference: {results[ref_i].name}", file=out, flush=True)
     t0 = time.time()

@@ -1,4 +1,4 @@
-"""Device memory for the KV cache: the four operations KVCache uses (alloc, ptr, read, write).
+"""Device memory for the KV cache, following the KVMemory protocol (edgekv/runtime/memory.py).
 
 - `OrtValueMemory` (ort-cuda): onnxruntime OrtValues on the GPU, no extra library.
 - `CudaMemory` (trt): cuda-python's runtime API (cudaMalloc / cudaMemcpy).
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgekv.errors import EdgeKVError
+from edgekv.errors import BackendUnavailable, EdgeKVError
 
 
 class OrtValueMemory:
@@ -51,13 +51,8 @@ def cudart():
         try:
             from cuda import cudart as runtime
         except ImportError:
-            raise _unavailable("the trt backend needs cuda-python: pip install cuda-python") from None
+            raise BackendUnavailable("the trt backend needs cuda-python: pip install cuda-python") from None
     return runtime
-
-
-def _unavailable(msg: str) -> EdgeKVError:
-    from edgekv.backends import BackendUnavailable
-    return BackendUnavailable(msg)
 
 
 def check(result):
@@ -66,9 +61,10 @@ def check(result):
     if int(err) != 0:
         name = getattr(err, "name", str(err))
         if "MemoryAllocation" in name:
-            raise EdgeKVError(f"CUDA: out of device memory ({name}); use a smaller --ctx or close other programs")
+            raise EdgeKVError(f"CUDA: out of device memory ({name})", setting="capacity",
+                              fix="use a smaller {} or close other programs")
         if "NoDevice" in name or "InsufficientDriver" in name:
-            raise _unavailable(f"CUDA: no usable GPU ({name})")
+            raise BackendUnavailable(f"CUDA: no usable GPU ({name})")
         raise EdgeKVError(f"CUDA error {name}")
     return vals[0] if len(vals) == 1 else (tuple(vals) or None)
 
@@ -117,6 +113,7 @@ class CudaMemory:
                                      self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice))
 
     def close(self) -> None:
+        """Free every buffer this memory allocated (the trt backend's close calls it)."""
         for buf in self.buffers:
             self.rt.cudaFree(buf.ptr)
         self.buffers.clear()

@@ -17,7 +17,7 @@ import json
 import re
 from pathlib import Path
 
-from edgekv.manifest import MANIFEST, Bundle
+from edgekv.format.bundle import MANIFEST, Bundle
 
 DECODE, PREFILL = 0, 1
 PLAN, META = "model.plan", "engine.json"

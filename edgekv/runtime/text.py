@@ -1,8 +1,8 @@
 """Tokenizer, chat template and streaming detokenization."""
 from __future__ import annotations
 
-from edgekv.errors import EdgeKVError
-from edgekv.manifest import Bundle, BundleError
+from edgekv.errors import BundleError, EdgeKVError
+from edgekv.format.bundle import Bundle
 
 
 class TextCodec:

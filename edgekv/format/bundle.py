@@ -9,18 +9,15 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from edgekv.kvschemes import KVScheme, get_scheme
+from edgekv.errors import BundleError
+from edgekv.format.kvschemes import KVScheme, get_scheme
 
 FORMAT_VERSION = 1
 MANIFEST = "edgekv.json"
 INPUTS = ["input_ids", "position_ids", "key_mask", "logits_index"]
-
-
-from edgekv.errors import EdgeKVError
-
-
-class BundleError(EdgeKVError):
-    """A bundle that cannot be used."""
+# the manifest's parity row (parity.outputs) whose tolerance other backends are held to: decode
+# logits, set by the exporter from the scheme's measured quantization noise
+PARITY_LOGITS = "logits (decode)"
 
 
 def io_names(n_layers: int, scheme: KVScheme) -> dict[str, list[str]]:
@@ -69,6 +66,10 @@ class Bundle:
     def graph_bytes(self) -> int:
         """model.onnx and its external weights: what a decode step reads."""
         return sum(f.stat().st_size for f in self.path.glob("model.onnx*"))
+
+    def logits_tolerance(self, default: float = 0.05) -> float:
+        """The decode-logits tolerance the exporter set for this bundle (`default` if it has none)."""
+        return self.manifest.get("parity", {}).get("outputs", {}).get(PARITY_LOGITS, {}).get("tol", default)
 
     def kv_bytes_per_token(self) -> int:
         m = self.model

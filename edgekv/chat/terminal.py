@@ -1,0 +1,122 @@
+"""`edgekv chat`: the terminal front end (the prompt, slash commands, the stats line, --json)."""
+from __future__ import annotations
+
+import json
+import sys
+
+from edgekv.chat.session import ChatSession
+from edgekv.errors import EdgeKVError
+from edgekv.runtime.assemble import open_runtime
+from edgekv.runtime.generate import stats_line, stats_record
+from edgekv.runtime.sampling import sampling_from
+
+HELP = """commands:
+  /help            this help
+  /reset           forget the conversation (keeps the system prompt)
+  /undo            forget the last exchange (the cache is truncated, not recomputed)
+  /system TEXT     set a new system prompt (resets the conversation)
+  /stats           cache and speed of the last reply
+  /save FILE       save the conversation and its KV cache
+  /load FILE       load a saved conversation (same bundle only)
+  /quit            exit (Ctrl-D too); Ctrl-C stops a reply"""
+
+
+def session_stats(s: ChatSession) -> str:
+    return stats_line(s.last, s.gen.cache, s.gen.seq) + (
+        f" | {s.dropped_turns} old turn(s) dropped" if s.dropped_turns else "")
+
+
+def cmd_chat(args, explain=EdgeKVError.explain) -> int:
+    """`explain` turns a library error into the line to show (the CLI names its flags)."""
+    with open_runtime(args.bundle, args.ctx, args.backend, args.threads) as rt:
+        return chat_loop(args, rt, explain)
+
+
+def chat_loop(args, rt, explain) -> int:
+    gen = rt.generator()
+    session = ChatSession(rt.bundle, rt.codec, gen, sampling_from(args), args.system, args.max_new_tokens,
+                          args.context)
+    interactive = sys.stdin.isatty() and not args.json
+    if session.note:
+        print(session.note, file=sys.stderr)
+    if args.system or args.prompt_cache:
+        note = session.warm_system(args.prompt_cache)
+        if interactive or args.prompt_cache:
+            print(f"({note})", file=sys.stderr)
+    if interactive:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:
+            pass
+        print(f"edgekv chat — {rt.bundle.manifest.get('name', rt.bundle.path.name)}, KV {rt.bundle.scheme.name}, "
+              f"ctx {gen.cache.capacity}. /help for commands, Ctrl-D to quit.", file=sys.stderr)
+    dim = ("\033[2m", "\033[0m") if sys.stderr.isatty() else ("", "")
+    while True:
+        try:
+            line = input("> " if interactive else "")
+        except EOFError:
+            if interactive:
+                print(file=sys.stderr)
+            return 0
+        except KeyboardInterrupt:
+            print("\n(Ctrl-D or /quit to exit)", file=sys.stderr)
+            continue
+        line = line.strip()
+        if not line:
+            continue
+        if line.startswith("/"):
+            if handle_command(session, line, explain) == "quit":
+                return 0
+            continue
+        out = sys.stdout
+        write = (lambda s: (out.write(s), out.flush())) if not args.json else None
+        text, st = session.reply(line, write)
+        if args.json:
+            print(json.dumps({"user": line, "text": text, **stats_record(st, gen.cache, gen.seq),
+                              "dropped_turns": session.dropped_turns, "context": args.context}), flush=True)
+        else:
+            out.write("\n")
+            out.flush()
+            if st.stop_reason == "interrupted":
+                print("[stopped]", file=sys.stderr)
+            print(f"{dim[0]}{session_stats(session)}{dim[1]}", file=sys.stderr, flush=True)
+
+
+def handle_command(s: ChatSession, line: str, explain=EdgeKVError.explain):
+    cmd, _, arg = line.partition(" ")
+    arg = arg.strip()
+    err = sys.stderr
+    try:
+        if cmd in ("/quit", "/exit"):
+            return "quit"
+        if cmd == "/help":
+            print(HELP, file=err)
+        elif cmd == "/reset":
+            s.reset()
+            print("(conversation forgotten)", file=err)
+        elif cmd == "/undo":
+            print("(last exchange forgotten)" if s.undo() else "(nothing to undo)", file=err)
+        elif cmd == "/system":
+            if not arg:
+                print(f"(system prompt: {s.system!r}; /system TEXT sets it)", file=err)
+            else:
+                s.system = arg
+                s.reset()
+                print("(system prompt set; conversation reset)", file=err)
+        elif cmd == "/stats":
+            print(session_stats(s), file=err)
+        elif cmd == "/save":
+            if not arg:
+                raise EdgeKVError("/save FILE")
+            s.save(arg)
+            print(f"(saved to {arg})", file=err)
+        elif cmd == "/load":
+            if not arg:
+                raise EdgeKVError("/load FILE")
+            s.load(arg)
+            print(f"(loaded {arg}: {len(s.messages) // 2} exchange(s), {s.gen.seq.n} cached tokens)", file=err)
+        else:
+            print(f"unknown command {cmd}; /help lists the commands", file=err)
+    except EdgeKVError as e:
+        print(f"error: {explain(e)}", file=err)
+    return None

@@ -1,0 +1,1 @@
+"""The runtime: memory, the KV cache, the sequence, backends, generation, sampling, text."""

@@ -1,0 +1,52 @@
+"""The one place a bundle, a backend, caches and generators are put together."""
+from __future__ import annotations
+
+import os
+from functools import cached_property
+
+from edgekv.errors import note
+from edgekv.format.bundle import Bundle, load_bundle
+from edgekv.runtime.backends import make_backend
+from edgekv.runtime.backends.base import Backend
+from edgekv.runtime.cache import KVCache, default_capacity
+from edgekv.runtime.generate import Generator
+from edgekv.runtime.text import TextCodec
+
+
+class Runtime:
+    """A bundle on a backend, with the cache capacity chosen for it. Caches are allocated from
+    the backend's memory; `close` (or leaving a `with` block) frees the backend's buffers, so
+    it comes after every cache's last use."""
+
+    def __init__(self, bundle: Bundle, backend: Backend, capacity: int):
+        self.bundle, self.backend, self.capacity = bundle, backend, capacity
+
+    @cached_property
+    def codec(self) -> TextCodec:
+        return TextCodec(self.bundle)
+
+    def cache(self, capacity: int | None = None) -> KVCache:
+        return KVCache(self.bundle, capacity or self.capacity, memory=self.backend.memory)
+
+    def generator(self, capacity: int | None = None, prefill_chunk: int = 256, cache: KVCache | None = None) -> Generator:
+        """A generator over a new sequence: in `cache`, or in a new cache of `capacity` slots."""
+        return Generator(self.backend, cache or self.cache(capacity), prefill_chunk=prefill_chunk)
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def __enter__(self) -> "Runtime":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_runtime(bundle: str | os.PathLike | Bundle, ctx: int | None = None, backend: str = "auto",
+                 threads: int | None = None, max_logits_rows: int = 1, log=note) -> Runtime:
+    """Load the bundle (a path, or a Bundle already loaded) and start `backend` for caches of
+    `ctx` slots (default: min(2048, the bundle's verified context))."""
+    bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
+    capacity = ctx or default_capacity(bundle)
+    be = make_backend(backend, bundle, threads, max_logits_rows, ctx=capacity, log=log)
+    return Runtime(bundle, be, capacity)

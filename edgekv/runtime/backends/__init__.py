@@ -1,0 +1,48 @@
+"""Backends: which one runs here (`make_backend`, `auto`). The backends themselves: ort.py
+(ort-cpu, ort-cuda), trt.py (a TensorRT engine); their device memory: gpu.py."""
+from __future__ import annotations
+
+import os
+
+from edgekv.errors import BackendUnavailable, EdgeKVError
+from edgekv.format.bundle import Bundle
+from edgekv.runtime.backends.base import Backend
+from edgekv.runtime.backends.ort import OrtBackend, OrtCudaBackend
+from edgekv.runtime.cache import default_capacity
+
+BACKENDS = ("auto", "ort-cpu", "ort-cuda", "trt")
+
+
+def default_threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def make_backend(name: str, bundle: Bundle, threads: int | None = None, max_logits_rows: int = 1,
+                 ctx: int | None = None, log=None) -> Backend:
+    """The backend `name`, or for `auto` the best one that works here: trt when a built engine
+    covers `ctx`, else ort-cuda when onnxruntime has CUDA, else ort-cpu. `log` gets one line
+    saying why a better backend was passed over."""
+    if name == "ort-cpu":
+        return OrtBackend(bundle, threads, max_logits_rows)
+    if name == "ort-cuda":
+        return OrtCudaBackend(bundle, threads, max_logits_rows)
+    if name == "trt":
+        from edgekv.runtime.backends.trt import TrtBackend
+        return TrtBackend(bundle, ctx or default_capacity(bundle), max_logits_rows)
+    if name != "auto":
+        raise EdgeKVError(f"unknown backend {name!r}; choose one of: {', '.join(BACKENDS)}")
+    skipped = []
+    for cand in ("trt", "ort-cuda"):
+        try:
+            return make_backend(cand, bundle, threads, max_logits_rows, ctx)
+        except BackendUnavailable as e:
+            skipped.append(str(e))
+    if log and skipped and _looks_like_gpu_box():
+        for why in skipped:
+            log(f"auto backend: {why}")
+    return OrtBackend(bundle, threads, max_logits_rows)
+
+
+def _looks_like_gpu_box() -> bool:
+    """Only say why the GPU backends were skipped where a GPU seems to exist."""
+    return os.path.exists("/dev/nvidia0") or os.path.exists("/etc/nv_tegra_release")

@@ -1,0 +1,42 @@
+"""The Backend protocol: what every backend (ort-cpu, ort-cuda, trt) promises.
+
+One `run` is one graph call: the S new tokens of a sequence against the cache slots it has
+filled. The backend binds the past as the sequence's filled slots `buf[:n]` and `present.*`
+straight into the buffers at its write slot `buf[w:w+S]` by address (cache.ptr; w == n unless
+the sequence is a ring that has wrapped, where the overwritten slots are masked out of the
+past), takes position_ids and key_mask from the sequence, and returns only the logits rows
+asked for. It does not change the sequence: the caller records the call (Generator._call).
+
+| backend | runs on | KV buffers | needs |
+|---|---|---|---|
+| `ort-cpu` | onnxruntime CPU provider | host RAM (numpy) | onnxruntime |
+| `ort-cuda` | onnxruntime CUDA provider | device memory (OrtValue) | onnxruntime-gpu, a CUDA GPU |
+| `trt` | a TensorRT engine (`edgekv build-engine`) | device memory (cuda-python) | tensorrt, cuda-python |
+"""
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from edgekv.runtime.cache import KVCache
+from edgekv.runtime.memory import KVMemory
+from edgekv.runtime.sequence import Sequence
+
+UNLIMITED = 1 << 30  # tokens per call for a backend without a limit of its own
+
+
+class Backend(Protocol):
+    name: str  # "ort-cpu" | "ort-cuda" | "trt"
+    device: str  # where its KV memory is: "cpu" | "cuda"
+    memory: KVMemory  # what its caches are allocated from: KVCache(bundle, ctx, memory=backend.memory)
+    max_tokens_per_call: int  # the most tokens one run takes (a TensorRT engine's prefill profile)
+    runs_ring: bool  # can it run a wrapped ring (its past and present slots overlap)?
+
+    def run(self, cache: KVCache, seq: Sequence, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
+        """input_ids [1, S], logits_index [1, K] -> logits [1, K, V]: a host view into a buffer the
+        backend owns (copy it to keep it). The new tokens' K/V are written at seq.w."""
+
+    def close(self) -> None:
+        """Free what the backend allocated (device buffers, streams). Caches allocated from its
+        memory are invalid afterwards."""

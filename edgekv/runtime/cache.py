@@ -1,0 +1,95 @@
+"""KVCache: every KV buffer allocated once, slot-major, for a capacity chosen at run time.
+
+Layout per graph tensor: [capacity, 1, Hkv, D] (values) or [capacity, 1, Hkv] (scales). Slot
+`i` of every buffer belongs to the same token. The cache is only the buffers; which slots a
+conversation fills, where it writes next and its positions are its Sequence's
+(edgekv/runtime/sequence.py; `new_sequence`). The filled prefix buf[:n] is contiguous, so a
+backend binds only that as `past.*`, and the new tokens' region buf[w:w+S] is contiguous, so
+`present.*` is written there directly (zero-copy append).
+
+Where the buffers live is the backend's choice (`backend.memory`, a KVMemory): host memory
+(numpy) for ort-cpu, device memory for the GPU backends."""
+from __future__ import annotations
+
+import numpy as np
+
+from edgekv.errors import EdgeKVError
+from edgekv.format.bundle import Bundle, io_names
+from edgekv.runtime.memory import HostMemory, KVMemory
+from edgekv.runtime.sequence import Sequence
+
+NP_DTYPES = {"int8": np.int8, "uint8": np.uint8, "float16": np.float16, "float32": np.float32}
+DEFAULT_CAPACITY = 2048  # slots, when no --ctx is given (capped at the bundle's verified context)
+
+
+def default_capacity(bundle: Bundle) -> int:
+    return min(DEFAULT_CAPACITY, bundle.max_context)
+
+
+class KVCache:
+    def __init__(self, bundle: Bundle, capacity: int, memory: KVMemory | None = None):
+        if capacity < 1:
+            raise EdgeKVError(f"the cache capacity must be at least 1 (got {capacity})", setting="capacity",
+                              fix="raise {}")
+        if capacity > bundle.max_context:
+            raise EdgeKVError(f"a cache of {capacity} slots exceeds the {bundle.max_context} tokens this bundle was "
+                              f"verified for", setting="max_context", fix="re-export with a larger {}")
+        m = bundle.model
+        self.capacity = capacity
+        self.max_positions = bundle.max_context
+        self.scheme = bundle.scheme
+        self.names = io_names(m["n_layers"], self.scheme)["past"]
+        float_dtype = bundle.dtype
+        shapes = {}
+        for name in self.names:
+            spec = self.scheme.spec_of(name)
+            dtype = NP_DTYPES[float_dtype if spec.dtype == "float" else spec.dtype]
+            shapes[name] = (spec.shape(capacity, 1, m["n_kv_heads"], m["head_dim"]), dtype)
+        need = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in shapes.values())
+        self.memory = memory or HostMemory()
+        free = self.memory.free_bytes()
+        if free is not None and need > free:
+            raise EdgeKVError(f"a KV cache of {capacity} slots needs {need / 2**20:.1f} MiB, only "
+                              f"{free / 2**20:.1f} MiB free on {self.memory.device}", setting="capacity",
+                              fix="use a smaller {}")
+        self.buffers = {name: self.memory.alloc(shape, dtype) for name, (shape, dtype) in shapes.items()}
+        self.shapes = {name: shape for name, (shape, _) in shapes.items()}
+        self.dtypes = {name: np.dtype(dtype) for name, (_, dtype) in shapes.items()}
+        # bytes of one slot of each buffer: slot i of `name` starts at ptr + i * row_bytes
+        self.row_bytes = {name: int(np.prod(shape[1:])) * self.dtypes[name].itemsize
+                          for name, shape in self.shapes.items()}
+        self.nbytes = need
+        self.bytes_per_token = need // capacity
+
+    def new_sequence(self) -> Sequence:
+        """A sequence over this cache's slots."""
+        return Sequence(self.capacity, self.max_positions)
+
+    def ptr(self, name: str, slot: int) -> int:
+        """Address of slot `slot` of buffer `name` (host or device memory)."""
+        return self.memory.ptr(self.buffers[name]) + slot * self.row_bytes[name]
+
+    def slots_shape(self, name: str, count: int) -> list[int]:
+        return [count] + list(self.shapes[name][1:])
+
+    def used_bytes(self, slots: int) -> int:
+        return slots * self.bytes_per_token
+
+    def read(self, n: int) -> dict[str, np.ndarray]:
+        """Host copies of the first n slots of every buffer (a snapshot)."""
+        return {name: self.memory.read(buf, n) for name, buf in self.buffers.items()}
+
+    def slots_in(self, snap: dict[str, np.ndarray]) -> int:
+        """The slots a snapshot holds; an error unless it fits this cache's layout."""
+        n = {v.shape[0] for v in snap.values()}
+        if len(n) != 1 or set(snap) != set(self.buffers):
+            raise EdgeKVError("snapshot does not match this cache's layout")
+        for name in self.buffers:
+            if snap[name].shape[1:] != tuple(self.shapes[name][1:]) or snap[name].dtype != self.dtypes[name]:
+                raise EdgeKVError("snapshot does not match this cache's layout")
+        return n.pop()
+
+    def write(self, snap: dict[str, np.ndarray]) -> None:
+        """Copy a snapshot (checked with `slots_in`) into the first slots of every buffer."""
+        for name, buf in self.buffers.items():
+            self.memory.write(buf, snap[name])

@@ -1,0 +1,152 @@
+"""Generation: chunked prefill, decode steps and the decode loop over one Sequence, and the
+per-turn stats (one line for the terminal, one record for --json) that generate and chat share."""
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from edgekv.errors import EdgeKVError
+from edgekv.runtime.backends.base import Backend
+from edgekv.runtime.cache import KVCache
+from edgekv.runtime.sampling import SamplingParams, sample
+from edgekv.runtime.sequence import Sequence
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    ttft_s: float = 0.0  # prompt in -> first token out
+    prefill_s: float = 0.0
+    decode_s: float = 0.0  # after the first token
+    stop_reason: str = ""
+
+    @property
+    def prefill_tps(self) -> float:
+        return self.prompt_tokens / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tps(self) -> float:
+        return (self.new_tokens - 1) / self.decode_s if self.decode_s > 0 and self.new_tokens > 1 else 0.0
+
+
+def stats_line(st: Stats, cache: KVCache, seq: Sequence) -> str:
+    mib = 2 ** 20
+    return (f"TTFT {st.ttft_s * 1000:.0f} ms | prefill {st.prompt_tokens} tok @ {st.prefill_tps:.1f} tok/s | "
+            f"decode {st.new_tokens} tok @ {st.decode_tps:.1f} tok/s | KV {seq.n}/{cache.capacity} slots, "
+            f"{cache.used_bytes(seq.n) / mib:.2f} / {cache.nbytes / mib:.2f} MiB"
+            + (" | ring: oldest tokens overwritten" if seq.wrapped else ""))
+
+
+def stats_record(st: Stats, cache: KVCache, seq: Sequence) -> dict:
+    """The stats of one reply as JSON fields."""
+    return {**asdict(st), "prefill_tps": st.prefill_tps, "decode_tps": st.decode_tps, "kv_slots": seq.n,
+            "kv_capacity": cache.capacity, "kv_bytes_used": cache.used_bytes(seq.n),
+            "kv_bytes_allocated": cache.nbytes, "kv_scheme": cache.scheme.name, "ring_wrapped": seq.wrapped,
+            "position": seq.pos}
+
+
+class Generator:
+    """Runs one sequence over a cache through a backend. Each graph call is checked against the
+    sequence before it runs and recorded in it after (`_call`), so an interrupted call leaves
+    the sequence as it was."""
+
+    def __init__(self, backend: Backend, cache: KVCache, seq: Sequence | None = None, prefill_chunk: int = 256):
+        self.backend, self.cache = backend, cache
+        self.seq = seq if seq is not None else cache.new_sequence()
+        self.prefill_chunk = min(prefill_chunk, backend.max_tokens_per_call)
+
+    def reset(self, pos: int = 0) -> None:
+        self.seq.reset(pos)
+
+    def truncate(self, n: int) -> None:
+        self.seq.truncate(n)
+
+    def snapshot(self) -> dict[str, np.ndarray]:
+        """The filled slots (a wrapped ring's too: restore it with its write slot `seq.w`)."""
+        return self.cache.read(self.seq.n)
+
+    def restore(self, snap: dict[str, np.ndarray], ids: list[int], w: int | None = None) -> None:
+        """Continue a saved sequence: its slots, the token ids it was fed and a wrapped ring's write slot."""
+        n = self.cache.slots_in(snap)
+        self.seq.restore(n, ids, w)
+        self.cache.write(snap)
+
+    def _call(self, ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
+        """One graph call: ids [1, S] at the sequence's write slot; logits [1, K, V] of the rows asked for."""
+        self.seq.check_write(ids.shape[1])
+        logits = self.backend.run(self.cache, self.seq, ids, logits_index)
+        self.seq.advance(ids[0])
+        return logits
+
+    def prefill(self, ids: list[int], all_logits: bool = False, logits_from: int = 0) -> np.ndarray:
+        """Feed ids in chunks; return the last token's logits [V], or with all_logits those of
+        every token from index `logits_from` on [S - logits_from, V] (the head runs only there)."""
+        if not ids:
+            raise EdgeKVError("empty prompt: nothing to feed the model")
+        self.seq.check_room(len(ids))  # the whole prompt, before any of it is fed
+        out = []
+        last = None
+        start = 0
+        while start < len(ids):
+            # a ring takes a call only up to the end of its slots
+            step = min(self.prefill_chunk, self.seq.max_write())
+            chunk = np.asarray(ids[start: start + step], np.int64)[None]  # [1, S]
+            s = chunk.shape[1]
+            first = max(0, logits_from - start)  # rows of this chunk that are wanted
+            wanted = all_logits and first < s
+            idx = (np.arange(first, s) if wanted else np.array([s - 1]))[None].astype(np.int64)
+            logits = self._call(chunk, idx)
+            start += s
+            if wanted:
+                out.append(logits[0].copy())
+            else:
+                last = logits[0, -1]
+        return np.concatenate(out) if all_logits else last
+
+    def decode_step(self, token: int) -> np.ndarray:
+        """One token in, its logits [V] out (a view; valid until the next call)."""
+        return self._call(np.full((1, 1), token, np.int64), np.zeros((1, 1), np.int64))[0, 0]
+
+    def generate(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
+                 stop_ids: set[int], stats: Stats | None = None):
+        """Prefill the prompt, then yield new token ids (see `decode`)."""
+        stats = stats if stats is not None else Stats()
+        t0 = time.perf_counter()
+        logits = self.prefill(prompt_ids)
+        stats.prompt_tokens = len(prompt_ids)
+        stats.prefill_s = time.perf_counter() - t0
+        yield from self.decode(logits, max_new_tokens, params, np.random.default_rng(params.seed), stop_ids,
+                               stats, t0)
+
+    def decode(self, logits: np.ndarray, max_new_tokens: int, params: SamplingParams, rng: np.random.Generator,
+               stop_ids: set[int], stats: Stats, t0: float, keep_turn: bool = False):
+        """The decode loop: sample from `logits` on and yield each new token id before it is fed.
+        Stops at a stop token (not yielded), max_new_tokens, or when the sequence has no room
+        left. keep_turn (chat): the stop token and the last token are fed too, so the cache
+        holds the whole turn the way the template renders it. The repetition penalty looks at
+        the sequence's own ids (everything fed, the prompt included)."""
+        seq = self.seq
+        t_first = None
+        for i in range(max_new_tokens):
+            tok = sample(logits, params, rng, seq.recent(params.repeat_last_n))
+            if t_first is None:
+                t_first = time.perf_counter()
+                stats.ttft_s = t_first - t0
+            if tok in stop_ids:
+                stats.stop_reason = "stop"
+                if keep_turn and seq.room() > 0:
+                    self.decode_step(tok)
+                return
+            stats.new_tokens += 1
+            yield tok
+            if i == max_new_tokens - 1 and not keep_turn:
+                break
+            if seq.room() < 1:
+                stats.stop_reason = "context"
+                return
+            logits = self.decode_step(tok)
+            stats.decode_s = time.perf_counter() - t_first
+        stats.stop_reason = "length"

@@ -1,0 +1,1 @@
+"""Commands built on the runtime: generate, eval, eval-context, bench, check-trt."""

@@ -1,0 +1,147 @@
+"""The layers of edgekv, checked from the import statements (every one, also inside functions):
+
+    errors < format < runtime < chat < tools < cli        (export/ and jetson/ above all of edgekv)
+
+A module may import its own layer or a lower one, never a higher one, and no modules import
+each other in a circle. edgekv never imports export/ or jetson/: the CLI reaches them by module
+name at run time (COMMANDS), and bench runs the transformers baseline as `python -m` in a
+subprocess; those name references are listed here and nowhere else allowed."""
+import ast
+import re
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+LAYERS = [  # (module prefix, layer): the longest matching prefix decides
+    ("edgekv", 0),  # the package itself: its version only
+    ("edgekv.errors", 0),
+    ("edgekv.format", 1),
+    ("edgekv.runtime", 2),
+    ("edgekv.chat", 3),
+    ("edgekv.tools", 4),
+    ("edgekv.cli", 5),
+    ("edgekv.__main__", 5),
+    ("export", 6),
+    ("jetson", 6),
+]
+# edgekv file -> the export/jetson modules it may name in a string (run by name, not imported)
+NAME_REFERENCES = {
+    "edgekv/cli.py": {"export.bundle", "jetson.build_engine"},
+    "edgekv/tools/bench.py": {"export.bench_transformers"},
+}
+PROJECT = ("edgekv", "export", "jetson")
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def project_files() -> dict[str, Path]:
+    return {module_name(p): p for top in PROJECT for p in sorted((ROOT / top).rglob("*.py"))}
+
+
+def imports_of(source: str, name: str, is_package: bool, modules: set[str]) -> set[str]:
+    """The project modules a module's import statements name (a `from X import Y` of a
+    submodule Y counts as importing X.Y)."""
+    out = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: resolve against this module's package
+                pkg = name.split(".") if is_package else name.split(".")[:-1]
+                pkg = pkg[: len(pkg) - node.level + 1]
+                base = ".".join(pkg + ([node.module] if node.module else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        else:
+            continue
+        out |= {t for t in targets if t.split(".")[0] in PROJECT and t != name}
+    return out
+
+
+def layer(mod: str) -> int:
+    best = max((p for p, _ in LAYERS if mod == p or mod.startswith(p + ".")), key=len)
+    return dict(LAYERS)[best]
+
+
+def import_graph() -> dict[str, set[str]]:
+    files = project_files()
+    return {m: imports_of(p.read_text(), m, p.name == "__init__.py", set(files)) for m, p in files.items()}
+
+
+def upward(graph: dict[str, set[str]]) -> list[str]:
+    return [f"{a} (layer {layer(a)}) imports {b} (layer {layer(b)})"
+            for a, deps in sorted(graph.items()) for b in sorted(deps) if layer(b) > layer(a)]
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_imports_point_down_the_layers():
+    graph = import_graph()
+    assert "edgekv.runtime.sequence" in graph and "edgekv.chat.session" in graph  # the walk found the tree
+    assert upward(graph) == []
+
+
+def test_no_import_cycles():
+    assert cycles(import_graph()) == []
+
+
+def test_edgekv_names_export_and_jetson_only_where_it_runs_them_by_name():
+    pattern = re.compile(r"^(export|jetson)(\.\w+)+$")
+    found = {}
+    for mod, path in project_files().items():
+        if not mod.startswith("edgekv"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and pattern.match(node.value):
+                found.setdefault(str(path.relative_to(ROOT)), set()).add(node.value)
+    assert found == NAME_REFERENCES
+    for names in NAME_REFERENCES.values():
+        for name in names:  # each names a module that exists
+            assert (ROOT / (name.replace(".", "/") + ".py")).is_file(), name
+
+
+def test_the_checks_catch_an_upward_import_and_a_cycle():
+    """The checker itself: a planted upward import (also one inside a function) and a planted
+    cycle are reported."""
+    modules = {"edgekv.format.bundle", "edgekv.runtime.cache", "edgekv.runtime.sequence"}
+    src = "import numpy\n\ndef f():\n    from edgekv.runtime.cache import KVCache\n"
+    deps = imports_of(src, "edgekv.format.bundle", False, modules)
+    assert deps == {"edgekv.runtime.cache"}
+    assert upward({"edgekv.format.bundle": deps}) != []
+    assert imports_of("from . import sequence\n", "edgekv.runtime.cache", False, modules) == {"edgekv.runtime.sequence"}
+    assert upward({"jetson.selftest": {"edgekv.runtime.cache"}}) == []
+    assert upward({"edgekv.tools.bench": {"export.bench_transformers"}}) != []
+    planted = {"edgekv.runtime.cache": {"edgekv.runtime.sequence"}, "edgekv.runtime.sequence": {"edgekv.runtime.cache"}}
+    assert cycles(planted) == [["edgekv.runtime.cache", "edgekv.runtime.sequence"]]
