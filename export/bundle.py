@@ -193,7 +193,7 @@ def compare(model: Transformer, bundle, gen, prompt: list[int], steps: int, max_
             lo = names["past"].index(f"past.{i}.{kv}")
             t_t = past[lo: lo + n]
             o_t = [torch.from_numpy(cache.memory.read(cache.buffers[nm], gen.seq.n)) for nm in names["past"][lo: lo + n]]
-            sc = getattr(model.layers[i].attn, "k_scale" if kv == "key" else "v_scale", None)
+            sc = model.layers[i].attn.scales()[j]
             sc = None if sc is None else sc.float()
             t = kv_load(model.scheme, t_t, torch.float32, sc).numpy()
             o = kv_load(model.scheme, o_t, torch.float32, sc).numpy()

@@ -133,6 +133,7 @@ class Attention(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.observer = None  # calibration: a callable fed (k, v) after RoPE; None when exporting
+        self.static_scales = static_scales
         if static_scales:  # int8-static / int8-tensor: calibrated constants, baked into the graph
             self.register_buffer("k_scale", torch.ones(cfg.n_kv_heads, cfg.head_dim))
             self.register_buffer("v_scale", torch.ones(cfg.n_kv_heads, cfg.head_dim))
@@ -143,6 +144,10 @@ class Attention(nn.Module):
         # q, k, v projections fused into one matrix (rows: q, then k, then v): one MatMul per layer
         self.wqkv = nn.Linear(e, (h + 2 * hkv) * d, bias=cfg.attention_bias)
         self.wo = nn.Linear(h * d, e, bias=False)
+
+    def scales(self):
+        """(key scale, value scale): a static scheme's calibrated constants, else (None, None)."""
+        return (self.k_scale, self.v_scale) if self.static_scales else (None, None)
 
     def forward(self, x, cos, sin, rot, allowed, past, scheme):
         cfg = self.cfg
@@ -164,7 +169,7 @@ class Attention(nn.Module):
             # a shift, so the offset is never added back. It takes the keys' large per-channel
             # mean out of the int4 range, leaving the levels for what varies.
             k_new = k_new - self.k_offset.to(x.dtype)
-        ks, vs = (self.k_scale, self.v_scale) if hasattr(self, "k_scale") else (None, None)
+        ks, vs = self.scales()
         present_k, k_hat = kv_store(scheme, k_new, ks)
         present_v, v_hat = kv_store(scheme, v_new, vs)
         k_all = torch.cat([kv_load(scheme, past[0], x.dtype, ks), k_hat], 0)  # [P+S, B, Hkv, D]

@@ -92,3 +92,35 @@ def test_help_shows_defaults():
     r = run_edgekv("generate", "--help")
     assert r.returncode == 0
     assert "--max-new-tokens" in r.stdout and "default: 256" in r.stdout
+
+
+def test_library_errors_name_the_setting_and_the_cli_names_the_flag(tiny_bundle_int8):
+    from edgekv.cli import FLAGS, explain
+    from edgekv.errors import SETTINGS, ContextOverflow
+
+    assert set(FLAGS) == set(SETTINGS)  # every setting an error can name has its flag
+    e = ContextOverflow("context full", setting="capacity", fix="raise {}")
+    assert str(e) == "context full" and e.explain() == "context full (raise the cache capacity)"
+    assert explain(e) == "context full (raise --ctx)"
+    r = run_edgekv("generate", tiny_bundle_int8, "capital of France " * 40, "--ctx", "32")
+    assert_clean_error(r, "cache holds 32 (raise --ctx, up to 256)")
+
+
+def test_library_code_raises_no_flags():
+    """Below the command line (format, runtime, chat) an error's message names no flag; a shell
+    command to run (in backticks) may."""
+    import ast
+    import re
+
+    from tests.conftest import ROOT
+
+    flagged = []
+    for layer in ("format", "runtime", "chat"):
+        for path in sorted((ROOT / "edgekv" / layer).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call) and node.exc.args:
+                    text = "".join(c.value for c in ast.walk(node.exc.args[0])
+                                   if isinstance(c, ast.Constant) and isinstance(c.value, str))
+                    if re.search(r"--[a-z]", re.sub(r"`[^`]*`", "", text)):
+                        flagged.append(f"{path.relative_to(ROOT)}:{node.lineno}: {text}")
+    assert flagged == []

@@ -36,10 +36,6 @@ def load_table() -> dict:
     return json.loads(DATA.read_text())
 
 
-def versions() -> list[str]:
-    return list(load_table()["versions"])
-
-
 def check_model(model, trt: str = "10.3") -> list[Violation]:
     """`model`: an onnx.ModelProto or a path (weights are not loaded)."""
     import onnx
