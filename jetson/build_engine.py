@@ -20,7 +20,7 @@ import threading
 import time
 from pathlib import Path
 
-from edgekv.errors import EdgeKVError, note as log
+from edgekv.errors import EdgeKVError, note
 from edgekv.format.bundle import load_bundle
 from edgekv.runtime.backends.engines import META, PLAN, bundle_fingerprint, engine_dir, engine_key, is_fresh, profile_shapes
 from edgekv.runtime.backends.gpu import check, cudart
@@ -55,7 +55,7 @@ def build_engine(bundle_path: str, ctx: int | None = None, max_prefill: int = 25
     key = engine_key(gpu, trt.__version__, ctx, max_prefill)
     folder = engine_dir(bundle, key)
     if not force and is_fresh(folder, bundle):
-        log(f"engine up to date: {folder}")
+        note(f"engine up to date: {folder}")
         return folder
     workspace = workspace_mib * 2**20
     need, free = memory_needed(bundle, ctx, workspace), free_memory(rt)
@@ -68,7 +68,7 @@ def build_engine(bundle_path: str, ctx: int | None = None, max_prefill: int = 25
     builder = trt.Builder(logger)
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.OnnxParser(network, logger)
-    log(f"parsing {bundle.onnx_path} ({bundle.scheme.name}, {bundle.dtype}) with TensorRT {trt.__version__} on {gpu}")
+    note(f"parsing {bundle.onnx_path} ({bundle.scheme.name}, {bundle.dtype}) with TensorRT {trt.__version__} on {gpu}")
     if not parser.parse_from_file(str(bundle.onnx_path)):  # reads the external weights beside it
         errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
         raise EdgeKVError("TensorRT could not parse the graph: " + (errors[0] if errors else "unknown error")
@@ -83,13 +83,13 @@ def build_engine(bundle_path: str, ctx: int | None = None, max_prefill: int = 25
             prof.set_shape(name, lo, opt, hi)
         config.add_optimization_profile(prof)
 
-    log(f"building {key} (decode + prefill profiles; several minutes on an Orin) ...")
+    note(f"building {key} (decode + prefill profiles; several minutes on an Orin) ...")
     done = threading.Event()
     t0 = time.time()
 
     def ticker():  # the build is one blocking call: show that it is alive
         while not done.wait(15):
-            log(f"  ... {time.time() - t0:.0f} s")
+            note(f"  ... {time.time() - t0:.0f} s")
 
     threading.Thread(target=ticker, daemon=True).start()
     try:
@@ -116,7 +116,7 @@ def build_engine(bundle_path: str, ctx: int | None = None, max_prefill: int = 25
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    log(f"engine written: {folder / PLAN} ({(folder / PLAN).stat().st_size / 2**20:.1f} MiB, built in {took:.0f} s)")
+    note(f"engine written: {folder / PLAN} ({(folder / PLAN).stat().st_size / 2**20:.1f} MiB, built in {took:.0f} s)")
     return folder
 
 

@@ -24,7 +24,7 @@ import numpy as np
 from edgekv.chat.conversation import Conversation, common_prefix, sink_count
 from edgekv.chat.policies import DropTurns
 from edgekv.chat.session import ChatSession
-from edgekv.errors import EdgeKVError
+from edgekv.errors import EdgeKVError, note
 from edgekv.format.bundle import load_bundle
 from edgekv.runtime.assemble import open_runtime
 from edgekv.runtime.generate import Generator
@@ -183,5 +183,5 @@ def cmd_eval_context(args) -> int:
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(res, indent=1))
-        print(f"wrote {args.json}", file=sys.stderr)
+        note(f"wrote {args.json}")
     return 0

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgekv.errors import EdgeKVError
+from edgekv.errors import EdgeKVError, note
 from edgekv.format.bundle import Bundle, load_bundle
 from edgekv.format.kvschemes import float16_bytes_per_token
 from edgekv.runtime.assemble import open_runtime
@@ -233,5 +233,5 @@ def cmd_eval(args) -> int:
             raise EdgeKVError(f"{p}: the text file is empty")
     res = evaluate(args.bundles, text, args.ctx, args.chunks, args.threads, stride=args.stride)
     for f in write_outputs(res, args.json, args.plot):
-        print(f"wrote {f}", file=sys.stderr)
+        note(f"wrote {f}")
     return 0
