@@ -157,3 +157,25 @@ def test_ring_prefill_crosses_the_wrap_and_refuses_undo(tiny_bundle_int8):
     linear = runtime(tiny_bundle_int8, capacity=16)
     with pytest.raises(EdgeKVError, match="wrapped ring"):
         linear.restore(snap, g.seq.ids, w=w)
+
+
+def test_an_interrupted_prefill_leaves_the_sequence_at_its_last_completed_call(tiny_bundle_int8):
+    """Ctrl-C inside a graph call: the sequence records only the calls that completed, so
+    feeding the rest afterwards gives the logits of an uninterrupted prefill."""
+    seq = ids(30, seed=8)
+    g = runtime(tiny_bundle_int8, chunk=8)
+    run, calls = g.backend.run, []
+
+    def interrupt_second_call(*a):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return run(*a)
+
+    g.backend.run = interrupt_second_call
+    with pytest.raises(KeyboardInterrupt):
+        g.prefill(seq)
+    assert (g.seq.n, g.seq.pos, g.seq.ids) == (8, 8, seq[:8])
+    g.backend.run = run
+    resumed = g.prefill(seq[8:]).copy()
+    np.testing.assert_allclose(resumed, runtime(tiny_bundle_int8, chunk=8).prefill(seq), atol=1e-5)

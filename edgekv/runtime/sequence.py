@@ -126,7 +126,8 @@ class Sequence:
         self._sinks = sinks
 
     def disable_ring(self) -> None:
-        if self._n:
+        """Make this sequence linear again (a ring only while it is empty)."""
+        if self.ring and self._n:
             raise ValueError("a ring is set up on an empty sequence")
         self._sinks = None
 
@@ -151,11 +152,13 @@ class Sequence:
         if n > self.capacity:
             raise ContextOverflow(f"snapshot holds {n} tokens, more than the cache capacity {self.capacity}",
                                   setting="capacity", fix="raise {}")
-        if len(ids) < n:
-            raise EdgeKVError("snapshot holds more slots than token ids")
         if w is not None and w != n:  # a ring that had wrapped: the next write goes to its old slot
             if not self.ring or not self._sinks <= w < n == self.capacity:
                 raise EdgeKVError("snapshot of a wrapped ring does not fit this cache")
+            if len(ids) < n:
+                raise EdgeKVError("snapshot holds more slots than token ids")
+        elif len(ids) != n:  # slot i holds the token fed at position i
+            raise EdgeKVError(f"snapshot holds {n} slots but {len(ids)} token ids")
         self._n = n
         self._w = n if w is None else w
         self._ids = [int(t) for t in ids]
