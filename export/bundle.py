@@ -111,8 +111,7 @@ def verify(model: Transformer, bundle_dir: Path, prompt: list[int], steps: int, 
 
     A quantized cache makes the comparison chaotic: a float difference of 1e-7 between torch and
     onnxruntime flips an int8 rounding now and then, and each flip perturbs every later layer
-    (layers 0-1 match exactly; by layer 30 ~10 % of values differ by one step). So for a
-    quantized scheme the logits tolerance is set from the quantization noise itself, measured on
+    (docs/graph.md). So for a quantized scheme the logits tolerance is set from the quantization noise itself, measured on
     the same inputs (torch with this scheme against torch with a float cache), and the cache is
     compared dequantized, as an RMS ratio, against the same yardstick. A real bug (wrong layout, scale, order) is far outside
     both bounds; the float scheme is held to plain float tolerances."""

@@ -2,7 +2,7 @@
 
 An engine is specific to a GPU, a TensorRT version and the shapes of its optimization profiles,
 so it lives under `BUNDLE/engines/<gpu>-trt<version>-ctx<N>-p<M>/` with `model.plan` and
-`engine.json` (what it was built from). Pure Python: the runtime (edgekv/trt_backend.py) finds
+`engine.json` (what it was built from). Pure Python: the runtime (edgekv/runtime/backends/trt.py) finds
 engines with it and jetson/build_engine.py builds them; the profile shapes are tested here
 against the graph's inputs without TensorRT.
 
