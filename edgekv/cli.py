@@ -7,7 +7,8 @@ import sys
 
 from edgekv.chat.policies import CONTEXT_POLICIES
 from edgekv.errors import EdgeKVError
-from edgekv.format.kvschemes import SCHEMES
+from edgekv.format.bundle import DTYPES
+from edgekv.format.kvschemes import SCHEMES, get_scheme
 from edgekv.runtime.backends import BACKENDS
 
 # the setting a library error names (EdgeKVError.setting) -> the flag that changes it
@@ -29,6 +30,14 @@ class Formatter(argparse.RawDescriptionHelpFormatter):
                 and not isinstance(action, (argparse._StoreTrueAction, argparse._HelpAction))):
             h += (" " if h else "") + "(default: %(default)s)"
         return h
+
+
+def kv_scheme(name: str) -> str:
+    """--kv: a scheme of the code's own table (the table's own error for any other name)."""
+    try:
+        return get_scheme(name).name
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _add_sampling(p, temperature: float):
@@ -56,14 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "manifest. ONNX is checked against PyTorch before anything is written.")
     p.add_argument("model", nargs="?", default=None,
                    help="recipe name from models/, a Hugging Face folder, or a .gguf file (default: smollm2-135m-instruct)")
-    # not choices=: an unknown scheme gets the exporter's own one-line error
-    p.add_argument("--kv", default="int8", help="KV scheme: " + " | ".join(SCHEMES))
+    p.add_argument("--kv", default="int8", type=kv_scheme, metavar="SCHEME", help="KV scheme: " + " | ".join(SCHEMES))
     p.add_argument("--calib-text", default=None, metavar="FILE",
                    help="calibration text for int8-static / int8-tensor (default: docstrings of stdlib modules)")
     p.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens used at most")
     p.add_argument("--out", default=None, help="bundle folder (default: models/bundles/NAME-KV)")
     p.add_argument("--max-context", type=int, default=None, help="longest context the bundle is verified for (default: recipe, else min(model, 4096))")
-    p.add_argument("--dtype", default="float32", choices=["float32", "float16"],
+    p.add_argument("--dtype", default=DTYPES[0], choices=DTYPES,
                    help="weights and compute dtype: float32 for CPU bundles, float16 for GPU (TensorRT) bundles")
     p.add_argument("--steps", type=int, default=32, help="decode steps in the parity check")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for the check")

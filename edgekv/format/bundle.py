@@ -15,6 +15,7 @@ from edgekv.format.kvschemes import KVScheme, get_scheme
 FORMAT_VERSION = 1
 MANIFEST = "edgekv.json"
 INPUTS = ["input_ids", "position_ids", "key_mask", "logits_index"]
+DTYPES = ("float32", "float16")  # a bundle's weights and compute dtype
 # the manifest's parity row (parity.outputs) whose tolerance other backends are held to: decode
 # logits, set by the exporter from the scheme's measured quantization noise
 PARITY_LOGITS = "logits (decode)"
