@@ -5,11 +5,12 @@ pointer arithmetic the GPU backends rely on is the same code the CPU tests run. 
 (onnxruntime OrtValues, cuda-python) are in edgekv/runtime/backends/gpu.py."""
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 
+@runtime_checkable  # isinstance() checks that every member is there (tests)
 class KVMemory(Protocol):
     """Memory a KV cache is allocated from: every buffer once, zero-filled, addressed by pointer."""
     device: str  # "cpu" or "cuda": a backend binds only buffers on its own device

@@ -15,7 +15,7 @@ asked for. It does not change the sequence: the caller records the call (Generat
 """
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -26,6 +26,7 @@ from edgekv.runtime.sequence import Sequence
 UNLIMITED = 1 << 30  # tokens per call for a backend without a limit of its own
 
 
+@runtime_checkable  # isinstance() checks that every member is there (tests)
 class Backend(Protocol):
     name: str  # "ort-cpu" | "ort-cuda" | "trt"
     device: str  # where its KV memory is: "cpu" | "cuda"
