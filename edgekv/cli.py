@@ -24,6 +24,7 @@ def _add_sampling(p, temperature: float):
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="divide logits of recent tokens (1 = off)")
+    p.add_argument("--repeat-last-n", type=int, default=64, help="recent tokens the repeat penalty looks at (0 = off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random each run)")
 
 

@@ -28,8 +28,10 @@ def _note(msg: str) -> None:
 
 
 def sampling_from(args) -> SamplingParams:
+    if args.repeat_last_n < 0:
+        raise EdgeKVError(f"--repeat-last-n must be 0 (off) or more (got {args.repeat_last_n})")
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          repeat_penalty=args.repeat_penalty, seed=args.seed)
+                          repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n, seed=args.seed)
 
 
 def stats_line(st: Stats, cache: KVCache) -> str:

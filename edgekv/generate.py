@@ -16,7 +16,7 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     top_p: float = 1.0
     repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
+    repeat_last_n: int = 64  # 0: off
     seed: int | None = None
 
 
@@ -138,7 +138,7 @@ class Generator:
 
 
 def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator, history: list[int]) -> int:
-    if p.repeat_penalty != 1.0 and history:
+    if p.repeat_penalty != 1.0 and history and p.repeat_last_n > 0:  # history[-0:] would be all of it
         logits = logits.copy()
         recent = np.unique(np.asarray(history[-p.repeat_last_n:], np.int64))
         vals = logits[recent]
