@@ -26,7 +26,8 @@ class Stats:
     new_tokens: int = 0
     ttft_s: float = 0.0  # prompt in -> first token out
     prefill_s: float = 0.0
-    decode_s: float = 0.0  # after the first token
+    decode_s: float = 0.0  # after the first token (which comes from the prefill)
+    decode_steps: int = 0  # decode calls timed in decode_s; each makes one token (a stop token too)
     stop_reason: str = ""
 
     @property
@@ -35,7 +36,7 @@ class Stats:
 
     @property
     def decode_tps(self) -> float:
-        return (self.new_tokens - 1) / self.decode_s if self.decode_s > 0 and self.new_tokens > 1 else 0.0
+        return self.decode_steps / self.decode_s if self.decode_s > 0 else 0.0
 
 
 class Generator:
@@ -133,6 +134,7 @@ class Generator:
                 return
             logits = self.decode_step(tok)
             on_fed(tok)
+            stats.decode_steps += 1
             stats.decode_s = time.perf_counter() - t_first
         stats.stop_reason = "length"
 
