@@ -5,7 +5,6 @@ channels scaled x20, and one key channel with a large constant bias, as real LLM
   the Hugging Face model on the calibration text;
 - the accuracy: int8-static and int4 calibrated beat their uncalibrated selves (scales 1.0,
   offsets 0) on the KL divergence of next-token distributions from the float model, on other text."""
-import numpy as np
 import pytest
 import torch
 
