@@ -32,6 +32,14 @@ class Formatter(argparse.RawDescriptionHelpFormatter):
         return h
 
 
+def count(text: str) -> int:
+    """An integer option that counts something: 0 or more (0 = off)."""
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 (off) or more (got {n})")
+    return n
+
+
 def kv_scheme(name: str) -> str:
     """--kv: a scheme of the code's own table (the table's own error for any other name)."""
     try:
@@ -45,6 +53,7 @@ def _add_sampling(p, temperature: float):
     p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
     p.add_argument("--repeat-penalty", type=float, default=1.0, help="divide logits of recent tokens (1 = off)")
+    p.add_argument("--repeat-last-n", type=count, default=64, help="recent tokens the repeat penalty looks at (0 = off)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random each run)")
 
 

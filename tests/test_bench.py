@@ -1,6 +1,20 @@
-"""`edgekv bench` runs end to end on a tiny bundle and reports every number it promises."""
+"""`edgekv bench` runs end to end on a tiny bundle and reports every number it promises; its rates
+and the stats line's, from a fake clock."""
 import json
+import types
 
+import numpy as np
+import pytest
+
+import edgekv.runtime.generate as generate
+import edgekv.tools.bench as bench
+from edgekv.format.bundle import load_bundle
+from edgekv.runtime.assemble import Runtime
+from edgekv.runtime.backends.base import UNLIMITED
+from edgekv.runtime.cache import KVCache
+from edgekv.runtime.generate import Generator, Stats, stats_line
+from edgekv.runtime.memory import HostMemory
+from edgekv.runtime.sampling import SamplingParams
 from tests.conftest import run_edgekv
 
 
@@ -15,3 +29,132 @@ def test_bench_reports_all_measurements(tiny_bundle_int8, tmp_path):
     assert d["decode_ratio_big_vs_small_capacity"] > 0 and 0 < d["fraction_of_bandwidth_bound"]
     assert d["rss"]["tokens"] == 40 and d["peak_rss_mib"] > 0
     assert "of the bound" in r.stdout and "RSS over 40 decoded tokens" in r.stdout
+
+
+# -- rates from a fake clock: time passes only when the fake backend runs (a prefill call costs
+# PREFILL_S, a decode call DECODE_S), so every rate has an exact expected value
+
+PREFILL_S, DECODE_S = 0.25, 0.02
+STOP = 2
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def perf_counter(self) -> float:
+        return self.t
+
+
+class ScriptedBackend:
+    """Greedy picks `script` one token per call; each call advances the clock by its cost."""
+    memory = HostMemory()
+    name, device = "scripted", "cpu"
+    max_tokens_per_call, runs_ring = UNLIMITED, False
+
+    def __init__(self, clock, vocab, script=(), cost=None):
+        self.clock, self.vocab, self.script, self.calls = clock, vocab, list(script), 0
+        self.cost = cost or (lambda ids, pos: PREFILL_S if ids.shape[1] > 1 else DECODE_S)
+
+    def run(self, cache, seq, ids, idx):
+        self.clock.t += self.cost(ids, seq.positions(ids.shape[1]))
+        logits = np.zeros((1, idx.shape[1], self.vocab), np.float32)
+        logits[0, :, self.script[self.calls] if self.calls < len(self.script) else 5] = 1.0
+        self.calls += 1
+        return logits
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def clock(monkeypatch):
+    c = Clock()
+    for mod in (generate, bench):
+        monkeypatch.setattr(mod, "time", types.SimpleNamespace(perf_counter=c.perf_counter))
+    return c
+
+
+def scripted_generator(bundle_path, clock, script=(), cost=None):
+    b = load_bundle(bundle_path)
+    be = ScriptedBackend(clock, b.model["vocab_size"], script, cost)
+    return Generator(be, KVCache(b, 64, memory=be.memory))
+
+
+def test_generate_rates_exclude_the_first_token(tiny_bundle_float, clock):
+    g = scripted_generator(tiny_bundle_float, clock)
+    st = Stats()
+    toks = list(g.generate(list(range(10, 22)), 5, SamplingParams(), {STOP}, st))
+    assert len(toks) == 5 and st.stop_reason == "length"
+    # 12 prompt tokens in one 0.25 s call; the first token comes from that call, the other four
+    # from four 0.02 s decode calls (the fifth is never fed)
+    assert st.ttft_s == pytest.approx(PREFILL_S) and st.prefill_tps == pytest.approx(12 / PREFILL_S)
+    assert st.decode_s == pytest.approx(4 * DECODE_S)
+    assert st.decode_tps == pytest.approx(1 / DECODE_S)
+    line = stats_line(st, g.cache, g.seq)
+    assert "TTFT 250 ms" in line and "prefill 12 tok @ 48.0 tok/s" in line and "decode 5 tok @ 50.0 tok/s" in line
+
+
+@pytest.mark.parametrize("keep_turn", [False, True])
+def test_decode_rate_when_a_stop_token_ends_the_reply(tiny_bundle_float, clock, keep_turn):
+    # prefill -> 7; decode calls -> 8, 9, STOP: three decode calls made three tokens, one of them
+    # the stop token (not shown, but the model spent a step on it)
+    g = scripted_generator(tiny_bundle_float, clock, [7, 8, 9, STOP])
+    st = Stats()
+    t0 = clock.perf_counter()
+    logits = g.prefill(list(range(10, 22)))
+    toks = list(g.decode(logits, 20, SamplingParams(), np.random.default_rng(0), {STOP}, st, t0,
+                         keep_turn=keep_turn))
+    assert toks == [7, 8, 9] and st.stop_reason == "stop" and st.new_tokens == 3
+    assert st.decode_s == pytest.approx(3 * DECODE_S)
+    assert st.decode_tps == pytest.approx(1 / DECODE_S)
+
+
+def test_chat_turn_at_max_tokens_times_every_fed_token(tiny_bundle_float, clock):
+    """keep_turn (chat) feeds the last token too: four tokens, four decode calls."""
+    g = scripted_generator(tiny_bundle_float, clock)
+    st = Stats()
+    t0 = clock.perf_counter()
+    toks = list(g.decode(g.prefill([10, 11, 12]), 4, SamplingParams(), np.random.default_rng(0), {STOP}, st, t0,
+                         keep_turn=True))
+    assert len(toks) == 4 and g.seq.n == 3 + 4
+    assert st.decode_s == pytest.approx(4 * DECODE_S) and st.decode_tps == pytest.approx(1 / DECODE_S)
+
+
+def test_one_token_has_no_decode_rate(tiny_bundle_float, clock):
+    g = scripted_generator(tiny_bundle_float, clock)
+    st = Stats()
+    assert len(list(g.generate([10, 11], 1, SamplingParams(), {STOP}, st))) == 1
+    assert st.decode_tps == 0.0 and st.prefill_tps == pytest.approx(2 / PREFILL_S)
+
+
+def test_bench_measure_medians_without_the_warmup_round(tiny_bundle_float, clock):
+    """Round r runs every configuration at a speed factor F[r]; round 0 is warm-up."""
+    F = [50.0, 1.0, 3.0, 2.0]  # the median of rounds 1..3 is 2; with the warm-up it would be 2.5
+    configs = [(32, 8), (64, 16)]
+    runs = []
+
+    def cost(ids, pos):
+        if pos[0, 0] == 0:  # a run starts with its prefill from position 0
+            runs.append(ids.shape[1])
+        f = F[(len(runs) - 1) // len(configs)]
+        return f * (0.01 + 0.001 * ids.shape[1]) if pos[0, 0] == 0 else f * DECODE_S
+
+    b = load_bundle(tiny_bundle_float)
+    be = ScriptedBackend(clock, b.model["vocab_size"], cost=cost)
+    out = bench.measure(Runtime(b, be, 64), configs, decode_tokens=6, repeat=3)
+    assert len(runs) == 4 * len(configs)
+    for C, L in configs:
+        r = out[(C, L)]
+        ttft = 2.0 * (0.01 + 0.001 * L)
+        assert r["ttft_ms"] == pytest.approx(1000 * ttft)
+        assert r["prefill_tps"] == pytest.approx(L / ttft)
+        # six decode calls per run, each making one token: 1 / (2 * DECODE_S) tokens/s
+        assert r["decode_tps"] == pytest.approx(1 / (2.0 * DECODE_S))
+
+
+def test_read_bandwidth_is_bytes_over_seconds(monkeypatch):
+    ticks = iter([0.0, 0.004, 1.0, 1.002, 2.0, 2.008])  # three reads: 4, 2 and 8 ms
+    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    nbytes = 1 << 20
+    assert bench.read_bandwidth(2, nbytes, repeat=3) == pytest.approx(nbytes / 0.002)  # the best read

@@ -6,7 +6,6 @@ from edgekv.runtime.backends import OrtBackend
 from edgekv.runtime.cache import KVCache
 from edgekv.errors import ContextOverflow, EdgeKVError
 from edgekv.runtime.generate import Generator
-from edgekv.runtime.sampling import SamplingParams, sample
 from edgekv.runtime.sequence import Sequence
 from edgekv.format.bundle import load_bundle
 
@@ -73,22 +72,6 @@ def test_truncate_then_regenerate_matches(tiny_bundle_int8):
     g.truncate(19)
     b = g.prefill(ids(20)[19:]).copy()
     np.testing.assert_allclose(a, b, atol=1e-5)
-
-
-def test_sampling():
-    rng = np.random.default_rng(0)
-    logits = np.array([1.0, 3.0, 2.0, 0.5], np.float32)
-    assert sample(logits, SamplingParams(), rng, []) == 1
-    assert sample(logits, SamplingParams(temperature=1.0, top_k=1), rng, []) == 1
-    # top_p 0.5: token 1 alone holds > 0.5 of the mass
-    assert {sample(logits, SamplingParams(temperature=1.0, top_p=0.5), rng, []) for _ in range(50)} == {1}
-    draws = [sample(logits, SamplingParams(temperature=1.0, top_k=2), rng, []) for _ in range(400)]
-    assert set(draws) == {1, 2} and 0.55 < draws.count(1) / 400 < 0.9  # e^3/(e^3+e^2) = 0.73
-    a = [sample(logits, SamplingParams(temperature=1.0, seed=5), np.random.default_rng(5), []) for _ in range(5)]
-    b = [sample(logits, SamplingParams(temperature=1.0, seed=5), np.random.default_rng(5), []) for _ in range(5)]
-    assert a == b
-    # repetition penalty pushes a repeated argmax below the runner-up
-    assert sample(logits, SamplingParams(repeat_penalty=2.0), rng, [1]) == 2
 
 
 def test_logits_from_returns_exactly_the_tail_rows(tiny_bundle_int8):

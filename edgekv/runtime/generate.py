@@ -20,7 +20,8 @@ class Stats:
     new_tokens: int = 0
     ttft_s: float = 0.0  # prompt in -> first token out
     prefill_s: float = 0.0
-    decode_s: float = 0.0  # after the first token
+    decode_s: float = 0.0  # after the first token (which comes from the prefill)
+    decode_steps: int = 0  # decode calls timed in decode_s; each makes one token (a stop token too)
     stop_reason: str = ""
 
     @property
@@ -29,7 +30,7 @@ class Stats:
 
     @property
     def decode_tps(self) -> float:
-        return (self.new_tokens - 1) / self.decode_s if self.decode_s > 0 and self.new_tokens > 1 else 0.0
+        return self.decode_steps / self.decode_s if self.decode_s > 0 else 0.0
 
 
 def stats_line(st: Stats, cache: KVCache, seq: Sequence) -> str:
@@ -148,5 +149,6 @@ class Generator:
                 stats.stop_reason = "context"
                 return
             logits = self.decode_step(tok)
+            stats.decode_steps += 1
             stats.decode_s = time.perf_counter() - t_first
         stats.stop_reason = "length"

@@ -12,12 +12,12 @@ class SamplingParams:
     top_k: int = 0  # 0: off
     top_p: float = 1.0
     repeat_penalty: float = 1.0
-    repeat_last_n: int = 64
+    repeat_last_n: int = 64  # 0: off
     seed: int | None = None
 
 
 def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator, history: list[int]) -> int:
-    if p.repeat_penalty != 1.0 and history:
+    if p.repeat_penalty != 1.0 and history and p.repeat_last_n > 0:  # history[-0:] would be all of it
         logits = logits.copy()
         recent = np.unique(np.asarray(history[-p.repeat_last_n:], np.int64))
         vals = logits[recent]
@@ -43,4 +43,4 @@ def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator, hist
 def sampling_from(args) -> SamplingParams:
     """The sampling options of `edgekv generate` and `edgekv chat`."""
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          repeat_penalty=args.repeat_penalty, seed=args.seed)
+                          repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n, seed=args.seed)
