@@ -154,6 +154,7 @@ class ChatSession:
             self._decode(st, dec, pieces, write, t0)
         except KeyboardInterrupt:
             st.stop_reason = "interrupted"
+            self._resync()
         tail = dec.flush()
         if tail:
             pieces.append(tail)
@@ -163,6 +164,24 @@ class ChatSession:
             self.messages += [{"role": "user", "content": user}, {"role": "assistant", "content": text}]
         self.last = st
         return text, st
+
+    def _resync(self) -> None:
+        """After Ctrl-C: the cache may hold slots `self.ids` does not list (chunks of a prefill
+        cut short, or a decode step whose graph call finished just before the signal). Cut them
+        off; a wrapped ring cannot be cut, so it starts over (the next turn prefills it all)."""
+        c, n = self.gen.cache, len(self.ids)
+        if self.gen.pos == n and (c.n == c.w == n if not c.wrapped else c.w == self._ring_slot(n)):
+            return
+        if not c.wrapped and c.n >= n:
+            self.gen.truncate(n)
+        else:
+            self.gen.reset()
+            self.ids = []
+
+    def _ring_slot(self, fed: int) -> int:
+        """A wrapped ring's write slot after `fed` tokens from position 0."""
+        c = self.gen.cache
+        return c.sinks + (fed - c.sinks) % (c.capacity - c.sinks)
 
     def _decode(self, st: Stats, dec: StreamDecoder, pieces: list, write, t0: float) -> None:
         for tok in self.gen.decode(self._logits, self.max_new, self.params, self.rng, self.codec.stop_ids,
