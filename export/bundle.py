@@ -30,6 +30,24 @@ class ExportError(EdgeKVError):
     pass
 
 
+# what decides a bundle's contents: the exporter, the format and scheme definitions, the parser
+# rules it must pass, the recipes (and, below, the torch and onnx versions)
+_SOURCE_GLOBS = ("export/*.py", "edgekv/manifest.py", "edgekv/kvschemes.py", "edgekv/trt_check.py",
+                 "edgekv/data/*.json", "models/*.json")
+
+
+def exporter_source_key(root: Path | None = None) -> str:
+    """A hash of everything that decides what a bundle holds. The manifest records it, so a bundle
+    made by other code (an older exporter) can be told apart and not reused by the tests."""
+    import hashlib
+
+    root = root or Path(__file__).resolve().parent.parent
+    h = hashlib.sha256(f"torch {torch.__version__} onnx {onnx.__version__}\n".encode())
+    for f in sorted({f for g in _SOURCE_GLOBS for f in root.glob(g)}):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -363,7 +381,7 @@ def build_manifest(src: Source, recipe: dict, kv: str, dtype: str, max_context: 
     return {
         "format_version": FORMAT_VERSION,
         "exporter": {"edgekv_version": edgekv.__version__, "torch": torch.__version__, "onnx": onnx.__version__,
-                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+                     "source_key": exporter_source_key(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
         "name": recipe["name"],
         "source": {"kind": src.kind, "file": Path(src.path).name, "sha256": src.sha256},
         "model": {"arch": cfg.arch, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
