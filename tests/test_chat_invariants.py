@@ -143,9 +143,12 @@ def reply_checked(s, path, q, history, ctx):
 
 
 def interrupt(s, q, at, after, hist):
+    had = len(s.ids)
     s.gen.backend.arm(at, after)
     _, st = s.reply(q)
     assert st.stop_reason == "interrupted"
+    if not s.ring and had:  # a linear cache keeps what it held (at least the system prompt's slots)
+        assert len(s.ids) >= expected_sinks(s)
     if s.messages and s.messages[-2]["content"] == q:  # recorded once its prompt was read
         hist += s.messages[-2:]
     check(s, hist)
