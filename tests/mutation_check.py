@@ -40,7 +40,7 @@ class Mutation:
 EVAL = ("tests/test_eval*.py",)
 CTX_EVAL = ("tests/test_context_eval.py", "tests/test_eval*.py")
 SAMPLING = ("tests/test_sampling.py", "tests/test_runtime.py", "tests/test_stream.py")
-CALIB = ("tests/test_calibration.py",)
+CALIB = ("tests/test_calibration.py", "tests/test_eval*.py")
 TRT = ("tests/test_trt_check.py", "-k", "not every_scheme and not exported_bundles and not mutated_export "
                                           "and not jetson")
 TRT_CLI = ("tests/test_trt_check.py", "-k", "cli")
