@@ -25,6 +25,24 @@ DEFAULT_RECIPE = "smollm2-135m-instruct"
 TRT_TARGET = "10.3"  # JetPack 6's TensorRT: every bundle must pass its parser rules
 
 
+# what decides a bundle's contents: the exporter, the format and scheme definitions, the parser
+# rules it must pass, the recipes (and, below, the torch and onnx versions)
+_SOURCE_GLOBS = ("export/*.py", "edgekv/format/*.py", "edgekv/tools/trt_check.py", "edgekv/data/*.json",
+                 "models/*.json")
+
+
+def exporter_source_key(root: Path | None = None) -> str:
+    """A hash of everything that decides what a bundle holds. The manifest records it, so a bundle
+    made by other code (an older exporter) can be told apart and not reused by the tests."""
+    import hashlib
+
+    root = root or Path(__file__).resolve().parent.parent
+    h = hashlib.sha256(f"torch {torch.__version__} onnx {onnx.__version__}\n".encode())
+    for f in sorted({f for g in _SOURCE_GLOBS for f in root.glob(g)}):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 # --- what MODEL means ----------------------------------------------------------------------
 
 def recipe_names() -> list[str]:
@@ -346,7 +364,7 @@ def build_manifest(src: Source, recipe: dict, kv: str, dtype: str, max_context: 
     return {
         "format_version": FORMAT_VERSION,
         "exporter": {"edgekv_version": edgekv.__version__, "torch": torch.__version__, "onnx": onnx.__version__,
-                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+                     "source_key": exporter_source_key(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
         "name": recipe["name"],
         "source": {"kind": src.kind, "file": Path(src.path).name, "sha256": src.sha256},
         "model": {"arch": cfg.arch, "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,

@@ -24,7 +24,10 @@ echo "== installing edgekv (+ export, eval, test extras) and $TORCH"
 
 [ "${1:-}" = "--setup-only" ] && exit 0
 
-if ! .venv/bin/python -c "from edgekv.manifest import load_bundle; load_bundle('$BUNDLE')" 2>/dev/null; then
+# reuse the bundle only if this exporter made it (its manifest records the exporter's source key)
+if ! .venv/bin/python -c "
+from edgekv.format.bundle import load_bundle; from export.bundle import exporter_source_key
+assert load_bundle('$BUNDLE').manifest['exporter'].get('source_key') == exporter_source_key()" 2>/dev/null; then
   echo "== exporting the default model to $BUNDLE (a few minutes: export + parity check)"
   .venv/bin/edgekv export smollm2-135m-instruct --kv int8 --out "$BUNDLE"
 fi

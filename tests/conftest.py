@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -92,20 +93,37 @@ def tiny_bundle_float(tiny_llama, tmp_path_factory) -> Path:
     return _export(tiny_llama, tmp_path_factory.mktemp("b") / "tiny-float", "float")
 
 
-@pytest.fixture(scope="session")
-def real_bundle(tmp_path_factory) -> Path:
-    """The default recipe exported with the int8 scheme (reused if the README's quickstart made it)."""
-    existing = ROOT / "models" / "bundles" / "smollm2-135m-instruct-int8"
+REAL_NAME = "smollm2-135m-instruct-int8"
+TEST_CACHE = ROOT / "models" / "bundles" / ".test-cache"
+
+
+def made_by_this_exporter(path: Path, key: str) -> bool:
+    """`path` is a loadable bundle whose manifest records the exporter source key `key`."""
     from edgekv.errors import BundleError
     from edgekv.format.bundle import load_bundle
 
-    # CI always exports afresh; a developer's run reuses the quickstart's bundle to save minutes
-    if not os.environ.get("CI") and existing.is_dir():
-        try:
-            load_bundle(existing)
-            return existing
-        except BundleError:
-            pass
-    from export.bundle import export_bundle
+    try:
+        return load_bundle(path).manifest["exporter"].get("source_key") == key
+    except (BundleError, KeyError, AttributeError):
+        return False
 
-    return export_bundle(None, kv="int8", out=str(tmp_path_factory.mktemp("real") / "smollm2-int8"))
+
+@pytest.fixture(scope="session")
+def real_bundle(tmp_path_factory) -> Path:
+    """The default recipe exported with the int8 scheme by the exporter under test. Outside CI a
+    bundle is reused only if the exporter's sources are the ones that made it (export/bundle.py's
+    exporter_source_key): the quickstart's, or one kept under models/bundles/.test-cache/<key>/."""
+    from export.bundle import export_bundle, exporter_source_key
+
+    if os.environ.get("CI"):  # a clean run: always export
+        return export_bundle(None, kv="int8", out=str(tmp_path_factory.mktemp("real") / REAL_NAME))
+    key = exporter_source_key()
+    kept = TEST_CACHE / key / REAL_NAME
+    for candidate in (ROOT / "models" / "bundles" / REAL_NAME, kept):
+        if made_by_this_exporter(candidate, key):
+            return candidate
+    if TEST_CACHE.is_dir():  # bundles of other exporter sources are stale: make room
+        for old in TEST_CACHE.iterdir():
+            if old.name != key:
+                shutil.rmtree(old, ignore_errors=True)
+    return export_bundle(None, kv="int8", out=str(kept))

@@ -1,5 +1,6 @@
 """Chat: kept cache = from scratch, commands, piped conversations, a real terminal on the real model."""
 import json
+import signal
 import sys
 
 import numpy as np
@@ -126,8 +127,11 @@ def test_ring_chat_saves_and_loads_a_wrapped_cache(tiny_bundle_int8, tmp_path):
 @pytest.mark.slow
 def test_real_terminal_conversation(real_bundle):
     pexpect = pytest.importorskip("pexpect")
+    # the child gets Ctrl-C's default handling even when this test runs where SIGINT is ignored
+    # (a background job): a Python started with SIGINT ignored would never raise KeyboardInterrupt
     child = pexpect.spawn(sys.executable, ["-m", "edgekv", "chat", str(real_bundle), "--temperature", "0",
-                                           "--max-new-tokens", "200"], cwd=str(ROOT), encoding="utf-8", timeout=120)
+                                           "--max-new-tokens", "200"], cwd=str(ROOT), encoding="utf-8", timeout=120,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         child.expect("> ")
         child.sendline("What is the capital of France?")

@@ -24,7 +24,7 @@ def test_json_output(real_bundle):
     assert "Paris" in d["text"] and d["kv_scheme"] == "int8"
     # every yielded token is fed back, except the last when the length limit ends the reply
     slots = d["prompt_tokens"] + d["new_tokens"] - (d["stop_reason"] == "length")
-    assert d["kv_bytes_used"] == slots * (11520 + 360)  # DESIGN.md's bytes per token for SmolLM2 int8
+    assert d["kv_bytes_used"] == slots * (11520 + 360)  # docs/kv-schemes.md: bytes per token of SmolLM2's int8 cache
 
 
 def test_runtime_never_imports_torch(real_bundle):

@@ -1,4 +1,4 @@
-"""The exported graph follows the contract of docs/graph.md (and DESIGN.md)."""
+"""The exported graph follows the contract of docs/graph.md."""
 import numpy as np
 import onnx
 import pytest

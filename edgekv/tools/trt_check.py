@@ -152,7 +152,7 @@ def _check_qdq(n, name, op, types, constants, shapes, ver, trt) -> list[Violatio
     per_channel = scale in shapes and len(shapes[scale]) > 0 and int(_prod(shapes[scale])) > 1
     if per_channel and op == "DequantizeLinear" and n.input[0] not in constants:
         out.append(Violation(name, op, "per-channel DequantizeLinear is allowed only on constant weights"))
-    if per_channel and op == "QuantizeLinear":
+    if per_channel and op == "QuantizeLinear" and n.input[0] not in constants:
         out.append(Violation(name, op, "per-channel QuantizeLinear is allowed only on constant weights"))
     src = types.get(n.input[0])
     if op == "DequantizeLinear" and src and src not in _QUANTIZED:
@@ -169,6 +169,25 @@ def _prod(xs):
     return p
 
 
+def read_onnx(path: Path):
+    """The graph at `path` (weights not loaded); an EdgeKVError for anything that is not one. An
+    empty file parses as an empty ModelProto, which would otherwise pass every rule."""
+    import onnx
+    from google.protobuf.message import DecodeError
+
+    from edgekv.errors import EdgeKVError
+
+    if not path.is_file():
+        raise EdgeKVError(f"{path}: no such ONNX file")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except (DecodeError, ValueError, OSError, RuntimeError) as e:
+        raise EdgeKVError(f"{path}: not an ONNX model ({type(e).__name__})") from None
+    if not model.graph.node or not model.opset_import:
+        raise EdgeKVError(f"{path}: not an ONNX model (no graph nodes or no opset)")
+    return model
+
+
 def cmd_check_trt(args) -> int:
     from edgekv.errors import EdgeKVError
     from edgekv.format.bundle import load_bundle
@@ -176,7 +195,7 @@ def cmd_check_trt(args) -> int:
     p = Path(args.bundle)
     path = p if p.suffix == ".onnx" else load_bundle(p).onnx_path
     try:
-        violations = check_model(path, args.trt)
+        violations = check_model(read_onnx(path), args.trt)
     except ValueError as e:
         raise EdgeKVError(str(e)) from None
     if not violations:

@@ -1,0 +1,288 @@
+"""Mutation check: does the suite catch one-line bugs of the kinds a careless edit introduces?
+
+Each mutation below replaces one exact piece of source text (which must occur exactly once) in a
+temporary copy of the repository; the listed tests then run there (pytest -x, with a timeout).
+A failing run means the mutation was caught; a passing one, that it survived. Not collected by
+pytest (no test_ prefix); run it from the repository root:
+
+    python tests/mutation_check.py                      # every mutation
+    python tests/mutation_check.py --only chat          # names or areas containing "chat"
+    python tests/mutation_check.py --list               # the table, without running anything
+
+Before the mutations, each distinct set of tests runs once on the unmutated copy: a set that
+fails there would "catch" everything, so its mutations are reported as unusable instead."""
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Mutation:
+    name: str
+    area: str
+    file: str
+    old: str
+    new: str
+    tests: tuple  # test files (globs allowed) and pytest arguments such as "-k", "expr"
+
+
+EVAL = ("tests/test_eval*.py",)
+CTX_EVAL = ("tests/test_context_eval.py", "tests/test_eval*.py")
+SAMPLING = ("tests/test_sampling.py", "tests/test_runtime.py", "tests/test_stream.py")
+CALIB = ("tests/test_calibration.py", "tests/test_eval*.py")
+TRT = ("tests/test_trt_check.py", "-k", "not every_scheme and not exported_bundles and not mutated_export "
+                                          "and not jetson")
+TRT_CLI = ("tests/test_trt_check.py", "-k", "cli")
+CHAT = ("tests/test_chat_invariants.py", "tests/test_chat.py", "-m", "not slow")
+GUARDS = ("tests/test_guards.py", "tests/test_runtime.py", "tests/test_backends.py", "tests/test_cli_errors.py")
+BENCH = ("tests/test_bench.py", "tests/test_stream.py", "tests/test_runtime.py")
+
+M = Mutation
+MUTATIONS = [
+    # -- evaluation
+    M("eval KLD direction", "eval", "edgekv/evaluate.py",
+      "r.kld.extend((p * (ref_lp - lp)).sum(-1).tolist())",
+      "r.kld.extend((np.exp(lp) * (lp - ref_lp)).sum(-1).tolist())", EVAL),
+    M("eval-context KLD direction", "eval", "edgekv/context_eval.py",
+      "kld.extend((np.exp(r) * (r - p)).sum(-1).tolist())",
+      "kld.extend((np.exp(p) * (p - r)).sum(-1).tolist())", CTX_EVAL),
+    M("eval NLL targets shifted by one", "eval", "edgekv/evaluate.py",
+      "targets = np.asarray(win[first + 1:])", "targets = np.asarray(win[first:-1])", EVAL),
+    M("eval-context NLL targets shifted by one", "eval", "edgekv/context_eval.py",
+      "tgt = np.asarray(full_ids[s: s + n])", "tgt = np.asarray(full_ids[s - 1: s - 1 + n])", CTX_EVAL),
+    M("eval reference is the first bundle, not the float one", "eval", "edgekv/evaluate.py",
+      'order = sorted(range(len(bundles)), key=lambda i: bundles[i].scheme.name != "float")',
+      "order = list(range(len(bundles)))", EVAL),
+    M("eval top-1 compares with the wrong argmax", "eval", "edgekv/evaluate.py",
+      "(ref_lp.argmax(-1) == lp.argmax(-1))", "(ref_lp.argmax(-1) == ref_lp.argmax(-1))", EVAL),
+    # -- sampling
+    M("temperature multiplies", "sampling", "edgekv/generate.py",
+      "x = logits.astype(np.float64) / p.temperature", "x = logits.astype(np.float64) * p.temperature", SAMPLING),
+    M("top-p keeps one token too few", "sampling", "edgekv/generate.py",
+      "keep = order[: int(np.searchsorted(cum, p.top_p)) + 1]",
+      "keep = order[: max(1, int(np.searchsorted(cum, p.top_p)))]", SAMPLING),
+    M("top-k keeps one token too many", "sampling", "edgekv/generate.py",
+      "kth = np.partition(x, -p.top_k)[-p.top_k]", "kth = np.partition(x, -p.top_k - 1)[-p.top_k - 1]", SAMPLING),
+    M("repeat penalty raises negative logits", "sampling", "edgekv/generate.py",
+      "np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)",
+      "np.where(vals > 0, vals / p.repeat_penalty, vals / p.repeat_penalty)", SAMPLING),
+    M("repeat_last_n ignored", "sampling", "edgekv/generate.py",
+      "np.asarray(history[-p.repeat_last_n:], np.int64)", "np.asarray(history, np.int64)", SAMPLING),
+    # -- calibration
+    M("int8-static scales left at 1.0", "calibration", "export/calibrate.py",
+      "getattr(layer.attn, name).copy_((a / 127.0).clamp(min=min_scale))",
+      "getattr(layer.attn, name).fill_(1.0)", CALIB),
+    M("int8-static scales divided by 128", "calibration", "export/calibrate.py",
+      "getattr(layer.attn, name).copy_((a / 127.0).clamp(min=min_scale))",
+      "getattr(layer.attn, name).copy_((a / 127.0 / 128).clamp(min=min_scale))", CALIB),
+    M("int4 key offsets never set", "calibration", "export/calibrate.py",
+      "a.k_offset.copy_(m @ a.had.float() if model.scheme.rotate else m)", "a.k_offset.zero_()", CALIB),
+    M("int4 key offsets not rotated", "calibration", "export/calibrate.py",
+      "a.k_offset.copy_(m @ a.had.float() if model.scheme.rotate else m)", "a.k_offset.copy_(m)", CALIB),
+    # -- check-trt: each rule switched off
+    M("check-trt: INT8 consumed by other than DequantizeLinear", "check-trt", "edgekv/trt_check.py",
+      'bad_use = [c for c in consumers.get(tname, []) if c.op_type != "DequantizeLinear"',
+      "bad_use = [c for c in consumers.get(tname, []) if False", TRT),
+    M("check-trt: INT8 produced other than by QuantizeLinear", "check-trt", "edgekv/trt_check.py",
+      "if not ok_src:", "if False:", TRT),
+    M("check-trt: per-channel QuantizeLinear on an activation", "check-trt", "edgekv/trt_check.py",
+      'if per_channel and op == "QuantizeLinear" and n.input[0] not in constants:', "if False:", TRT),
+    M("check-trt: per-channel Q refused on weights too", "check-trt", "edgekv/trt_check.py",
+      'if per_channel and op == "QuantizeLinear" and n.input[0] not in constants:',
+      'if per_channel and op == "QuantizeLinear":', TRT),
+    M("check-trt: per-channel DequantizeLinear on an activation", "check-trt", "edgekv/trt_check.py",
+      'if per_channel and op == "DequantizeLinear" and n.input[0] not in constants:', "if False:", TRT),
+    M("check-trt: the input-type table", "check-trt", "edgekv/trt_check.py",
+      'if t and t not in rule["types"]:', "if False:", TRT),
+    M("check-trt: Where typed by its condition", "check-trt", "edgekv/trt_check.py",
+      '_DATA_INPUT = {"Where": 1}', "_DATA_INPUT = {}", TRT),
+    M("check-trt: no upper opset bound", "check-trt", "edgekv/trt_check.py",
+      'if not ver["min_opset"] <= o.version <= ver["max_opset"]:', 'if not ver["min_opset"] <= o.version:', TRT),
+    M("check-trt: no lower opset bound", "check-trt", "edgekv/trt_check.py",
+      'if not ver["min_opset"] <= o.version <= ver["max_opset"]:', 'if not o.version <= ver["max_opset"]:', TRT),
+    M("check-trt: foreign domain imports", "check-trt", "edgekv/trt_check.py",
+      'if o.domain in ("", "ai.onnx"):', 'if o.domain in ("", "ai.onnx") or True:', TRT),
+    M("check-trt: custom-domain nodes", "check-trt", "edgekv/trt_check.py",
+      'if n.domain not in ("", "ai.onnx"):', "if False:", TRT),
+    M("check-trt: ops missing from the table", "check-trt", "edgekv/trt_check.py",
+      "if op in unsup or op not in sup or op in not_yet:", "if op in unsup or op in not_yet:", TRT),
+    M("check-trt: ops newer than the version", "check-trt", "edgekv/trt_check.py",
+      "if op in unsup or op not in sup or op in not_yet:", "if op in unsup or op not in sup:", TRT),
+    M("check-trt: build-time constant inputs", "check-trt", "edgekv/trt_check.py",
+      "if k < len(n.input) and n.input[k] and n.input[k] not in constants:", "if False:", TRT),
+    M("check-trt: Cast from a quantized type", "check-trt", "edgekv/trt_check.py",
+      "if _TYPES.get(to) in _QUANTIZED or src in _QUANTIZED:", "if _TYPES.get(to) in _QUANTIZED:", TRT),
+    M("check-trt: Cast to a quantized type", "check-trt", "edgekv/trt_check.py",
+      "if _TYPES.get(to) in _QUANTIZED or src in _QUANTIZED:", "if src in _QUANTIZED:", TRT),
+    M("check-trt: Cast source types", "check-trt", "edgekv/trt_check.py",
+      'elif src and src not in rule["types"]:', "elif False:", TRT),
+    M("check-trt: Q/DQ scales constant", "check-trt", "edgekv/trt_check.py",
+      'if ver["qdq_scale_must_be_constant"] and scale not in constants:', "if False:", TRT),
+    M("check-trt: zero points constant", "check-trt", "edgekv/trt_check.py",
+      "if zp and zp not in constants:", "if False:", TRT),
+    M("check-trt: DequantizeLinear input types", "check-trt", "edgekv/trt_check.py",
+      'if op == "DequantizeLinear" and src and src not in _QUANTIZED:', "if False:", TRT),
+    M("check-trt: QuantizeLinear input types", "check-trt", "edgekv/trt_check.py",
+      'if op == "QuantizeLinear" and src and src not in ("FP32", "FP16", "BF16"):', "if False:", TRT),
+    M("check-trt: UINT8 inside the network", "check-trt", "edgekv/trt_check.py",
+      'if t == "UINT8" and tname not in graph_io and tname not in constants:', "if False:", TRT),
+    M("check-trt: an empty .onnx passes", "check-trt", "edgekv/trt_check.py",
+      "if not model.graph.node or not model.opset_import:", "if False:", TRT_CLI),
+    # -- chat
+    M("chat: one stale slot kept after /undo", "chat", "edgekv/chat.py",
+      "        self._keep_common_prefix(self._render(self._msgs()))\n        return True",
+      "        n = self._keep_common_prefix(self._render(self._msgs())); self.ids = self.ids[:n - 1]\n"
+      "        return True", CHAT),
+    M("chat: the ring runs one position past the verified context", "chat", "edgekv/chat.py",
+      "return min(self.gen.cache.room(), self.bundle.max_context - self.gen.pos)",
+      "return min(self.gen.cache.room(), self.bundle.max_context + 1 - self.gen.pos)", CHAT),
+    M("chat: drop-turns drops one message", "chat", "edgekv/chat.py",
+      "self.messages = self.messages[2:] if len(self.messages) >= 2 else []",
+      "self.messages = self.messages[1:]", CHAT),
+    M("chat: one sink slot too many", "chat", "edgekv/chat.py",
+      "c.enable_ring(min(sink_count(self.codec, self.system), c.capacity // 2))",
+      "c.enable_ring(min(sink_count(self.codec, self.system) + 1, c.capacity // 2))", CHAT),
+    M("chat: sinks not capped at half the cache", "chat", "edgekv/chat.py",
+      "c.enable_ring(min(sink_count(self.codec, self.system), c.capacity // 2))",
+      "c.enable_ring(min(sink_count(self.codec, self.system), c.capacity - 2))", CHAT),
+    M("chat: Ctrl-C leaves unlisted slots", "chat", "edgekv/chat.py",
+      "            self._resync()\n", "            pass\n", CHAT),
+    M("chat: load sets positions from the slots", "chat", "edgekv/chat.py",
+      'self.gen.pos = len(meta["ids"])', "self.gen.pos = self.gen.cache.n", CHAT),
+    M("chat: an interrupted prefill lists its ids", "chat", "edgekv/chat.py",
+      "        self._logits = self.gen.prefill(target[n:]).copy()\n        self.ids = list(target)",
+      "        self.ids = list(target)\n        self._logits = self.gen.prefill(target[n:]).copy()", CHAT),
+    # -- guards
+    M("engine chooser prefers the largest engine", "guards", "edgekv/engines.py",
+      'info["ctx"] < best[1]["ctx"]', 'info["ctx"] > best[1]["ctx"]', GUARDS),
+    M("engine chooser takes one slot too few", "guards", "edgekv/engines.py",
+      'if info["ctx"] >= ctx and', 'if info["ctx"] >= ctx - 1 and', GUARDS),
+    M("bundle file-size check removed", "guards", "edgekv/manifest.py",
+      "if f.stat().st_size != size:", "if False:", GUARDS),
+    M("free-memory check removed", "guards", "edgekv/cache.py",
+      "if free is not None and need > free:", "if False:", GUARDS),
+    M("free-memory check after allocating", "guards", "edgekv/cache.py",
+      "        self.memory = memory or HostMemory()\n",
+      "        self.memory = memory or HostMemory(); [self.memory.alloc(s, d) for s, d in shapes.values()]\n", GUARDS),
+    M("--ctx one past max_context", "guards", "edgekv/cache.py",
+      "if capacity > bundle.max_context:", "if capacity > bundle.max_context + 1:", GUARDS),
+    M("prompt as long as the cache accepted", "guards", "edgekv/commands.py",
+      "if len(ids) >= gen.cache.capacity:", "if len(ids) > gen.cache.capacity:", GUARDS),
+    M("cache room one too many", "guards", "edgekv/cache.py",
+      "if s > self.room():", "if s > self.room() + 1:", GUARDS),
+    # -- bench / stats
+    M("decode tok/s counts the first token", "bench", "edgekv/generate.py",
+      "return (self.new_tokens - 1) / self.decode_s", "return self.new_tokens / self.decode_s", BENCH),
+    M("bench decode rate counts one token more", "bench", "edgekv/bench.py",
+      "return t1 - t0, decode_tokens / (t2 - t1)", "return t1 - t0, (decode_tokens + 1) / (t2 - t1)", BENCH),
+]
+
+_IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", "bundles", "*.egg-info",
+                                 "bench-results", "eval-results")
+
+
+def pytest_args(copy: Path, tests: tuple) -> list[str] | None:
+    """The test spec with globs expanded in the copy; None if none of its files exist there."""
+    out, files = [], 0
+    it = iter(tests)
+    for a in it:
+        if a.startswith("-"):
+            out += [a, next(it)]
+            continue
+        hits = sorted(glob.glob(str(copy / a)))
+        files += len(hits)
+        out += [str(Path(h).relative_to(copy)) for h in hits]
+    return out if files else None
+
+
+def run_tests(copy: Path, args: list[str], python: str, timeout: int) -> tuple[str, float]:
+    env = dict(os.environ, PYTHONPATH=str(copy), PYTHONDONTWRITEBYTECODE="1")
+    env.pop("CI", None)
+    t0 = time.time()
+    try:
+        r = subprocess.run([python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *args], cwd=copy, env=env,
+                           capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return "timeout", time.time() - t0
+    if r.returncode == 0:
+        return "passed", time.time() - t0
+    if r.returncode == 5:
+        return "no tests", time.time() - t0
+    return "failed", time.time() - t0
+
+
+def apply(copy: Path, m: Mutation) -> str:
+    f = copy / m.file
+    src = f.read_text()
+    n = src.count(m.old)
+    if n != 1:
+        raise SystemExit(f"mutation {m.name!r}: the text to replace occurs {n} times in {m.file} (must be once)")
+    f.write_text(src.replace(m.old, m.new))
+    return src
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", help="run the mutations whose name or area contains this (case-insensitive)")
+    ap.add_argument("--python", default=sys.executable, help="interpreter that runs pytest (default: this one)")
+    ap.add_argument("--timeout", type=int, default=600, help="seconds per test run (default: 600)")
+    ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated runs")
+    ap.add_argument("--list", action="store_true", help="print the table and exit")
+    a = ap.parse_args(argv)
+    todo = [m for m in MUTATIONS if not a.only or a.only.lower() in (m.name + " " + m.area).lower()]
+    if a.list:
+        for m in todo:
+            print(f"[{m.area}] {m.name}: {m.file}: {m.old!r} -> {m.new!r}  ({' '.join(m.tests)})")
+        return 0
+    with tempfile.TemporaryDirectory(prefix="edgekv-mutants-") as tmp:
+        copy = Path(tmp) / "repo"
+        shutil.copytree(ROOT, copy, ignore=_IGNORE)
+        for m in todo:  # every mutation must apply before any test time is spent
+            (copy / m.file).write_text(apply(copy, m))
+        baseline: dict[tuple, str] = {}
+        results = []
+        for i, m in enumerate(todo, 1):
+            args = pytest_args(copy, m.tests)
+            if args is None:
+                results.append((m, "no tests", 0.0))
+                print(f"[{i}/{len(todo)}] {m.name}: no test files yet ({' '.join(m.tests)})", flush=True)
+                continue
+            if not a.no_baseline and m.tests not in baseline:
+                baseline[m.tests], took = run_tests(copy, args, a.python, a.timeout)
+                print(f"  baseline {' '.join(m.tests)}: {baseline[m.tests]} ({took:.0f}s)", flush=True)
+            if baseline.get(m.tests, "passed") != "passed":
+                results.append((m, "unusable (baseline " + baseline[m.tests] + ")", 0.0))
+                continue
+            original = apply(copy, m)
+            try:
+                outcome, took = run_tests(copy, args, a.python, a.timeout)
+            finally:
+                (copy / m.file).write_text(original)
+            verdict = {"failed": "caught", "timeout": "caught (timeout)", "passed": "SURVIVED"}.get(outcome, outcome)
+            results.append((m, verdict, took))
+            print(f"[{i}/{len(todo)}] {verdict:<16} {m.name}  ({took:.0f}s)", flush=True)
+    caught = [r for r in results if r[1].startswith("caught")]
+    survived = [r for r in results if r[1] == "SURVIVED"]
+    other = [r for r in results if not r[1].startswith("caught") and r[1] != "SURVIVED"]
+    print(f"\n{len(results)} mutations, {len(caught)} caught, {len(survived)} survived, {len(other)} not run")
+    for area in dict.fromkeys(m.area for m in todo):
+        rs = [r for r in results if r[0].area == area]
+        print(f"  {area:<12} {sum(r[1].startswith('caught') for r in rs)}/{len(rs)} caught")
+    for m, v, _ in survived + other:
+        print(f"  {v}: [{m.area}] {m.name} ({m.file})")
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
