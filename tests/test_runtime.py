@@ -162,3 +162,17 @@ def test_an_interrupted_prefill_leaves_the_sequence_at_its_last_completed_call(t
     g.backend.run = run
     resumed = g.prefill(seq[8:]).copy()
     np.testing.assert_allclose(resumed, runtime(tiny_bundle_int8, chunk=8).prefill(seq), atol=1e-5)
+
+
+@pytest.mark.parametrize("ring", [False, True])
+def test_a_call_never_runs_past_the_verified_positions(ring):
+    """Positions stop at the bundle's verified context, for a linear sequence whose slots would
+    still have room and for a ring (whose slots never run out): exactly that many, not one more."""
+    seq = Sequence(capacity=64 if not ring else 16, max_positions=20)
+    if ring:
+        seq.enable_ring(4)
+    seq.advance(list(range(12)))
+    seq.check_room(8)
+    assert seq.room() == 8
+    with pytest.raises(ContextOverflow, match="positions"):
+        seq.check_room(9)
