@@ -84,9 +84,8 @@ MUTATIONS = [
     M("repeat_last_n 0 penalizes the whole history", "sampling", "edgekv/runtime/sampling.py",
       "if p.repeat_penalty != 1.0 and history and p.repeat_last_n > 0:",
       "if p.repeat_penalty != 1.0 and history:", SAMPLING),
-    M("the generator's repeat window is the whole sequence", "sampling", "edgekv/runtime/generate.py",
-      "tok = sample(logits, params, rng, seq.recent(params.repeat_last_n))",
-      "tok = sample(logits, params, rng, seq.ids)", SAMPLING),
+    # (not listed: passing the generator's whole id list instead of seq.recent(n) is equivalent,
+    # because sample() applies the repeat_last_n window itself)
     # -- calibration
     M("int8-static scales left at 1.0", "calibration", "export/calibrate.py",
       "getattr(layer.attn, name).copy_((a / 127.0).clamp(min=min_scale))",
