@@ -215,21 +215,24 @@ def attend_codes(qg, G, k_new, v_new, past, allowed, scheme, ks, vs):
     kc_past, sk_past = kv_codes(scheme, past[0], qg.dtype, ks)
     vc_past, sv_past = kv_codes(scheme, past[1], qg.dtype, vs)
     per_key = scheme.kind == "dynamic"
-    if not per_key:  # q.(k_int * s_k) = (q * s_k).k_int
+    if per_key:
+        # q.(k_int * s_k) = (q . k_int) * s_k per key. The 1/127 taken into q and given back with
+        # the scale keeps q . k_int (codes up to 127) as small as the true scores, inside fp16
+        qg = qg * (1.0 / (127.0 * math.sqrt(D)))
+    else:  # q.(k_int * s_k) = (q * s_k).k_int, per channel
         qg = qg * (ks.to(qg.dtype) * (1.0 / math.sqrt(D)))[None, :, None, :]
     scores = torch.cat([torch.matmul(qg, kc_past.permute(1, 2, 3, 0)),
                         torch.matmul(qg, kc_new.permute(1, 2, 3, 0))], -1)  # [B, Hkv, G*S, T]
     if per_key:
-        sk = torch.cat([sk_past, sk_new], 0).permute(1, 2, 0)[:, :, None]  # [B, Hkv, 1, T]
-        scores = scores * (sk * (1.0 / math.sqrt(D)))
+        scores = scores * (torch.cat([sk_past, sk_new], 0).permute(1, 2, 0)[:, :, None] * 127.0)  # [B, Hkv, 1, T]
     probs = masked_softmax(scores, allowed, G)
-    if per_key:
-        probs = probs * torch.cat([sv_past, sv_new], 0).permute(1, 2, 0)[:, :, None]
+    if per_key:  # sum_t p_t s_v[t] v_int[t]: the 127 again keeps p * s_v clear of fp16's subnormals
+        probs = probs * (torch.cat([sv_past, sv_new], 0).permute(1, 2, 0)[:, :, None] * 127.0)
     P = kc_past.shape[0]
     out = (torch.matmul(probs[..., :P], vc_past.permute(1, 2, 0, 3))
            + torch.matmul(probs[..., P:], vc_new.permute(1, 2, 0, 3)))  # [B, Hkv, G*S, D]
-    if not per_key:  # sum_t p_t v_int[t] * s_v = (p.v_int) * s_v
-        out = out * vs.to(qg.dtype)[None, :, None, :]
+    # per key: undo the 127; per channel: sum_t p_t v_int[t] * s_v = (p . v_int) * s_v
+    out = out * (1.0 / 127.0) if per_key else out * vs.to(qg.dtype)[None, :, None, :]
     return out, present_k, present_v
 
 
