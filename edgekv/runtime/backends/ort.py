@@ -46,8 +46,8 @@ class OrtBackend:
         opts.inter_op_num_threads = 1
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         opts.log_severity_level = 3
-        # onnxruntime caches a memory plan per input shape; the past length changes every step, so
-        # that cache only grows and is never reused (docs/graph.md)
+        # onnxruntime caches a memory plan per input shape; past lengths and prompt chunks vary, so
+        # that cache only grows (docs/graph.md)
         opts.enable_mem_pattern = False
         if not bundle.onnx_path.is_file():
             raise BundleError(f"{bundle.path}: corrupt bundle ({bundle.onnx_path.name} is missing)")
