@@ -8,6 +8,8 @@ and overwritten in place; a one-token call's present.* land in staging buffers b
 cache and are copied to the write slot after the run (ort-cpu), instead of being rebound there."""
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 
 from edgekv.errors import BackendUnavailable, BundleError, EdgeKVError
@@ -68,7 +70,7 @@ class OrtBackend:
         self.past_bucket = past_bucket
         self._small: dict[str, np.ndarray] = {}  # the small inputs' arrays, bound as they are
         self._bound: dict[str, tuple] = {}  # what the binding holds now, per part: small, past, present, logits
-        self._stage: tuple = (None, {})  # (cache, present.* staging arrays [1, 1, Hkv, D|-]) of the last cache
+        self._stage: tuple = (None,)  # the last cache, its present.* staging arrays [1, 1, Hkv, D|-], their copies
 
     # -- what differs between providers
     def check_available(self, ort) -> None:
@@ -124,9 +126,9 @@ class OrtBackend:
             self._bind_present_at(cache, seq.w, s)
         logits = self._bind_logits(b, logits_index.shape[1])
         self.session.run_with_iobinding(self.io)
-        if staged:
-            for name, st in stage.items():
-                cache.buffers[name][seq.w] = st[0]
+        if staged:  # by address: the cache's memory may be any host memory (numpy, OrtValues)
+            for base, row, src in stage:
+                ctypes.memmove(base + seq.w * row, src, row)
         return logits
 
     # -- the binding, changed only where what it holds changed
@@ -158,17 +160,20 @@ class OrtBackend:
                                 cache.ptr(name, w))
         self._bound["present"] = None
 
-    def _bind_staged_present(self, cache: KVCache) -> dict[str, np.ndarray]:
-        """present.* of a one-token call into staging arrays, bound once per cache."""
+    def _bind_staged_present(self, cache: KVCache) -> list[tuple[int, int, int]]:
+        """present.* of a one-token call into staging arrays, bound once per cache; returns what
+        the copy after the run needs: (buffer address, bytes per slot, staging address) each."""
         if self._stage[0] is not cache:
-            self._stage = (cache, {name: np.zeros(cache.slots_shape(name, 1), cache.dtypes[name]) for name in cache.names})
-        stage = self._stage[1]
+            arrays = {name: np.zeros(cache.slots_shape(name, 1), cache.dtypes[name]) for name in cache.names}
+            copies = [(cache.ptr(name, 0), cache.row_bytes[name], a.ctypes.data) for name, a in arrays.items()]
+            self._stage = (cache, arrays, copies)
+        _, arrays, copies = self._stage
         bound = self._bound.get("present")
         if not (bound and bound[0] is cache):
-            for name, st in stage.items():
+            for name, st in arrays.items():
                 self.io.bind_output("present" + name[4:], "cpu", 0, st.dtype, list(st.shape), st.ctypes.data)
             self._bound["present"] = (cache,)
-        return stage
+        return copies
 
 
 class OrtCudaBackend(OrtBackend):
