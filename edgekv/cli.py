@@ -178,6 +178,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--transformers", default=None, metavar="MODEL",
                    help="also time HF transformers (eager, same weights, same threads) on MODEL (a recipe, folder or "
                         ".gguf; workstation only: runs `python -m export.bench_transformers` in a subprocess)")
+    p.add_argument("--llama-cpp", nargs="?", const="", default=None, metavar="GGUF",
+                   help="also time llama.cpp (llama-cpp-python, the `bench` extra) on GGUF (default: the default "
+                        "model's SmolLM2-135M-Instruct.Q4_1.gguf) with the same prompts, fills and threads, in a "
+                        "subprocess, and print the ratios")
     return ap
 
 

@@ -140,6 +140,9 @@ class Attention(nn.Module):
         if center_keys:  # int4: calibrated mean key per channel, subtracted before quantizing
             self.register_buffer("k_offset", torch.zeros(cfg.n_kv_heads, cfg.head_dim))
         self.register_buffer("had", torch.from_numpy(hadamard(cfg.head_dim)), persistent=False)
+        # attention on the int8 codes for the kinds that allow it (attend_codes); False runs the
+        # generic path on dequantized K/V, which tests hold attend_codes to
+        self.factored = True
         h, hkv, d, e = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.hidden_size
         # q, k, v projections fused into one matrix (rows: q, then k, then v): one MatMul per layer
         self.wqkv = nn.Linear(e, (h + 2 * hkv) * d, bias=cfg.attention_bias)
@@ -170,24 +173,67 @@ class Attention(nn.Module):
             # mean out of the int4 range, leaving the levels for what varies.
             k_new = k_new - self.k_offset.to(x.dtype)
         ks, vs = self.scales()
-        present_k, k_hat = kv_store(scheme, k_new, ks)
-        present_v, v_hat = kv_store(scheme, v_new, vs)
-        k_all = torch.cat([kv_load(scheme, past[0], x.dtype, ks), k_hat], 0)  # [P+S, B, Hkv, D]
-        v_all = torch.cat([kv_load(scheme, past[1], x.dtype, vs), v_hat], 0)
-
         # Group the G query heads that share a KV head: no repeat of K/V is materialized.
         qg = q.view(B, S, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * S, D)
-        kt = k_all.permute(1, 2, 3, 0)  # [B, Hkv, D, T]
-        vt = v_all.permute(1, 2, 0, 3)  # [B, Hkv, T, D]
-        scores = torch.matmul(qg, kt) * (1.0 / math.sqrt(D))  # [B, Hkv, G*S, T]
-        scores = scores.view(B, Hkv, G, S, -1)
-        scores = torch.where(allowed[:, None, None], scores, torch.finfo(scores.dtype).min)
-        probs = torch.softmax(scores.float(), dim=-1).to(x.dtype).view(B, Hkv, G * S, -1)
-        out = torch.matmul(probs, vt)  # [B, Hkv, G*S, D]
+        if self.factored and scheme.kind in FACTORED_KINDS:
+            out, present_k, present_v = attend_codes(qg, G, k_new, v_new, past, allowed, scheme, ks, vs)
+        else:
+            present_k, k_hat = kv_store(scheme, k_new, ks)
+            present_v, v_hat = kv_store(scheme, v_new, vs)
+            k_all = torch.cat([kv_load(scheme, past[0], x.dtype, ks), k_hat], 0)  # [P+S, B, Hkv, D]
+            v_all = torch.cat([kv_load(scheme, past[1], x.dtype, vs), v_hat], 0)
+            scores = torch.matmul(qg, k_all.permute(1, 2, 3, 0)) * (1.0 / math.sqrt(D))  # [B, Hkv, G*S, T]
+            probs = masked_softmax(scores, allowed, G)
+            out = torch.matmul(probs, v_all.permute(1, 2, 0, 3))  # [B, Hkv, G*S, D]
         if scheme.rotate:
             out = out @ self.had.t()
         out = out.view(B, Hkv, G, S, D).permute(0, 3, 1, 2, 4).reshape(B, S, H * D)
         return self.wo(out), present_k + present_v
+
+
+# kinds whose attention runs on the int8 codes, their scales applied outside the cache (attend_codes)
+FACTORED_KINDS = ("dynamic", "static")
+
+
+def masked_softmax(scores, allowed, G):
+    """scores [B, Hkv, G*S, T] -> probabilities, keys outside `allowed` [B, S, T] at exactly 0."""
+    B, Hkv, GS, T = scores.shape
+    s = scores.view(B, Hkv, G, GS // G, T)
+    s = torch.where(allowed[:, None, None], s, torch.finfo(s.dtype).min)
+    return torch.softmax(s.float(), dim=-1).to(scores.dtype).view(B, Hkv, GS, T)
+
+
+def attend_codes(qg, G, k_new, v_new, past, allowed, scheme, ks, vs):
+    """Attention on the int8 codes. The scales factor out of both products, so they scale the
+    [G*S, T] scores and probabilities (a scale per key and head: scores = (q.k_int) s_k,
+    out = (p s_v).v_int) or q and the output (constant per-channel scales) instead of a float
+    copy of the whole [T, D] cache; past and new keys are multiplied separately, so the cache
+    is not concatenated either. Returns (out [B, Hkv, G*S, D], present K tensors, present V)."""
+    D = qg.shape[-1]
+    present_k, kc_new, sk_new = kv_quantize(scheme, k_new, ks)
+    present_v, vc_new, sv_new = kv_quantize(scheme, v_new, vs)
+    kc_past, sk_past = kv_codes(scheme, past[0], qg.dtype, ks)
+    vc_past, sv_past = kv_codes(scheme, past[1], qg.dtype, vs)
+    per_key = scheme.kind == "dynamic"
+    if per_key:
+        # q.(k_int * s_k) = (q . k_int) * s_k per key. The 1/127 taken into q and given back with
+        # the scale keeps q . k_int (codes up to 127) as small as the true scores, inside fp16
+        qg = qg * (1.0 / (127.0 * math.sqrt(D)))
+    else:  # q.(k_int * s_k) = (q * s_k).k_int, per channel
+        qg = qg * (ks.to(qg.dtype) * (1.0 / math.sqrt(D)))[None, :, None, :]
+    scores = torch.cat([torch.matmul(qg, kc_past.permute(1, 2, 3, 0)),
+                        torch.matmul(qg, kc_new.permute(1, 2, 3, 0))], -1)  # [B, Hkv, G*S, T]
+    if per_key:
+        scores = scores * (torch.cat([sk_past, sk_new], 0).permute(1, 2, 0)[:, :, None] * 127.0)  # [B, Hkv, 1, T]
+    probs = masked_softmax(scores, allowed, G)
+    if per_key:  # sum_t p_t s_v[t] v_int[t]: the 127 again keeps p * s_v clear of fp16's subnormals
+        probs = probs * (torch.cat([sv_past, sv_new], 0).permute(1, 2, 0)[:, :, None] * 127.0)
+    P = kc_past.shape[0]
+    out = (torch.matmul(probs[..., :P], vc_past.permute(1, 2, 0, 3))
+           + torch.matmul(probs[..., P:], vc_new.permute(1, 2, 0, 3)))  # [B, Hkv, G*S, D]
+    # per key: undo the 127; per channel: sum_t p_t v_int[t] * s_v = (p . v_int) * s_v
+    out = out * (1.0 / 127.0) if per_key else out * vs.to(qg.dtype)[None, :, None, :]
+    return out, present_k, present_v
 
 
 class MLP(nn.Module):
@@ -274,20 +320,41 @@ def _torch_dtype(name: str, float_dtype):
 # runtime and the numpy reference); these two functions are the only torch code that knows them,
 # and they tell schemes apart by kind.
 
+def kv_quantize(scheme, x, static_scale=None):
+    """int8 kinds: x [S,B,Hkv,D] float -> (tensors to store, codes as floats, scale): a reader
+    sees codes * scale, the scale [S,B,Hkv] per (token, head) (dynamic) or the constant [Hkv,D]."""
+    if scheme.kind == "static":  # constant scale [Hkv, D] (per channel, or one value repeated)
+        s = static_scale.to(x.dtype)
+        q = torch.clamp(torch.round(x / s), -127.0, 127.0)
+        return [q.to(torch.int8)], q, s
+    if scheme.kind == "dynamic":
+        # one fp16 scale per (token, head): absmax / 127, floored so an all-zero row stays finite
+        scale = (x.abs().amax(-1).float() / 127.0).clamp(min=scheme.min_scale).to(torch.float16)  # [S,B,Hkv]
+        s = scale.to(x.dtype)
+        q = torch.clamp(torch.round(x / s[..., None]), -127.0, 127.0)
+        return [q.to(torch.int8), scale], q, s
+    raise NotImplementedError(scheme.kind)
+
+
+def kv_codes(scheme, tensors, dtype, static_scale=None):
+    """int8 kinds: stored tensors -> (codes as floats, scale), the counterpart of kv_quantize."""
+    if scheme.kind == "static":
+        return tensors[0].to(dtype), static_scale.to(dtype)
+    if scheme.kind == "dynamic":
+        return tensors[0].to(dtype), tensors[1].to(dtype)
+    raise NotImplementedError(scheme.kind)
+
+
 def kv_store(scheme, x, static_scale=None):
     """x [S,B,Hkv,D] float -> (tensors to store, x_hat: what a reader of the cache will see)."""
     if scheme.kind == "float":
         return [x], x
-    if scheme.kind == "static":  # constant scale [Hkv, D] (per channel, or one value repeated)
-        s = static_scale.to(x.dtype)
-        q = torch.clamp(torch.round(x / s), -127.0, 127.0)
-        return [q.to(torch.int8)], q * s
+    if scheme.kind == "static":
+        stored, q, s = kv_quantize(scheme, x, static_scale)
+        return stored, q * s
     if scheme.kind == "dynamic":
-        # one fp16 scale per (token, head): absmax / 127, floored so an all-zero row stays finite
-        scale = (x.abs().amax(-1).float() / 127.0).clamp(min=scheme.min_scale).to(torch.float16)  # [S,B,Hkv]
-        s = scale.to(x.dtype)[..., None]
-        q = torch.clamp(torch.round(x / s), -127.0, 127.0)
-        return [q.to(torch.int8), scale], q * s
+        stored, q, s = kv_quantize(scheme, x, static_scale)
+        return stored, q * s[..., None]
     if scheme.kind == "packed4":
         S, B, Hkv, D = x.shape
         g = n_groups(D)

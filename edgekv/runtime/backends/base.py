@@ -1,11 +1,12 @@
 """The Backend protocol: what every backend (ort-cpu, ort-cuda, trt) promises.
 
 One `run` is one graph call: the S new tokens of a sequence against the cache slots it has
-filled. The backend binds the past as the sequence's filled slots `buf[:n]` and `present.*`
-straight into the buffers at its write slot `buf[w:w+S]` by address (cache.ptr; w == n unless
-the sequence is a ring that has wrapped, where the overwritten slots are masked out of the
-past), takes position_ids and key_mask from the sequence, and returns only the logits rows
-asked for. It does not change the sequence: the caller records the call (Generator._call).
+filled. The backend binds the past as the sequence's filled slots `buf[:n]` (ort: rounded up to
+a bucket, the tail masked) and `present.*` into the buffers at its write slot `buf[w:w+S]` by
+address (cache.ptr; w == n unless the sequence is a ring that has wrapped, where the overwritten
+slots are masked out of the past; ort-cpu stages a one-token call's present and copies it
+there), takes position_ids and key_mask (`seq.key_mask(s, past)`) from the sequence, and
+returns only the logits rows asked for. It does not change the sequence: the caller records the call (Generator._call).
 
 | backend | runs on | KV buffers | needs |
 |---|---|---|---|

@@ -1,6 +1,14 @@
 """The onnxruntime backends (edgekv/runtime/backends/base.py has the protocol they follow):
-ort-cpu (host memory) and ort-cuda (the KV buffers are device memory bound by address)."""
+ort-cpu (host memory) and ort-cuda (the KV buffers are device memory bound by address).
+
+A decode step's host work is constant (docs/runtime.md, "The decode step"): the past is bound at
+its filled slots rounded up to PAST_BUCKET, the tail masked through key_mask, so its ~60 bindings
+change once per bucket; the small inputs are arrays of the backend's own, bound once per shape
+and overwritten in place; a one-token call's present.* land in staging buffers bound once per
+cache and are copied to the write slot after the run (ort-cpu), instead of being rebound there."""
 from __future__ import annotations
+
+import ctypes
 
 import numpy as np
 
@@ -10,6 +18,8 @@ from edgekv.runtime.backends.base import UNLIMITED
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.memory import HostMemory, KVMemory
 from edgekv.runtime.sequence import Sequence
+
+PAST_BUCKET = 128  # slots: the past is bound at a multiple of this (1: exactly the filled slots)
 
 
 def _import_ort():
@@ -27,8 +37,10 @@ class OrtBackend:
     device = "cpu"
     runs_ring = True  # onnxruntime runs the ring's aliased past/present (the aliased slots are masked)
     max_tokens_per_call = UNLIMITED
+    stage_present = True  # a one-token call writes present.* to staging buffers, copied to the cache after
 
-    def __init__(self, bundle: Bundle, threads: int | None = None, max_logits_rows: int = 1):
+    def __init__(self, bundle: Bundle, threads: int | None = None, max_logits_rows: int = 1,
+                 past_bucket: int = PAST_BUCKET):
         ort = self.ort = _import_ort()
         self.check_available(ort)
         opts = ort.SessionOptions()
@@ -36,8 +48,8 @@ class OrtBackend:
         opts.inter_op_num_threads = 1
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         opts.log_severity_level = 3
-        # onnxruntime caches a memory plan per input shape; the past length changes every step, so
-        # that cache only grows and is never reused (docs/graph.md)
+        # onnxruntime caches a memory plan per input shape; past lengths and prompt chunks vary, so
+        # that cache only grows (docs/graph.md)
         opts.enable_mem_pattern = False
         if not bundle.onnx_path.is_file():
             raise BundleError(f"{bundle.path}: corrupt bundle ({bundle.onnx_path.name} is missing)")
@@ -55,6 +67,10 @@ class OrtBackend:
         if graph_inputs != expected:
             raise BundleError(f"{bundle.path}: corrupt bundle (graph inputs do not match the manifest)")
         self.memory = self.make_memory()
+        self.past_bucket = past_bucket
+        self._small: dict[str, np.ndarray] = {}  # the small inputs' arrays, bound as they are
+        self._bound: dict[str, tuple] = {}  # what the binding holds now, per part: small, past, present, logits
+        self._stage: tuple = (None,)  # the last cache, its present.* staging arrays [1, 1, Hkv, D|-], their copies
 
     # -- what differs between providers
     def check_available(self, ort) -> None:
@@ -72,40 +88,99 @@ class OrtBackend:
     def close(self) -> None:
         pass  # onnxruntime frees its session and the host buffers with the objects
 
+    def _bind_logits(self, b: int, k: int) -> np.ndarray:
+        logits = self._ensure_logits(b, k)
+        key = (logits.ctypes.data, logits.shape)
+        if self._bound.get("logits") != key:
+            self.io.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
+            self._bound["logits"] = key
+        return logits
+
     def _ensure_logits(self, b: int, k: int) -> np.ndarray:
         if self.logits.shape[0] < b or self.logits.shape[1] < k:
             self.logits = np.empty((max(b, self.logits.shape[0]), max(k, self.logits.shape[1]), self.vocab), np.float32)
         # a contiguous [b, k, V] block at the start of the buffer
         return self.logits.reshape(-1)[: b * k * self.vocab].reshape(b, k, self.vocab)
 
+    def past_slots(self, cache: KVCache, seq: Sequence) -> int:
+        """Slots bound as the past: the filled ones rounded up to the bucket (capped at the
+        capacity), so the binding changes once per bucket; the sequence's key mask hides the rest."""
+        b = self.past_bucket
+        return min(-(-seq.n // b) * b, cache.capacity)
+
     def run(self, cache: KVCache, seq: Sequence, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
         if cache.memory.device != self.device:
             raise EdgeKVError(f"{self.name} needs its KV cache in {self.device} memory (build it with memory=backend.memory)")
-        io = self.io
         b, s = input_ids.shape
-        n, w = seq.n, seq.w  # past = the n filled slots; present goes to slots w..w+s
-        # the small inputs and the logits stay on the host; onnxruntime moves them if it must
-        io.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, np.int64))
-        io.bind_cpu_input("position_ids", seq.positions(s))
-        io.bind_cpu_input("logits_index", np.ascontiguousarray(logits_index, np.int64))
-        mask = seq.key_mask(s)
-        io.bind_input("key_mask", "cpu", 0, np.bool_, list(mask.shape), mask.ctypes.data)
-        for name in cache.names:
-            dt = cache.dtypes[name]
-            # past: only the filled prefix, so cost follows the context, not the capacity
-            io.bind_input(name, self.device, 0, dt, cache.slots_shape(name, n), cache.ptr(name, 0))
-            # present: the new tokens' slots, so the graph writes the cache in place
-            io.bind_output("present" + name[4:], self.device, 0, dt, cache.slots_shape(name, s), cache.ptr(name, w))
-        logits = self._ensure_logits(b, logits_index.shape[1])
-        io.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
-        self.session.run_with_iobinding(io)
+        past = self.past_slots(cache, seq)
+        small = self._bind_small(s, logits_index.shape[1], past)
+        np.copyto(small["input_ids"], input_ids)
+        np.copyto(small["position_ids"], seq.positions(s))
+        np.copyto(small["logits_index"], logits_index)
+        np.copyto(small["key_mask"], seq.key_mask(s, past))
+        self._bind_past(cache, past)
+        staged = s == 1 and self.stage_present
+        if staged:
+            stage = self._bind_staged_present(cache)
+        else:
+            self._bind_present_at(cache, seq.w, s)
+        logits = self._bind_logits(b, logits_index.shape[1])
+        self.session.run_with_iobinding(self.io)
+        if staged:  # by address: the cache's memory may be any host memory (numpy, OrtValues)
+            for base, row, src in stage:
+                ctypes.memmove(base + seq.w * row, src, row)
         return logits
+
+    # -- the binding, changed only where what it holds changed
+    def _bind_small(self, s: int, k: int, past: int) -> dict[str, np.ndarray]:
+        """The small inputs' own arrays for this call's shapes, bound once per shape."""
+        if self._bound.get("small") != (s, k, past):
+            self._small = {"input_ids": np.zeros((1, s), np.int64), "position_ids": np.zeros((1, s), np.int64),
+                           "logits_index": np.zeros((1, k), np.int64), "key_mask": np.zeros((1, past + s), np.bool_)}
+            for name, a in self._small.items():  # by address: the arrays are overwritten in place
+                self.io.bind_input(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
+            self._bound["small"] = (s, k, past)
+        return self._small
+
+    def _bind_past(self, cache: KVCache, past: int) -> None:
+        """past.* as the first `past` slots of every buffer (the cache is held in the key, so
+        its identity cannot be taken by another one while bound)."""
+        bound = self._bound.get("past")
+        if bound and bound[0] is cache and bound[1] == past:
+            return
+        for name in cache.names:
+            self.io.bind_input(name, self.device, 0, cache.dtypes[name], cache.slots_shape(name, past),
+                               cache.ptr(name, 0))
+        self._bound["past"] = (cache, past)
+
+    def _bind_present_at(self, cache: KVCache, w: int, s: int) -> None:
+        """present.* straight into the cache at the write slot: the graph writes it in place."""
+        for name in cache.names:
+            self.io.bind_output("present" + name[4:], self.device, 0, cache.dtypes[name], cache.slots_shape(name, s),
+                                cache.ptr(name, w))
+        self._bound["present"] = None
+
+    def _bind_staged_present(self, cache: KVCache) -> list[tuple[int, int, int]]:
+        """present.* of a one-token call into staging arrays, bound once per cache; returns what
+        the copy after the run needs: (buffer address, bytes per slot, staging address) each."""
+        if self._stage[0] is not cache:
+            arrays = {name: np.zeros(cache.slots_shape(name, 1), cache.dtypes[name]) for name in cache.names}
+            copies = [(cache.ptr(name, 0), cache.row_bytes[name], a.ctypes.data) for name, a in arrays.items()]
+            self._stage = (cache, arrays, copies)
+        _, arrays, copies = self._stage
+        bound = self._bound.get("present")
+        if not (bound and bound[0] is cache):
+            for name, st in arrays.items():
+                self.io.bind_output("present" + name[4:], "cpu", 0, st.dtype, list(st.shape), st.ctypes.data)
+            self._bound["present"] = (cache,)
+        return copies
 
 
 class OrtCudaBackend(OrtBackend):
     """onnxruntime's CUDA provider; the KV buffers are device memory bound by address."""
     name = "ort-cuda"
     device = "cuda"
+    stage_present = False  # the cache is device memory: present.* is bound at the write slot
 
     def check_available(self, ort) -> None:
         have = ort.get_available_providers()

@@ -1,0 +1,119 @@
+"""`edgekv bench --llama-cpp`: llama.cpp gets the same prompts, fills and threads as the bundle
+(a fake llama_cpp module records what it was fed), the ratios are edgekv / llama.cpp, and a
+missing llama-cpp-python is one line that says how to install it."""
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from edgekv.errors import EdgeKVError
+from edgekv.tools import bench
+from edgekv.tools.bench import llama_cpp_ratios, sample_tokens
+from tests.conftest import ROOT
+
+FAKE = '''
+import ctypes, json, os
+__version__ = "fake"
+LOG = os.environ["FAKE_LLAMA_LOG"]
+VOCAB = 384
+
+class Llama:
+    def __init__(self, model_path, n_ctx, n_batch, n_threads, n_threads_batch, verbose):
+        self.n_tokens = 0
+        self.ctx = object()
+        self.logits = (ctypes.c_float * VOCAB)()
+        self._log({"init": [model_path, n_ctx, n_threads, n_threads_batch]})
+
+    def _log(self, rec):
+        with open(LOG, "a") as f:
+            f.write(json.dumps(rec) + "\\n")
+
+    def n_vocab(self):
+        return VOCAB
+
+    def reset(self):
+        self.n_tokens = 0
+
+    def eval(self, tokens):
+        self._log({"eval": [self.n_tokens, [int(t) for t in tokens]]})
+        self.n_tokens += len(tokens)
+        self.logits[(self.n_tokens * 7) % VOCAB] = float(self.n_tokens)
+
+def llama_get_logits_ith(ctx, i):
+    return ctypes.cast(_current.logits, ctypes.POINTER(ctypes.c_float))
+'''
+
+
+@pytest.fixture()
+def fake_llama(tmp_path):
+    pkg = tmp_path / "fake" / "llama_cpp"
+    pkg.mkdir(parents=True)
+    # the logits pointer is the last Llama made (one per process here)
+    (pkg / "__init__.py").write_text(FAKE.replace("        self._log({\"init\"", "        global _current\n        _current = self\n        self._log({\"init\""))
+    (pkg / "llama_cpp.py").write_text("def llama_model_default_params():\n    return None\n")
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    return tmp_path / "fake", gguf, tmp_path / "llama.log"
+
+
+def test_llama_cpp_gets_the_same_prompts_fills_and_threads(tiny_bundle_int8, fake_llama, tmp_path):
+    fake, gguf, log = fake_llama
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, PYTHONPATH=f"{fake}{os.pathsep}{ROOT}", FAKE_LLAMA_LOG=str(log))
+    r = subprocess.run([sys.executable, "-m", "edgekv", "bench", str(tiny_bundle_int8), "--prompt-lengths", "8,12",
+                        "--capacities", "32,64", "--fill", "8,20", "--decode-tokens", "4", "--rss-tokens", "20",
+                        "--repeat", "1", "--threads", "1", "--json", str(out), "--llama-cpp", str(gguf)],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert recs[0]["init"] == [str(gguf), 64, 1, 1]  # the bundle's largest capacity, the same threads
+    prompts = [e["eval"][1] for e in (x for x in recs if "eval" in x) if e["eval"][0] == 0]
+    steps = [e["eval"] for e in (x for x in recs if "eval" in x) if e["eval"][0] > 0]
+    vocab = 384
+    # each prompt length (8, 12) and fill (8, 20): the bench's own token ids, warm-up round + 1
+    want = {L: sample_tokens(L, vocab) for L in (8, 12, 20)}
+    assert sorted(map(len, prompts)) == [8, 8, 12, 12, 20, 20]
+    assert all(p == want[len(p)] for p in prompts)
+    assert all(len(toks) == 1 for _, toks in steps) and len(steps) == 6 * 4  # 4 decode tokens per run
+    d = json.loads(out.read_text())
+    rows = {x["prompt_tokens"]: x for x in d["vs_llama_cpp"]["by_prompt"]}
+    assert set(rows) == {8, 12, 20}
+    for L, row in rows.items():
+        mine = max((x for x in d["runs"] if x["prompt_tokens"] == L), key=lambda x: x["capacity"])
+        theirs = next(x for x in d["llama_cpp"]["runs"] if x["prompt_tokens"] == L)
+        assert row["decode_ratio"] == pytest.approx(mine["decode_tps"] / theirs["decode_tps"])
+    assert "ratio = edgekv / llama.cpp" in r.stdout
+
+
+def test_ratios_are_edgekv_over_llama_cpp_at_the_largest_capacity():
+    ours = [{"capacity": 256, "prompt_tokens": 64, "decode_tps": 50.0, "ttft_ms": 10.0},
+            {"capacity": 4096, "prompt_tokens": 64, "decode_tps": 30.0, "ttft_ms": 20.0},
+            {"capacity": 4096, "prompt_tokens": 1800, "decode_tps": 15.0, "ttft_ms": 900.0}]
+    theirs = [{"prompt_tokens": 1800, "decode_tps": 60.0, "ttft_ms": 1800.0},
+              {"prompt_tokens": 64, "decode_tps": 120.0, "ttft_ms": 40.0},
+              {"prompt_tokens": 999, "decode_tps": 1.0, "ttft_ms": 1.0}]  # no edgekv row: left out
+    r = llama_cpp_ratios(ours, theirs, 450.0, 300.0)
+    assert [(x["prompt_tokens"], x["decode_ratio"], x["ttft_ratio"]) for x in r["by_prompt"]] == \
+        [(64, 0.25, 0.5), (1800, 0.25, 0.5)]
+    assert r["peak_rss_ratio"] == 1.5
+
+
+def test_missing_llama_cpp_python_is_one_line_with_the_install_command(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
+    with pytest.raises(EdgeKVError, match=r'CMAKE_ARGS="-DGGML_NATIVE=ON" pip install "edgekv\[bench\]"') as e:
+        bench.llama_cpp_gguf("")
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
+def test_default_gguf_is_the_default_models():
+    try:
+        path = bench.llama_cpp_gguf("")
+    except EdgeKVError as e:
+        pytest.skip(str(e))
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
