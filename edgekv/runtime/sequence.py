@@ -28,9 +28,9 @@ class Sequence:
         self._pos = 0  # the next token's RoPE position
         self._ids: list[int] = []  # token ids fed since the last reset, in order
         self._sinks: int | None = None  # ring: slots [0, sinks) are kept forever, [sinks, capacity) wrap
-        # the graph's key_mask input: which of the P + S keys exist (all, for a linear sequence); a
+        # the graph's key_mask of a decode step: every past key and itself (a linear sequence); a
         # ring binds the whole buffer as past and masks the slots about to be overwritten
-        self._mask = np.ones((1, 2 * capacity), dtype=np.bool_)
+        self._mask = np.ones((1, 1, capacity + 1), dtype=np.bool_)
 
     # -- what it holds (read-only)
     @property
@@ -98,12 +98,16 @@ class Sequence:
         return np.arange(self._pos, self._pos + s, dtype=np.int64)[None]
 
     def key_mask(self, s: int) -> np.ndarray:
-        """key_mask [1, n + s] of the next call of s tokens: which past and new keys exist."""
-        m = self._mask[:, : self._n + s]
-        if self.ring:
-            m[:] = True
-            if self._w < self._n:  # slots being overwritten: their old keys leave the context now
-                m[:, self._w: self._w + s] = False
+        """key_mask [1, s, n + s] of the next call of s tokens: which keys each new token sees
+        (the filled past, and the new block causally)."""
+        n = self._n
+        evicting = self.ring and self._w < n  # slots being overwritten: their old keys leave the context now
+        if s == 1 and not evicting:
+            return self._mask[:, :, : n + 1]  # preallocated, all True: no allocation per decode step
+        m = np.ones((1, s, n + s), dtype=np.bool_)
+        m[0, :, n:] = np.tri(s, dtype=np.bool_)
+        if evicting:
+            m[0, :, self._w: self._w + s] = False
         return m
 
     # -- changes
