@@ -101,6 +101,27 @@ class OrtBackend:
         self.session.run_with_iobinding(io)
         return logits
 
+    def run_cells(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
+                  key_mask: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
+        """One call over a pool of cells shared by several sequences (edgekv/runtime/engine.py):
+        past = cells [0, past), present written at cells [write, write + S), positions and the
+        per-token mask [1, S, past + S] given whole. Cells of the write run that lie inside the
+        past are free, hence masked (as a ring's overwritten slots)."""
+        io = self.io
+        s = input_ids.shape[1]
+        io.bind_cpu_input("input_ids", np.ascontiguousarray(input_ids, np.int64))
+        io.bind_cpu_input("position_ids", np.ascontiguousarray(position_ids, np.int64))
+        io.bind_cpu_input("logits_index", np.ascontiguousarray(logits_index, np.int64))
+        io.bind_input("key_mask", "cpu", 0, np.bool_, list(key_mask.shape), key_mask.ctypes.data)
+        for name in cache.names:
+            dt = cache.dtypes[name]
+            io.bind_input(name, self.device, 0, dt, cache.slots_shape(name, past), cache.ptr(name, 0))
+            io.bind_output("present" + name[4:], self.device, 0, dt, cache.slots_shape(name, s), cache.ptr(name, write))
+        logits = self._ensure_logits(1, logits_index.shape[1])
+        io.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
+        self.session.run_with_iobinding(io)
+        return logits
+
 
 class OrtCudaBackend(OrtBackend):
     """onnxruntime's CUDA provider; the KV buffers are device memory bound by address."""
