@@ -74,6 +74,7 @@ class Engine:
                                        "generated_tokens", "steps", "calls"), 0)
         self._thread: threading.Thread | None = None
         self._stop = False
+        self._paused = False
 
     # -- from any thread
     def submit(self, req: Request) -> Request:
@@ -118,10 +119,16 @@ class Engine:
         if self._thread:
             self._thread.join(timeout=30)
 
+    def pause(self, paused: bool = True) -> None:
+        """Hold the engine thread between steps (requests still queue), or let it go on."""
+        with self.cond:
+            self._paused = paused
+            self.cond.notify()
+
     def _loop(self) -> None:
         while True:
             with self.cond:
-                while not (self.waiting or self.active or self._stop):
+                while not self._stop and (self._paused or not (self.waiting or self.active)):
                     self.cond.wait()
                 if self._stop:
                     return
