@@ -195,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokens", type=int, default=128, help="tokens per client")
     p.add_argument("--system-tokens", type=int, default=500, help="length of the shared system prompt")
     p.add_argument("--url", default=None, help="bench this OpenAI-compatible server instead (e.g. llama_cpp.server)")
+    p.add_argument("--pid", type=int, default=None, help="with --url: the server's process id, for its RSS")
+    p.add_argument("--soak", type=int, default=200, help="short requests sent at the end while watching RSS")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON here")
     _add_runtime(p)
     return ap
