@@ -154,3 +154,16 @@ def test_fragmented_pool_splits_a_step_and_stays_exact(rt_float):
     assert engine.counters["calls"] > engine.counters["steps"]  # some steps ran as several calls
     for r in reqs:
         assert r.out == alone(rt_float, r.prompt, len(r.out))[0]
+
+
+def test_prefix_cache_gives_way_when_cells_are_needed(rt_float):
+    engine = Engine(rt_float, capacity=64, parallel=2, prefill_chunk=16)
+    a = Request(ids(30, 1), 4)
+    engine.submit(a)
+    run_until_done(engine, [a])
+    assert engine.pool.used() == engine.pool.cached_only() == 30  # a's prompt is cached
+    b = Request(ids(20, 2), 30)  # needs 49 cells: only 34 are free until the cache gives way
+    engine.submit(b)
+    run_until_done(engine, [b])
+    assert not engine.pool.prefixes.get(tuple(a.prompt))
+    assert b.out == alone(rt_float, b.prompt, 30)[0]

@@ -49,7 +49,7 @@ def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool 
 
 def sampling_of(body: dict) -> SamplingParams:
     return SamplingParams(temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
-                          top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0)) or 1.0,
+                          top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0)),
                           top_k=int(_number(body, "top_k", 0, 0, 1 << 20, integer=True)),
                           repeat_penalty=float(_number(body, "repeat_penalty", 1.0, 0.1, 10.0)),
                           seed=_number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True))
