@@ -4,7 +4,7 @@ gives what a fresh prefill gives; cancelled and finished sequences free their ce
 import numpy as np
 import pytest
 
-from edgekv.errors import ContextOverflow, QueueFull
+from edgekv.errors import ContextOverflow, EdgeKVError, QueueFull
 from edgekv.runtime.assemble import open_runtime
 from edgekv.runtime.engine import Engine, Request
 
@@ -167,3 +167,33 @@ def test_prefix_cache_gives_way_when_cells_are_needed(rt_float):
     run_until_done(engine, [b])
     assert not engine.pool.prefixes.get(tuple(a.prompt))
     assert b.out == alone(rt_float, b.prompt, 30)[0]
+
+
+@pytest.mark.slow
+def test_batched_equals_alone_real_model_int8_greedy(real_bundle):
+    """The real default model, int8 KV: four chat prompts joining and leaving a batch give the
+    greedy tokens each gives decoded alone."""
+    rt = open_runtime(real_bundle, ctx=512, backend="ort-cpu")
+    questions = ["What is the capital of France?", "Name three colours.", "What is 2 + 2?", "Say hello in German."]
+    prompts = [rt.codec.chat_ids([{"role": "user", "content": q}]) for q in questions]
+    engine = Engine(rt, capacity=512, parallel=4, prefill_chunk=16)
+    reqs = [Request(p, 12 + 4 * i, stop_ids=rt.codec.stop_ids) for i, p in enumerate(prompts)]
+    for r in reqs:  # each joins two steps after the previous one, mid-prefill or mid-decode of the others
+        engine.submit(r)
+        engine.step(), engine.step()
+    run_until_done(engine, reqs)
+    for r in reqs:
+        want = alone(rt, r.prompt, r.max_tokens)[0]
+        stop = next((i for i, t in enumerate(want) if t in rt.codec.stop_ids), len(want))
+        assert r.out == want[:stop], rt.codec.decode(r.prompt)
+
+
+def test_a_backend_without_run_cells_is_refused_in_one_line(rt_float):
+    class OneSequenceBackend:
+        name = "trt"
+
+    class Rt:
+        backend = OneSequenceBackend()
+
+    with pytest.raises(EdgeKVError, match="serving needs the ort-cpu or ort-cuda backend"):
+        Engine(Rt())
