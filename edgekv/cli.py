@@ -176,15 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
                                    "--ctx cells (docs/serve.md).")
     p.add_argument("bundle", help="bundle folder written by `edgekv export`")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (beyond localhost: set --api-key)")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--port", type=int, default=8080, help="port to listen on")
     p.add_argument("--parallel", type=int, default=4, help="sequences decoded together at most")
     p.add_argument("--queue", type=int, default=64, help="requests that may wait for room; more get HTTP 429")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 and /metrics")
     _add_runtime(p)
-    p.set_defaults(ctx=None)
     for a in p._actions:
         if a.dest == "ctx":
             a.help = "KV cells shared by all requests (default: min(2048, bundle max))"
+        elif a.dest == "backend":
+            a.help = "auto = ort-cuda if onnxruntime has CUDA, else ort-cpu (trt runs one sequence per call)"
 
     p = sub.add_parser("bench-serve", formatter_class=Formatter, help="concurrent streaming clients against serve",
                        description="Start the server in-process and stream from 1, 2, 4, 8 concurrent clients: "

@@ -2,19 +2,24 @@
 not) gets what the runtime decodes alone; concurrent clients, prefix reuse through the API, a
 dropped stream frees its cells, every error status, the queue's 429, a soak."""
 import asyncio
-import json
+import os
+import subprocess
+import sys
 import threading
 import time
 
-import httpx
 import numpy as np
 import pytest
 
+# the serve extra and the test clients; without them these tests are skipped, visibly
+for _m in ("starlette", "uvicorn", "prometheus_client"):
+    pytest.importorskip(_m)
+httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 from edgekv.runtime.assemble import open_runtime  # noqa: E402
 from edgekv.serve.server import BackgroundServer, build  # noqa: E402
-from tests.conftest import run_edgekv  # noqa: E402
+from tests.conftest import ROOT, run_edgekv  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -238,11 +243,6 @@ def test_metrics_and_soak(served):
 
 
 def test_cli_prints_the_url_and_warns_beyond_localhost(tiny_bundle_int8):
-    import subprocess
-    import sys
-
-    from tests.conftest import ROOT
-    import os
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     p = subprocess.Popen([sys.executable, "-m", "edgekv", "serve", str(tiny_bundle_int8), "--host", "0.0.0.0",
                           "--port", "0", "--ctx", "64", "--backend", "ort-cpu", "--threads", "1"],

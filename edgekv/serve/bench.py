@@ -14,7 +14,6 @@ import uuid
 import numpy as np
 
 from edgekv.errors import EdgeKVError, note
-from edgekv.runtime.assemble import open_runtime
 
 TOPICS = ["a robot that learns to paint", "a train crossing the desert", "a lighthouse keeper", "tea in Kyoto",
           "a city under the sea", "the first moon base", "a lost violin", "a clockmaker's apprentice"]
@@ -114,10 +113,10 @@ async def soak(url: str, n: int) -> None:
 
 
 def cmd_bench_serve(args) -> int:
-    from edgekv.serve.server import BackgroundServer, build
+    from edgekv.serve.server import BackgroundServer, build, open_serving_runtime
 
     levels = [int(x) for x in args.clients.split(",")]
-    rt = open_runtime(args.bundle, ctx=args.ctx, backend=args.backend, threads=args.threads)
+    rt = open_serving_runtime(args.bundle, args.ctx, args.backend, args.threads)
     engine, srv, pid = None, None, None
     if args.url:
         url, pid = args.url.rstrip("/"), args.pid
