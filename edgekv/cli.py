@@ -182,6 +182,37 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time llama.cpp (llama-cpp-python, the `bench` extra) on GGUF (default: the default "
                         "model's SmolLM2-135M-Instruct.Q4_1.gguf) with the same prompts, fills and threads, in a "
                         "subprocess, and print the ratios")
+
+    p = sub.add_parser("serve", formatter_class=Formatter, help="OpenAI-compatible HTTP server (the serve extra)",
+                       description="Serve a bundle over HTTP: /v1/chat/completions, /v1/completions, /v1/models, "
+                                   "/health, /metrics. Requests are decoded together over one shared KV pool of "
+                                   "--ctx cells (docs/serve.md).")
+    p.add_argument("bundle", help="bundle folder written by `edgekv export`")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (beyond localhost: set --api-key)")
+    p.add_argument("--port", type=int, default=8080, help="port to listen on")
+    p.add_argument("--parallel", type=int, default=4, help="sequences decoded together at most")
+    p.add_argument("--queue", type=int, default=64, help="requests that may wait for room; more get HTTP 429")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 and /metrics")
+    _add_runtime(p)
+    for a in p._actions:
+        if a.dest == "ctx":
+            a.help = "KV cells shared by all requests (default: min(2048, bundle max))"
+        elif a.dest == "backend":
+            a.help = "auto = ort-cuda if onnxruntime has CUDA, else ort-cpu (trt runs one sequence per call)"
+
+    p = sub.add_parser("bench-serve", formatter_class=Formatter, help="concurrent streaming clients against serve",
+                       description="Start the server in-process and stream from 1, 2, 4, 8 concurrent clients: "
+                                   "aggregate and per-client tokens/s, TTFT p50/p95, peak RSS, KV cells; and the "
+                                   "TTFT of a second request sharing a long system prompt.")
+    p.add_argument("bundle", help="bundle folder written by `edgekv export`")
+    p.add_argument("--clients", default="1,2,4,8", help="comma-separated concurrency levels")
+    p.add_argument("--tokens", type=int, default=128, help="tokens per client")
+    p.add_argument("--system-tokens", type=int, default=500, help="length of the shared system prompt")
+    p.add_argument("--url", default=None, help="bench this OpenAI-compatible server instead (e.g. llama_cpp.server)")
+    p.add_argument("--pid", type=int, default=None, help="with --url: the server's process id, for its RSS")
+    p.add_argument("--soak", type=int, default=200, help="short requests sent at the end while watching RSS")
+    p.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON here")
+    _add_runtime(p)
     return ap
 
 
@@ -196,6 +227,8 @@ COMMANDS = {
     "check-trt": ("edgekv.tools.trt_check", "cmd_check_trt"),
     "build-engine": ("jetson.build_engine", "cmd_build_engine"),
     "bench": ("edgekv.tools.bench", "cmd_bench"),
+    "serve": ("edgekv.serve.server", "cmd_serve"),
+    "bench-serve": ("edgekv.serve.bench", "cmd_bench_serve"),
 }
 # commands that go on after an error (chat's slash commands) print it themselves: they get `explain`
 REPORTS_ERRORS = {"chat"}

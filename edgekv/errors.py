@@ -53,3 +53,7 @@ class ExportError(EdgeKVError):
 def note(msg: str) -> None:
     """A progress line or a note for the user: stderr, flushed, so stdout stays the answer."""
     print(msg, file=sys.stderr, flush=True)
+
+
+class QueueFull(EdgeKVError):
+    """The server's wait queue is full (HTTP 429)."""

@@ -18,7 +18,7 @@ from edgekv.errors import ExportError, note
 from edgekv.format.bundle import FORMAT_VERSION, MANIFEST, PARITY_LOGITS, io_names
 from edgekv.format.kvschemes import INT4_GROUP, INT4_LEVELS, get_scheme, unpack_int4
 from export.loaders import Source, SourceError, load_gguf, load_hf_folder
-from export.model import Transformer, UnsupportedModel
+from export.model import Transformer, UnsupportedModel, causal_mask
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_RECIPE = "smollm2-135m-instruct"
@@ -156,7 +156,7 @@ def compare(model: Transformer, bundle, gen, prompt: list[int], steps: int, max_
         s = len(ids)
         p = 0 if not past else past[0].shape[0]
         with torch.no_grad():
-            out = m(torch.tensor([ids]), torch.arange(pos0, pos0 + s)[None], torch.ones(1, p + s, dtype=torch.bool),
+            out = m(torch.tensor([ids]), torch.arange(pos0, pos0 + s)[None], causal_mask(p, s),
                     torch.tensor([[s - 1]]), *(past or m.past_like(0, 1, dtype)))
         logits, present = out[0][0, -1].float().numpy(), out[1:]
         new_past = [torch.cat([a, b], 0) for a, b in zip(past, present)] if past else list(present)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from export.model import Transformer
+from export.model import Transformer, causal_mask
 
 # Default calibration text: docstrings of these stdlib modules. It ships with every Python, so
 # export works offline, and it is *not* the default evaluation text (pydoc_data.topics), so the
@@ -65,7 +65,7 @@ def _run_observed(model_float: Transformer, ids: list[int], window: int, observe
         for start in range(0, len(ids), window):
             chunk = torch.tensor([ids[start: start + window]])
             s = chunk.shape[1]
-            model_float(chunk, torch.arange(s)[None], torch.ones(1, s, dtype=torch.bool), torch.tensor([[s - 1]]),
+            model_float(chunk, torch.arange(s)[None], causal_mask(0, s), torch.tensor([[s - 1]]),
                         *model_float.past_like(0, 1))
     finally:
         for layer in model_float.layers:

@@ -3,7 +3,7 @@
 One forward serves prefill and decode and always takes a past (possibly empty). It is the
 graph contract of docs/graph.md written as torch:
 
-  forward(input_ids [B,S], position_ids [B,S], key_mask bool [B,P+S], logits_index [B,K],
+  forward(input_ids [B,S], position_ids [B,S], key_mask bool [B,S,P+S], logits_index [B,K],
           *past)  ->  (logits [B,K,V], *present)
 
 `past`/`present` are per layer the tensors of the KV scheme (see kv_store/kv_load below and
@@ -282,15 +282,12 @@ class Transformer(nn.Module):
         n = len(self.scheme.tensors)  # tensors per layer for K, and again for V
         assert len(past) == 2 * n * self.cfg.n_layers, (len(past), n)
         x = self.embed(input_ids)  # [B, S, E]
-        S, T = input_ids.shape[1], key_mask.shape[1]
-        P = T - S
         freqs = position_ids.float()[..., None] * self.inv_freq  # [B, S, D/2]
         emb = torch.cat([freqs, freqs], -1)
         cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)  # [B, S, D]
-        # key t is visible to new token s iff it exists and t <= P + s (causal inside the new block)
-        q_pos = torch.arange(S, device=x.device)[:, None] + P
-        causal = torch.arange(T, device=x.device)[None, :] <= q_pos  # [S, T]
-        allowed = causal[None] & key_mask[:, None, :]  # [B, S, T]
+        # which keys each new token sees, causal rule included, comes whole from the runtime: a
+        # batch may mix tokens of several sequences over one pool of cells (docs/graph.md)
+        allowed = key_mask  # [B, S, P+S]
         presents = []
         for i, layer in enumerate(self.layers):
             p = past[2 * n * i: 2 * n * (i + 1)]
@@ -310,6 +307,12 @@ class Transformer(nn.Module):
                     shape = spec.shape(slots, batch, cfg.n_kv_heads, cfg.head_dim)
                     out.append(torch.zeros(shape, dtype=_torch_dtype(spec.dtype, dtype)))
         return out
+
+
+def causal_mask(p: int, s: int, batch: int = 1) -> torch.Tensor:
+    """key_mask [batch, s, p + s] of one sequence: every past key, and the new block causally."""
+    return torch.cat([torch.ones(s, p, dtype=torch.bool), torch.ones(s, s, dtype=torch.bool).tril()], 1).expand(
+        batch, s, p + s)
 
 
 def _torch_dtype(name: str, float_dtype):

@@ -10,7 +10,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from edgekv.format.bundle import io_names
-from export.model import Transformer
+from export.model import Transformer, causal_mask
 
 OPSET = 18  # TensorRT 10.3 (JetPack 6) parses opsets up to 20; 18 keeps us well inside
 
@@ -24,14 +24,14 @@ def export_onnx(model: Transformer) -> onnx.ModelProto:
     args = (
         torch.randint(0, cfg.vocab_size, (B, S)),
         torch.arange(P, P + S).repeat(B, 1),
-        torch.ones(B, P + S, dtype=torch.bool),
+        causal_mask(P, S, B).clone(),
         torch.tensor([[S - 2, S - 1]] * B),
         *model.past_like(P, B, dtype),
     )
-    # Dim.DYNAMIC lets torch.export find the relations itself (key_mask's length is P + S)
+    # Dim.DYNAMIC lets torch.export find the relations itself (key_mask is [B, S, P + S])
     d = torch.export.Dim.DYNAMIC
     past_specs = tuple({0: d, 1: d} for _ in names["past"])  # one nested tuple for *past
-    dynamic_shapes = ({0: d, 1: d}, {0: d, 1: d}, {0: d, 1: d}, {0: d, 1: d}, past_specs)
+    dynamic_shapes = ({0: d, 1: d}, {0: d, 1: d}, {0: d, 1: d, 2: d}, {0: d, 1: d}, past_specs)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         prog = torch.onnx.export(
@@ -53,7 +53,7 @@ def export_onnx(model: Transformer) -> onnx.ModelProto:
 
 def name_dims(m: onnx.ModelProto, names: dict) -> None:
     """Give the dynamic dimensions the contract's names (torch.export calls them s0, s1, ...)."""
-    dims = {"input_ids": ["batch", "seq"], "position_ids": ["batch", "seq"], "key_mask": ["batch", "total"],
+    dims = {"input_ids": ["batch", "seq"], "position_ids": ["batch", "seq"], "key_mask": ["batch", "seq", "total"],
             "logits_index": ["batch", "nlogits"], "logits": ["batch", "nlogits"]}
     for n in names["past"]:
         dims[n] = ["past", "batch"]

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from export.model import ModelConfig, Transformer
+from export.model import ModelConfig, Transformer, causal_mask
 
 
 def tiny_model(kv: str) -> Transformer:
@@ -31,7 +31,7 @@ def run(m: Transformer, ids: list[int], split: int, factored: bool):
     with torch.no_grad():
         for lo, hi in [(0, split)] + [(i, i + 1) for i in range(split, len(ids))]:
             s, p = hi - lo, past[0].shape[0]
-            res = m(torch.tensor([ids[lo:hi]]), torch.arange(lo, hi)[None], torch.ones(1, p + s, dtype=torch.bool),
+            res = m(torch.tensor([ids[lo:hi]]), torch.arange(lo, hi)[None], causal_mask(p, s),
                     torch.tensor([[s - 1]]), *past)
             out.append(res[0][0, -1].numpy())
             past = [torch.cat([a, b], 0) for a, b in zip(past, res[1:])]

@@ -162,10 +162,11 @@ def test_engine_profiles_fit_the_graph(fixture, request):
                 assert lo[j] <= opt[j] <= hi[j]
                 if d.HasField("dim_value"):  # static dims must be exactly the graph's
                     assert lo[j] == opt[j] == hi[j] == d.dim_value, (inp.name, j)
-        # the graph's key_mask is [1, P + S]: every corner of the box must say so
+        # the graph's key_mask is [1, S, P + S]: every corner of the box must say so
         past0 = next(n for n in prof if n.startswith("past."))
         for c in range(3):
-            assert prof["key_mask"][c][1] == prof[past0][c][0] + prof["input_ids"][c][1]
+            assert prof["key_mask"][c][1] == prof["input_ids"][c][1]
+            assert prof["key_mask"][c][2] == prof[past0][c][0] + prof["input_ids"][c][1]
         assert prof[past0][2][0] == ctx - 1  # the past reaches the capacity
     assert decode["input_ids"] == ((1, 1),) * 3 and prefill["input_ids"][2] == (1, max_prefill)
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from edgekv.format.kvschemes import hadamard
+from export.model import causal_mask
 from tests.conftest import make_hf_folder
 
 CALIB_TOKENS = 256  # one calibration window (export/calibrate.py runs windows of 512 from position 0)
@@ -151,7 +152,7 @@ def kld_vs_float(folder, model) -> float:
     def logp(m):
         s = len(ids)
         with torch.no_grad():
-            out = m(torch.tensor([ids]), torch.arange(s)[None], torch.ones(1, s, dtype=torch.bool),
+            out = m(torch.tensor([ids]), torch.arange(s)[None], causal_mask(0, s),
                     torch.arange(s)[None], *m.past_like(0, 1))[0][0]
         return torch.log_softmax(out.double(), -1)
 

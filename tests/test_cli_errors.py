@@ -54,6 +54,15 @@ def test_unknown_format_version(bundle_copy):
     assert_clean_error(run_edgekv("generate", bundle_copy, "hi"), "format_version 99 is not supported")
 
 
+def test_version_1_bundle_asks_for_a_re_export(bundle_copy):
+    """Version 1 graphs took key_mask [B, P+S]; this runtime binds [B, S, P+S] (docs/graph.md)."""
+    m = json.loads((bundle_copy / "edgekv.json").read_text())
+    m["format_version"] = 1
+    (bundle_copy / "edgekv.json").write_text(json.dumps(m))
+    for cmd in (("generate", bundle_copy, "hi"), ("serve", bundle_copy)):
+        assert_clean_error(run_edgekv(*cmd), "re-export the model")
+
+
 def test_prompt_longer_than_capacity(tiny_bundle_int8):
     r = run_edgekv("generate", tiny_bundle_int8, "capital of France " * 40, "--ctx", "32")
     assert_clean_error(r, "cache holds 32")

@@ -8,7 +8,7 @@ import torch
 from edgekv.errors import EdgeKVError
 from edgekv.tools.evaluate import evaluate, write_outputs
 from edgekv.format.kvschemes import SCHEMES, dequantize_int8, get_scheme, quantize_int8, quantize_static
-from export.model import kv_load, kv_store
+from export.model import causal_mask, kv_load, kv_store
 from tests.conftest import run_edgekv
 
 
@@ -140,7 +140,7 @@ def test_key_offset_is_softmax_invariant(monkeypatch):
     monkeypatch.setattr(M, "kv_store", lambda scheme, x, s=None: ([x, x], x))  # no quantization
     monkeypatch.setattr(M, "kv_load", lambda scheme, t, dtype, s=None: t[0])
     ids = torch.randint(0, cfg.vocab_size, (1, 12))
-    args = (ids, torch.arange(12)[None], torch.ones(1, 12, dtype=torch.bool), torch.arange(12)[None])
+    args = (ids, torch.arange(12)[None], causal_mask(0, 12), torch.arange(12)[None])
     empty = [torch.zeros(0, 1, 2, 16)] * (2 * 2 * cfg.n_layers)  # P = 0, two tensors per K and V
     with torch.no_grad():
         a = ref(*args, *ref.past_like(0, 1))[0]

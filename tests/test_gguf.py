@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from export.loaders import load_gguf, load_hf_folder
-from export.model import Transformer
+from export.model import Transformer, causal_mask
 from tests.conftest import make_hf_folder
 
 
@@ -81,7 +81,7 @@ def test_gguf_loads_same_model_as_hf_folder(tmp_path):
         m = Transformer(src.config).eval()
         m.load_state_dict(src.state_dict, strict=False)
         with torch.no_grad():
-            outs.append(m(ids, torch.arange(12)[None], torch.ones(1, 12, dtype=torch.bool), torch.tensor([[11]]),
+            outs.append(m(ids, torch.arange(12)[None], causal_mask(0, 12), torch.tensor([[11]]),
                           *m.past_like(0, 1))[0])
     torch.testing.assert_close(outs[0], outs[1])
     # the tokenizer rebuilt from GGUF metadata encodes like the original tokenizer.json

@@ -18,6 +18,7 @@ LAYERS = [  # (module prefix, layer): the longest matching prefix decides
     ("edgekv.format", 1),
     ("edgekv.runtime", 2),
     ("edgekv.chat", 3),
+    ("edgekv.serve", 3),
     ("edgekv.tools", 4),
     ("edgekv.cli", 5),
     ("edgekv.__main__", 5),

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from export.loaders import load_hf_folder
-from export.model import Transformer
+from export.model import Transformer, causal_mask
 from tests.conftest import make_hf_folder
 
 CASES = {
@@ -32,7 +32,7 @@ def test_full_forward_matches_transformers(case, tmp_path):
     ids = torch.randint(0, src.config.vocab_size, (1, S), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = hf(ids).logits[0]  # [S, V]
-        out = ours(ids, torch.arange(S)[None], torch.ones(1, S, dtype=torch.bool), torch.arange(S)[None],
+        out = ours(ids, torch.arange(S)[None], causal_mask(0, S), torch.arange(S)[None],
                    *ours.past_like(0, 1))[0][0]
     assert ref.abs().max() > 0.1  # the model is not degenerate
     torch.testing.assert_close(out, ref, atol=2e-4, rtol=1e-4)

@@ -102,7 +102,7 @@ def test_ring_cache_equals_a_linear_cache_that_masks_evicted_tokens(fixture, req
 
         def key_mask(self, s, past=None):
             m = super().key_mask(s, past).copy()
-            m[0, k: max(k, self.pos - (C - k - 1))] = False
+            m[0, :, k: max(k, self.pos - (C - k - 1))] = False
             return m
 
     ref = runtime(path, capacity=64, chunk=4)

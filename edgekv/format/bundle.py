@@ -12,7 +12,8 @@ from pathlib import Path
 from edgekv.errors import BundleError
 from edgekv.format.kvschemes import KVScheme, get_scheme
 
-FORMAT_VERSION = 1
+# 2: key_mask is per token, [B, S, P+S], causal rule included (1 had [B, P+S] and the graph added it)
+FORMAT_VERSION = 2
 MANIFEST = "edgekv.json"
 INPUTS = ["input_ids", "position_ids", "key_mask", "logits_index"]
 DTYPES = ("float32", "float16")  # a bundle's weights and compute dtype
@@ -98,7 +99,7 @@ def load_bundle(path: str | os.PathLike) -> Bundle:
         raise BundleError(f"{mpath}: not an edgekv manifest (no format_version)")
     if man["format_version"] != FORMAT_VERSION:
         raise BundleError(f"{mpath}: bundle format_version {man['format_version']!r} is not supported by this "
-                          f"edgekv (reads version {FORMAT_VERSION}); re-export the model with this version")
+                          f"edgekv (reads version {FORMAT_VERSION}); re-export the model with this version (edgekv export)")
     missing = [k for k in _REQUIRED if k not in man]
     if missing:
         raise BundleError(f"{mpath}: corrupt manifest (missing {', '.join(missing)})")

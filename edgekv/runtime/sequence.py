@@ -28,9 +28,10 @@ class Sequence:
         self._pos = 0  # the next token's RoPE position
         self._ids: list[int] = []  # token ids fed since the last reset, in order
         self._sinks: int | None = None  # ring: slots [0, sinks) are kept forever, [sinks, capacity) wrap
-        # the graph's key_mask input: which of the P + S keys exist (all, for a linear sequence); a
-        # ring binds the whole buffer as past and masks the slots about to be overwritten
-        self._mask = np.ones((1, 2 * capacity), dtype=np.bool_)
+        # the graph's key_mask of a decode step, rewritten in place each step (key_mask): the filled
+        # past and itself; slots past n (the backend's bucket) and a ring's slots about to be
+        # overwritten are masked
+        self._mask = np.ones((1, 1, capacity + 1), dtype=np.bool_)
 
     # -- what it holds (read-only)
     @property
@@ -98,17 +99,24 @@ class Sequence:
         return np.arange(self._pos, self._pos + s, dtype=np.int64)[None]
 
     def key_mask(self, s: int, past: int | None = None) -> np.ndarray:
-        """key_mask [1, past + s] of the next call of s tokens: which past and new keys exist.
-        `past` is how many slots the backend binds as the past (at least n, default n): slots
-        [n, past) hold nothing of this sequence and are masked."""
-        p = self._n if past is None else past
-        if not self._n <= p <= self.capacity:
-            raise ValueError(f"a past of {p} slots for a sequence of {self._n} in {self.capacity}")
-        m = self._mask[:, : p + s]
-        m[:] = True
-        m[:, self._n: p] = False
-        if self.ring and self._w < self._n:  # slots being overwritten: their old keys leave the context now
-            m[:, self._w: self._w + s] = False
+        """key_mask [1, s, past + s] of the next call of s tokens: which keys each new token sees
+        (the filled past, and the new block causally). `past` is how many slots the backend binds
+        as the past (at least n, default n): slots [n, past) hold nothing of this sequence and
+        are masked."""
+        n = self._n
+        p = n if past is None else past
+        if not n <= p <= self.capacity:
+            raise ValueError(f"a past of {p} slots for a sequence of {n} in {self.capacity}")
+        evicting = self.ring and self._w < n  # slots being overwritten: their old keys leave the context now
+        if s == 1:  # a decode step: the preallocated row, no allocation per step
+            m = self._mask[:, :, : p + 1]
+            m[:] = True
+        else:
+            m = np.ones((1, s, p + s), dtype=np.bool_)
+            m[0, :, p:] = np.tri(s, dtype=np.bool_)
+        m[0, :, n:p] = False
+        if evicting:
+            m[0, :, self._w: self._w + s] = False
         return m
 
     # -- changes

@@ -50,7 +50,7 @@ def profile_shapes(bundle: Bundle, ctx: int, max_prefill: int) -> list[dict[str,
             "input_ids": tuple((1, x) for x in s),
             "position_ids": tuple((1, x) for x in s),
             "logits_index": tuple((1, x) for x in k),
-            "key_mask": tuple((1, a + b) for a, b in zip(p, s)),
+            "key_mask": tuple((1, b, a + b) for a, b in zip(p, s)),
         }
         for name, spec in past_specs.items():
             shapes[name] = tuple(spec.shape(x, 1, hkv, d) for x in p)
@@ -60,7 +60,7 @@ def profile_shapes(bundle: Bundle, ctx: int, max_prefill: int) -> list[dict[str,
     decode = profile(s=(1, 1, 1), k=(1, 1, 1), p=(0, opt_past, ctx - 1))
     prefill = profile(s=(1, max_prefill, max_prefill), k=(1, 1, max_prefill),
                       p=(0, min(opt_past, ctx - max_prefill), ctx - 1))
-    # key_mask is [1, P + S] at every corner, so the three boxes agree with the graph's own shape
+    # key_mask is [1, S, P + S] at every corner, so the three boxes agree with the graph's own shape
     # arithmetic; the runtime never binds P + S beyond its capacity
     return [decode, prefill]
 

@@ -111,32 +111,49 @@ class OrtBackend:
     def run(self, cache: KVCache, seq: Sequence, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
         if cache.memory.device != self.device:
             raise EdgeKVError(f"{self.name} needs its KV cache in {self.device} memory (build it with memory=backend.memory)")
-        b, s = input_ids.shape
+        s = input_ids.shape[1]
         past = self.past_slots(cache, seq)
+        return self._run(cache, past, seq.w, input_ids, seq.positions(s), seq.key_mask(s, past), logits_index)
+
+    def _run(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
+             key_mask: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
+        """One graph call: past = slots [0, past), present to slots [write, write + S)."""
+        b, s = input_ids.shape
         small = self._bind_small(s, logits_index.shape[1], past)
         np.copyto(small["input_ids"], input_ids)
-        np.copyto(small["position_ids"], seq.positions(s))
+        np.copyto(small["position_ids"], position_ids)
         np.copyto(small["logits_index"], logits_index)
-        np.copyto(small["key_mask"], seq.key_mask(s, past))
+        np.copyto(small["key_mask"], key_mask)
         self._bind_past(cache, past)
         staged = s == 1 and self.stage_present
         if staged:
             stage = self._bind_staged_present(cache)
         else:
-            self._bind_present_at(cache, seq.w, s)
+            self._bind_present_at(cache, write, s)
         logits = self._bind_logits(b, logits_index.shape[1])
         self.session.run_with_iobinding(self.io)
         if staged:  # by address: the cache's memory may be any host memory (numpy, OrtValues)
             for base, row, src in stage:
-                ctypes.memmove(base + seq.w * row, src, row)
+                ctypes.memmove(base + write * row, src, row)
         return logits
+
+    def run_cells(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
+                  key_mask: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
+        """One call over a pool of cells shared by several sequences (edgekv/runtime/engine.py):
+        past = cells [0, past), present written at cells [write, write + S), positions and the
+        per-token mask [1, S, past + S] given whole. Cells of the write run that lie inside the
+        past are free, hence masked (as a ring's overwritten slots). The same constant-work
+        binding as `run`: own small arrays, the past rebound only when `past` changes."""
+        if cache.memory.device != self.device:
+            raise EdgeKVError(f"{self.name} needs its KV cache in {self.device} memory (build it with memory=backend.memory)")
+        return self._run(cache, past, write, input_ids, position_ids, key_mask, logits_index)
 
     # -- the binding, changed only where what it holds changed
     def _bind_small(self, s: int, k: int, past: int) -> dict[str, np.ndarray]:
         """The small inputs' own arrays for this call's shapes, bound once per shape."""
         if self._bound.get("small") != (s, k, past):
             self._small = {"input_ids": np.zeros((1, s), np.int64), "position_ids": np.zeros((1, s), np.int64),
-                           "logits_index": np.zeros((1, k), np.int64), "key_mask": np.zeros((1, past + s), np.bool_)}
+                           "logits_index": np.zeros((1, k), np.int64), "key_mask": np.zeros((1, s, past + s), np.bool_)}
             for name, a in self._small.items():  # by address: the arrays are overwritten in place
                 self.io.bind_input(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
             self._bound["small"] = (s, k, past)

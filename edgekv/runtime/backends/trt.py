@@ -84,7 +84,7 @@ class TrtBackend:
         self.d_ids = self.memory.alloc((1, self.max_tokens_per_call), np.int64)
         self.d_pos = self.memory.alloc((1, self.max_tokens_per_call), np.int64)
         self.d_idx = self.memory.alloc((1, rows), np.int64)
-        self.d_mask = self.memory.alloc((1, int(info["ctx"])), np.bool_)
+        self.d_mask = self.memory.alloc((1, self.max_tokens_per_call, int(info["ctx"])), np.bool_)
         self.d_logits = self.memory.alloc((1, rows, self.vocab), np.float32)
         self.logits = np.empty((1, rows, self.vocab), np.float32)
 

@@ -1,0 +1,158 @@
+"""`edgekv bench-serve`: concurrent streaming clients against the server (in-process, or any
+OpenAI-compatible --url such as llama_cpp.server): aggregate and per-client tokens/s, TTFT p50/p95,
+peak RSS and KV cells; the TTFT of a second request that shares a long system prompt; RSS over a
+soak of short requests. Numbers go to docs/serve.md."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+import uuid
+
+import numpy as np
+
+from edgekv.errors import EdgeKVError, note
+
+TOPICS = ["a robot that learns to paint", "a train crossing the desert", "a lighthouse keeper", "tea in Kyoto",
+          "a city under the sea", "the first moon base", "a lost violin", "a clockmaker's apprentice"]
+
+
+def rss_mib(pid: int | None = None) -> float:
+    import psutil
+    return psutil.Process(pid or os.getpid()).memory_info().rss / 2**20
+
+
+class Sampler:
+    """Peak RSS (of `pid`) and peak KV cells used (of an in-process engine), sampled every 20 ms."""
+
+    def __init__(self, engine=None, pid=None):
+        self.engine, self.pid = engine, pid
+        self.rss = self.cells = 0.0
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self):
+        while not self._stop.is_set():
+            self.rss = max(self.rss, rss_mib(self.pid))
+            if self.engine is not None:
+                self.cells = max(self.cells, self.engine.pool.used())
+            self._stop.wait(0.02)
+
+    def stop(self):
+        self._stop.set()
+        self._t.join()
+
+
+async def stream_one(h, url: str, messages: list[dict], max_tokens: int, seed: int) -> dict:
+    body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0.7, "seed": seed,
+            "stream": True}
+    t0 = time.perf_counter()
+    t_first, n, usage = None, 0, None
+    async with h.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            raise EdgeKVError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            usage = ev.get("usage") or usage
+            ch = ev.get("choices") or []
+            if ch and ch[0].get("delta", {}).get("content"):
+                n += 1
+                t_first = t_first or time.perf_counter()
+    t1 = time.perf_counter()
+    if usage and usage.get("completion_tokens"):
+        n = usage["completion_tokens"]  # chunks can hold several tokens (a held-back UTF-8 character)
+    return {"t0": t0, "t_first": t_first or t1, "t1": t1, "tokens": n}
+
+
+async def level(url: str, clients: int, tokens: int) -> dict:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=600) as h:
+        runs = await asyncio.gather(*(stream_one(h, url, [{"role": "user", "content": f"Write a long story about "
+                                                          f"{TOPICS[i % len(TOPICS)]}."}], tokens, i)
+                                      for i in range(clients)))
+    wall = max(r["t1"] for r in runs) - min(r["t0"] for r in runs)
+    ttft = [r["t_first"] - r["t0"] for r in runs]
+    per = [(r["tokens"] - 1) / (r["t1"] - r["t_first"]) for r in runs if r["tokens"] > 1 and r["t1"] > r["t_first"]]
+    return {"clients": clients, "tokens": sum(r["tokens"] for r in runs), "wall_s": wall,
+            "aggregate_tps": sum(r["tokens"] for r in runs) / wall, "per_client_tps": float(np.mean(per)) if per else 0.0,
+            "ttft_p50_ms": float(np.percentile(ttft, 50)) * 1000, "ttft_p95_ms": float(np.percentile(ttft, 95)) * 1000}
+
+
+def system_prompt(codec, n_tokens: int) -> str:
+    """About n_tokens of varied text, unique to this run (no cache of an earlier run helps)."""
+    words = (f"Run {uuid.uuid4().hex[:8]}. You are a careful assistant for a home robot. " +
+             " ".join(f"Rule {i}: keep the {TOPICS[i % len(TOPICS)]} notes tidy and answer briefly." for i in range(200)))
+    ids = codec.encode(words)[:n_tokens]
+    return codec.decode(ids)
+
+
+async def shared_prefix(url: str, system: str) -> dict:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=600) as h:
+        out = []
+        for q in ("What is rule 3?", "What is rule 7?"):
+            r = await stream_one(h, url, [{"role": "system", "content": system}, {"role": "user", "content": q}], 4, 0)
+            out.append((r["t_first"] - r["t0"]) * 1000)
+    return {"first_ttft_ms": out[0], "second_ttft_ms": out[1], "speedup": out[0] / out[1]}
+
+
+async def soak(url: str, n: int) -> None:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=600) as h:
+        for start in range(0, n, 8):
+            await asyncio.gather(*(stream_one(h, url, [{"role": "user", "content": f"Say hi {i}."}], 8, i)
+                                   for i in range(start, min(n, start + 8))))
+
+
+def cmd_bench_serve(args) -> int:
+    from edgekv.serve.server import BackgroundServer, build, open_serving_runtime
+
+    levels = [int(x) for x in args.clients.split(",")]
+    rt = open_serving_runtime(args.bundle, args.ctx, args.backend, args.threads)
+    engine, srv, pid = None, None, None
+    if args.url:
+        url, pid = args.url.rstrip("/"), args.pid
+    else:
+        engine, app = build(rt, args.ctx, parallel=max(levels), max_queue=4 * max(levels))
+        srv = BackgroundServer(app)
+        url = srv.url
+    res = {"server": args.url or f"edgekv serve ({rt.backend.name}, {engine.capacity} cells)", "levels": []}
+    try:
+        asyncio.run(level(url, 1, 8))  # warm-up
+        for c in levels:
+            s = Sampler(engine, pid)
+            r = asyncio.run(level(url, c, args.tokens))
+            s.stop()
+            r.update(peak_rss_mib=s.rss, peak_kv_cells=s.cells if engine else None)
+            res["levels"].append(r)
+            note(f"{c} clients: aggregate {r['aggregate_tps']:.1f} tok/s, per client {r['per_client_tps']:.1f} tok/s, "
+                 f"TTFT p50 {r['ttft_p50_ms']:.0f} ms p95 {r['ttft_p95_ms']:.0f} ms, {r['tokens']} tokens, "
+                 f"peak RSS {s.rss:.0f} MiB" + (f", peak KV cells {s.cells:.0f}" if engine else ""))
+        res["shared_prefix"] = p = asyncio.run(shared_prefix(url, system_prompt(rt.codec, args.system_tokens)))
+        note(f"shared {args.system_tokens}-token system prompt: first TTFT {p['first_ttft_ms']:.0f} ms, second "
+             f"{p['second_ttft_ms']:.0f} ms ({p['speedup']:.1f}x)")
+        before = rss_mib(pid)
+        asyncio.run(soak(url, args.soak))
+        res["soak"] = {"requests": args.soak, "rss_before_mib": before, "rss_after_mib": rss_mib(pid)}
+        note(f"soak of {args.soak} requests: RSS {before:.1f} -> {res['soak']['rss_after_mib']:.1f} MiB")
+    finally:
+        if srv:
+            srv.close()
+            engine.stop()
+        rt.close()
+    base = res["levels"][0]["aggregate_tps"] if res["levels"] else 0
+    for r in res["levels"]:
+        r["vs_one_client"] = r["aggregate_tps"] / base if base else 0.0
+    print(json.dumps(res, indent=1))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return 0

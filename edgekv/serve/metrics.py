@@ -1,0 +1,57 @@
+"""Prometheus metrics of the server (prometheus_client, a registry of its own): requests by
+endpoint and status and the TTFT histogram are recorded by the handlers; everything the engine
+counts (tokens in and out, queue, KV cells) is read from it at each scrape."""
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+class EngineCollector:
+    def __init__(self, engine):
+        self.engine = engine
+        self.last = (time.monotonic(), 0)  # for tokens/s since the previous scrape
+
+    def collect(self):
+        st = self.engine.stats()
+        for key, help_ in (("prompt_tokens", "prompt tokens received"),
+                           ("reused_tokens", "prompt tokens taken from the prefix cache (not prefilled)"),
+                           ("prefilled_tokens", "prompt tokens run through the model"),
+                           ("generated_tokens", "tokens generated"),
+                           ("steps", "engine steps (one batched graph call each, more when cells are fragmented)")):
+            yield CounterMetricFamily(f"edgekv_{key}", help_, value=st[key])
+        now, n = time.monotonic(), st["generated_tokens"]
+        t0, n0 = self.last
+        self.last = (now, n)
+        yield GaugeMetricFamily("edgekv_generated_tokens_per_second", "generation rate since the previous scrape",
+                                value=(n - n0) / (now - t0) if now > t0 else 0.0)
+        for key, help_ in (("waiting", "requests in the wait queue"), ("active", "sequences being decoded"),
+                           ("cells_used", "KV cells in use (sequences and the prefix cache)"),
+                           ("cells_free", "free KV cells"),
+                           ("cells_cached_only", "KV cells held only by the prefix cache (reclaimable)"),
+                           ("capacity", "KV cells in the pool")):
+            yield GaugeMetricFamily(f"edgekv_{key}", help_, value=st[key])
+
+
+class Metrics:
+    def __init__(self, engine):
+        self.registry = CollectorRegistry()
+        self.requests = Counter("edgekv_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
+                                registry=self.registry)
+        self.ttft = Histogram("edgekv_ttft_seconds", "request in to first token out", buckets=TTFT_BUCKETS,
+                              registry=self.registry)
+        self.registry.register(EngineCollector(engine))
+
+    def request(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def first_token(self, req) -> None:
+        if req.ttft_s is not None:
+            self.ttft.observe(req.ttft_s)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

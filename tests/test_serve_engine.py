@@ -1,0 +1,199 @@
+"""The serving engine against its oracles: a sequence decoded in a batch with others joining and
+leaving gives what it gives decoded alone (Generator, one sequence per cache); a reused prefix
+gives what a fresh prefill gives; cancelled and finished sequences free their cells."""
+import numpy as np
+import pytest
+
+from edgekv.errors import ContextOverflow, EdgeKVError, QueueFull
+from edgekv.runtime.assemble import open_runtime
+from edgekv.runtime.engine import Engine, Request
+
+
+def ids(n, seed=0, vocab=300):
+    return [int(t) for t in np.random.default_rng(seed).integers(3, vocab, n)]
+
+
+def alone(rt, prompt, n):
+    """Greedy tokens and the logits they were taken from, one sequence in its own cache."""
+    g = rt.generator(capacity=128)
+    logits = g.prefill(prompt).copy()
+    toks, rows = [], []
+    for _ in range(n):
+        rows.append(logits)
+        toks.append(int(np.argmax(logits)))
+        if len(toks) == n:
+            break
+        logits = g.decode_step(toks[-1]).copy()
+    return toks, rows
+
+
+def run_until_done(engine, reqs, max_steps=2000):
+    for _ in range(max_steps):
+        if all(r.finish_reason for r in reqs):
+            return
+        engine.step()
+    raise AssertionError("requests did not finish")
+
+
+@pytest.fixture(scope="module")
+def rt_float(tiny_bundle_float):
+    return open_runtime(tiny_bundle_float, ctx=256, backend="ort-cpu", threads=1)
+
+
+@pytest.fixture(scope="module")
+def rt_int8(tiny_bundle_int8):
+    return open_runtime(tiny_bundle_int8, ctx=256, backend="ort-cpu", threads=1)
+
+
+def batch_schedule(engine):
+    """Four requests: A alone first, B joins, C joins with a prompt prefilled over several steps
+    while A and B decode, B leaves early, D joins after B left."""
+    spec = {"A": (ids(7, 1), 20), "B": (ids(12, 2), 5), "C": (ids(30, 3), 12), "D": (ids(9, 4), 10)}
+    reqs = {k: Request(p, n, record_logits=True) for k, (p, n) in spec.items()}
+    engine.submit(reqs["A"])
+    for _ in range(3):
+        engine.step()
+    engine.submit(reqs["B"])
+    engine.step()
+    engine.submit(reqs["C"])
+    saw_mixed = False
+    for _ in range(4):
+        engine.step()
+        # C still prefilling while A and B decode in the same step
+        saw_mixed |= 0 < reqs["C"].fed < 30 and reqs["A"].next_token is not None
+    while not reqs["B"].finish_reason:
+        engine.step()
+    engine.submit(reqs["D"])
+    run_until_done(engine, list(reqs.values()))
+    return spec, reqs, saw_mixed
+
+
+def test_batched_equals_alone_float_logits(rt_float):
+    engine = Engine(rt_float, capacity=256, parallel=4, prefill_chunk=8)
+    spec, reqs, saw_mixed = batch_schedule(engine)
+    assert saw_mixed, "the schedule did not mix a prefill with decodes"
+    assert engine.counters["steps"] < sum(n for _, n in spec.values())  # batched: fewer steps than tokens
+    for k, (prompt, n) in spec.items():
+        want_toks, want_rows = alone(rt_float, prompt, n)
+        assert reqs[k].out == want_toks[: len(reqs[k].out)], k
+        assert reqs[k].finish_reason == "length" and len(reqs[k].out) == n, k
+        np.testing.assert_allclose(np.stack(reqs[k].logits), np.stack(want_rows), atol=1e-4, rtol=1e-4, err_msg=k)
+    # every request has finished: only the prefix cache holds cells
+    assert engine.pool.used() == engine.pool.cached_only()
+
+
+def test_batched_equals_alone_int8_greedy(rt_int8):
+    engine = Engine(rt_int8, capacity=256, parallel=4, prefill_chunk=8)
+    spec, reqs, _ = batch_schedule(engine)
+    for k, (prompt, n) in spec.items():
+        assert reqs[k].out == alone(rt_int8, prompt, n)[0], k
+
+
+def test_prefix_reuse_prefills_only_the_new_tokens(rt_float):
+    engine = Engine(rt_float, capacity=256, parallel=4, prefill_chunk=16)
+    system = ids(40, 7)
+    first = Request(system + ids(6, 8), 4, record_logits=True)
+    engine.submit(first)
+    run_until_done(engine, [first])
+    before = engine.counters["prefilled_tokens"]
+    second = Request(system + ids(5, 9), 6, record_logits=True)
+    engine.submit(second)
+    run_until_done(engine, [second])
+    assert second.reused >= len(system)
+    assert engine.counters["prefilled_tokens"] - before == len(second.prompt) - second.reused
+    # and the shared cells give what a fresh prefill gives
+    want_toks, want_rows = alone(rt_float, second.prompt, 6)
+    assert second.out == want_toks
+    np.testing.assert_allclose(np.stack(second.logits), np.stack(want_rows), atol=1e-4, rtol=1e-4)
+
+
+def test_cancel_frees_cells_at_the_next_step(rt_float):
+    engine = Engine(rt_float, capacity=256, parallel=4, prefill_chunk=16, max_prefixes=0)
+    a, b = Request(ids(10, 1), 50), Request(ids(10, 2), 50)
+    engine.submit(a), engine.submit(b)
+    for _ in range(6):
+        engine.step()
+    held = engine.pool.used()
+    a_cells = list(a.cells)
+    assert held == len(a.cells) + len(b.cells) and len(a_cells) > 10
+    engine.cancel(a)
+    engine.step()
+    assert a.finish_reason == "cancelled"
+    # its cells were freed before the step ran: b's new token already took the lowest of them
+    assert b.cells[-1] == min(a_cells)
+    assert (engine.pool.refs[sorted(set(a_cells) - set(b.cells))] == 0).all()
+    assert engine.pool.used() == len(b.cells)
+    run_until_done(engine, [b])
+    assert engine.pool.used() == 0
+
+
+def test_queue_bound_and_waiting_for_cells(rt_float):
+    engine = Engine(rt_float, capacity=64, parallel=4, max_queue=2, prefill_chunk=16, max_prefixes=0)
+    # each needs 20 + 30 - 1 cells: the second does not fit beside the first and waits
+    a, b = Request(ids(20, 1), 30), Request(ids(20, 2), 30)
+    engine.submit(a), engine.submit(b)
+    with pytest.raises(QueueFull):
+        engine.submit(Request(ids(5, 3), 5))
+    engine.step()
+    assert engine.active == [a] and list(engine.waiting) == [b]
+    run_until_done(engine, [a, b])
+    assert b.out == alone(rt_float, b.prompt, 30)[0]
+    with pytest.raises(ContextOverflow):
+        engine.submit(Request(ids(64, 4), 5))
+
+
+def test_fragmented_pool_splits_a_step_and_stays_exact(rt_float):
+    """Small pool, many short requests coming and going: free cells end up in holes, steps are
+    split over several runs, and every sequence still equals its lone decode."""
+    engine = Engine(rt_float, capacity=96, parallel=6, max_queue=64, prefill_chunk=8, max_prefixes=4)
+    reqs = [Request(ids(5 + (i * 7) % 13, 100 + i), 3 + (i * 5) % 9) for i in range(14)]
+    for i, r in enumerate(reqs):
+        engine.submit(r)
+        engine.step()
+    run_until_done(engine, reqs)
+    assert engine.counters["calls"] > engine.counters["steps"]  # some steps ran as several calls
+    for r in reqs:
+        assert r.out == alone(rt_float, r.prompt, len(r.out))[0]
+
+
+def test_prefix_cache_gives_way_when_cells_are_needed(rt_float):
+    engine = Engine(rt_float, capacity=64, parallel=2, prefill_chunk=16)
+    a = Request(ids(30, 1), 4)
+    engine.submit(a)
+    run_until_done(engine, [a])
+    assert engine.pool.used() == engine.pool.cached_only() == 30  # a's prompt is cached
+    b = Request(ids(20, 2), 30)  # needs 49 cells: only 34 are free until the cache gives way
+    engine.submit(b)
+    run_until_done(engine, [b])
+    assert not engine.pool.prefixes.get(tuple(a.prompt))
+    assert b.out == alone(rt_float, b.prompt, 30)[0]
+
+
+@pytest.mark.slow
+def test_batched_equals_alone_real_model_int8_greedy(real_bundle):
+    """The real default model, int8 KV: four chat prompts joining and leaving a batch give the
+    greedy tokens each gives decoded alone."""
+    rt = open_runtime(real_bundle, ctx=512, backend="ort-cpu")
+    questions = ["What is the capital of France?", "Name three colours.", "What is 2 + 2?", "Say hello in German."]
+    prompts = [rt.codec.chat_ids([{"role": "user", "content": q}]) for q in questions]
+    engine = Engine(rt, capacity=512, parallel=4, prefill_chunk=16)
+    reqs = [Request(p, 12 + 4 * i, stop_ids=rt.codec.stop_ids) for i, p in enumerate(prompts)]
+    for r in reqs:  # each joins two steps after the previous one, mid-prefill or mid-decode of the others
+        engine.submit(r)
+        engine.step(), engine.step()
+    run_until_done(engine, reqs)
+    for r in reqs:
+        want = alone(rt, r.prompt, r.max_tokens)[0]
+        stop = next((i for i, t in enumerate(want) if t in rt.codec.stop_ids), len(want))
+        assert r.out == want[:stop], rt.codec.decode(r.prompt)
+
+
+def test_a_backend_without_run_cells_is_refused_in_one_line(rt_float):
+    class OneSequenceBackend:
+        name = "trt"
+
+    class Rt:
+        backend = OneSequenceBackend()
+
+    with pytest.raises(EdgeKVError, match="serving needs the ort-cpu or ort-cuda backend"):
+        Engine(Rt())
