@@ -1,0 +1,90 @@
+"""Writing a user's files safely: every write edgekv makes to a path the user named goes here.
+
+A file is written to a unique temporary name in its own folder (mkstemp: two writers of the same
+file never share one), flushed to disk, then renamed over the target (os.replace), so a reader
+sees the old file or the new one, never half of either. Only a regular file (or nothing) is ever
+replaced: a symlink, a device, a FIFO or a folder at the target is refused with one line, checked
+with lstat (a symlink is never followed)."""
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import tempfile
+from pathlib import Path
+
+from edgekv.errors import EdgeKVError
+
+_KINDS = ((stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO"),
+          (stat.S_ISCHR, "a device"), (stat.S_ISBLK, "a device"), (stat.S_ISSOCK, "a socket"))
+
+
+def kind_of(path: str | os.PathLike) -> str | None:
+    """What is at `path` (never following a symlink): None if nothing, "a file", or another kind."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    if stat.S_ISREG(mode):
+        return "a file"
+    return next((what for test, what in _KINDS if test(mode)), "not a regular file")
+
+
+def check_writable(path: str | os.PathLike) -> Path:
+    """`path` may be written: its folder exists and what is there now is nothing or a regular file."""
+    p = Path(path)
+    parent = p.parent if str(p.parent) else Path(".")
+    if kind_of(parent) is None and not parent.is_dir():
+        raise EdgeKVError(f"{p}: cannot write, no folder {parent}")
+    if not parent.is_dir():
+        raise EdgeKVError(f"{p}: cannot write, {parent} is not a folder")
+    kind = kind_of(p)
+    if kind not in (None, "a file"):
+        raise EdgeKVError(f"{p}: is {kind}; edgekv replaces only regular files")
+    return p
+
+
+@contextlib.contextmanager
+def atomic_open(path: str | os.PathLike, mode: str = "wb", **kw):
+    """A file object that becomes `path` when the block ends without an error (else nothing changes)."""
+    p = check_writable(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        with os.fdopen(fd, mode, **kw) as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a new file gets the usual permissions
+        check_writable(p)  # still nothing but a regular file there (it may have changed meanwhile)
+        os.replace(tmp, p)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(p.parent)
+
+
+def write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_open(path, "wb") as f:
+        f.write(data)
+
+
+def write_text(path: str | os.PathLike, text: str) -> None:
+    with atomic_open(path, "w", encoding="utf-8", newline="") as f:
+        f.write(text)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make the rename itself durable (where the platform allows opening a folder)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(folder, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
