@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import stat
 import tempfile
 from pathlib import Path
@@ -88,3 +89,28 @@ def _fsync_dir(folder: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def replace_dir(new: str | os.PathLike, target: str | os.PathLike, keep_old: bool = False) -> Path | None:
+    """Put the complete folder `new` at `target` by rename. What was at `target` (nothing or a
+    real folder, never a symlink) is renamed aside first, to a unique name beside it, then
+    deleted, or with keep_old kept there (its path is returned)."""
+    target = Path(target)
+    kind = kind_of(target)
+    if kind is None:
+        os.rename(new, target)
+        return None
+    if kind != "a folder":
+        raise EdgeKVError(f"{target}: is {kind}, not a folder; refusing to replace it")
+    # an empty folder of a unique name: a folder may be renamed over an empty one
+    aside = Path(tempfile.mkdtemp(prefix=f"{target.name}.old-", dir=target.parent))
+    os.rename(target, aside)
+    try:
+        os.rename(new, target)
+    except BaseException:
+        os.rename(aside, target)  # put the old one back
+        raise
+    if keep_old:
+        return aside
+    shutil.rmtree(aside, ignore_errors=True)
+    return None

@@ -169,6 +169,22 @@ def _prod(xs):
     return p
 
 
+def read_onnx(path: Path):
+    """The graph of an .onnx file (weights not loaded); an error line for anything that is not one
+    (an empty file parses as an empty model: it has no nodes)."""
+    import onnx
+
+    from edgekv.errors import EdgeKVError
+
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception as e:  # protobuf's DecodeError, OSError, ...
+        raise EdgeKVError(f"{path}: not an ONNX model ({type(e).__name__}: {str(e)[:100]})") from None
+    if not model.graph.node:
+        raise EdgeKVError(f"{path}: not an ONNX model (no graph nodes)")
+    return model
+
+
 def cmd_check_trt(args) -> int:
     from edgekv.errors import EdgeKVError
     from edgekv.format.bundle import load_bundle
@@ -176,7 +192,7 @@ def cmd_check_trt(args) -> int:
     p = Path(args.bundle)
     path = p if p.suffix == ".onnx" else load_bundle(p).onnx_path
     try:
-        violations = check_model(path, args.trt)
+        violations = check_model(read_onnx(path), args.trt)
     except ValueError as e:
         raise EdgeKVError(str(e)) from None
     if not violations:
