@@ -74,10 +74,11 @@ def int_list(lo: int, hi: int):
     one = int_range(lo, hi)
 
     def parse(text: str) -> list[int]:
-        items = [x.strip() for x in text.split(",")]
-        if not all(items):
-            raise argparse.ArgumentTypeError(f"must be comma-separated integers in {lo}..{hi} (got {text[:40]!r})")
-        return [one(x) for x in items]
+        try:
+            return [one(x.strip()) for x in text.split(",")]
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"must be comma-separated integers in {lo}..{hi} "
+                                             f"(got {text[:40]!r})") from None
     parse.__name__ = "list"
     return parse
 

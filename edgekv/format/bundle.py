@@ -241,7 +241,7 @@ def load_bundle(path: str | os.PathLike) -> Bundle:
     if not isinstance(man, dict) or "format_version" not in man:
         raise BundleError(f"{mpath}: not an edgekv manifest (no format_version)")
     if man["format_version"] != FORMAT_VERSION:
-        raise BundleError(f"{mpath}: bundle format_version {str(man['format_version'])[:20]!r} is not supported by "
+        raise BundleError(f"{mpath}: bundle format_version {repr(man['format_version'])[:20]} is not supported by "
                           f"this edgekv (reads version {FORMAT_VERSION}); re-export the model with this version")
     problem = check_schema(man) or check_consistency(man)
     if problem:

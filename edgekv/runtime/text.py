@@ -68,7 +68,7 @@ def bounded_sandbox():
 
         def _tick(self):
             if time.monotonic() > self.deadline:
-                raise EdgeKVError(f"chat template: rendering took longer than {MAX_RENDER_S:.0f} s")
+                raise EdgeKVError(f"chat template: rendering took longer than {MAX_RENDER_S:g} s")
 
         def call(self, context, obj, *args, **kwargs):
             self._tick()
@@ -92,6 +92,7 @@ def render_bounded(template, **ctx) -> str:
     env = template.environment
     env.deadline = time.monotonic() + MAX_RENDER_S
     out, size = [], 0
+    alarm = _Alarm(MAX_RENDER_S)  # also stops loops that call nothing (main thread only)
     try:
         for piece in template.generate(**ctx):
             size += len(piece)
@@ -99,14 +100,48 @@ def render_bounded(template, **ctx) -> str:
                 raise EdgeKVError(f"chat template: rendered more than {MAX_RENDER_CHARS} characters")
             env._tick()
             out.append(piece)
+    except _Timeout:
+        raise EdgeKVError(f"chat template: rendering took longer than {MAX_RENDER_S:g} s") from None
     except jinja2.TemplateError as e:  # the sandbox's SecurityError included
         raise EdgeKVError(f"chat template: {str(e).splitlines()[0][:160]}") from None
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, ZeroDivisionError, OverflowError,
             RecursionError) as e:
         raise EdgeKVError(f"chat template: {type(e).__name__}: {str(e)[:120]}") from None
     finally:
+        alarm.cancel()
         env.deadline = float("inf")
     return "".join(out)
+
+
+class _Timeout(Exception):
+    pass
+
+
+class _Alarm:
+    """SIGALRM after `seconds`, raising _Timeout in the main thread; the previous handler is
+    put back by `cancel` (elsewhere than the main thread it does nothing: the deadline checks
+    in Bounded.call/getattr/getitem remain)."""
+
+    def __init__(self, seconds: float):
+        import signal
+        import threading
+
+        self.old = None
+        if hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread():
+            self.old = signal.signal(signal.SIGALRM, self._fire)
+            signal.setitimer(signal.ITIMER_REAL, seconds)
+
+    @staticmethod
+    def _fire(signum, frame):
+        raise _Timeout()
+
+    def cancel(self) -> None:
+        import signal
+
+        if self.old is not None:
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, self.old)
+            self.old = None
 
 
 def _raise(msg):
