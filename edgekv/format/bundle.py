@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ DTYPES = ("float32", "float16")  # a bundle's weights and compute dtype
 # logits, set by the exporter from the scheme's measured quantization noise
 PARITY_LOGITS = "logits (decode)"
 MAX_MANIFEST = 16 << 20  # bytes: a manifest is a few KiB (its chat template the most of it)
+RACY_NS = 2 * 10**9  # a file modified less than this long ago is hashed again next time (timestamp granularity)
 VERIFIED = ".edgekv-verified.json"  # `edgekv verify`'s memory of the files it hashed (not part of the bundle)
 
 
@@ -284,5 +286,6 @@ def verify_files(b: Bundle, known: dict | None = None) -> tuple[int, dict]:
                 known.pop(name, None)
                 raise BundleError(f"{b.path}: corrupt bundle ({name} does not match its sha256: the file was "
                                   f"changed or damaged; re-export or copy the bundle again)")
-            known[name] = [stamp, want]
+            if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > RACY_NS:
+                known[name] = [stamp, want]  # a file changed just now could change again within the same tick
     return hashed, known
