@@ -101,8 +101,12 @@ def test_export_refuses_a_folder_that_is_not_a_bundle_and_force_keeps_its_files(
     kept = list(tmp_path.glob("x.old-*"))
     assert len(kept) == 1 and (kept[0] / "notes.txt").read_text() == "keep"
     # an old bundle is replaced without --force, and nothing is left beside it
-    r = run_edgekv("export", tiny_llama, "--out", out, "--max-context", "64", "--steps", "2")
-    assert r.returncode == 0, r.stderr
+    from export.bundle import check_out_dir
+
+    check_out_dir(out, force=False)
+    new = tmp_path / "new"
+    new.mkdir()
+    assert files.replace_dir(new, out) is None and not any(out.iterdir())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["x", kept[0].name]
 
 

@@ -41,8 +41,11 @@ def save(session, path: str) -> None:
 
 def is_ours(path: str) -> bool:
     """An empty file or one that starts like a file `save` wrote (SIGNATURE)."""
-    with open(path, "rb") as f:
-        head = f.read(64)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except OSError as e:
+        raise EdgeKVError(f"{path}: cannot read ({e.strerror or e})") from None
     return not head or all(head[at: at + len(sig)] == sig for at, sig in SIGNATURE)
 
 
@@ -95,7 +98,7 @@ def check_meta(meta, path: str) -> None:
     if not isinstance(meta, dict) or meta.get("edgekv_chat") != FORMAT:
         raise bad("no edgekv_chat header of version %d" % FORMAT)
     for key, typ in _META.items():
-        if not isinstance(meta.get(key), typ):
+        if key not in meta or not isinstance(meta[key], typ):
             raise bad(f"{key} missing or of the wrong type")
     if not all(isinstance(t, int) and not isinstance(t, bool) for t in meta["ids"]):
         raise bad("ids are not all integers")

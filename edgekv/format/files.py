@@ -47,9 +47,13 @@ def check_writable(path: str | os.PathLike) -> Path:
 
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "wb", **kw):
-    """A file object that becomes `path` when the block ends without an error (else nothing changes)."""
+    """A file object that becomes `path` when the block ends without an error (else nothing
+    changes). An OS error (no permission, disk full) is one line."""
     p = check_writable(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    except OSError as e:
+        raise EdgeKVError(f"{p}: cannot write ({e.strerror or e})") from None
     try:
         with os.fdopen(fd, mode, **kw) as f:
             yield f
@@ -58,9 +62,11 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb", **kw):
         os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a new file gets the usual permissions
         check_writable(p)  # still nothing but a regular file there (it may have changed meanwhile)
         os.replace(tmp, p)
-    except BaseException:
+    except BaseException as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(e, OSError):
+            raise EdgeKVError(f"{p}: cannot write ({e.strerror or e})") from None
         raise
     _fsync_dir(p.parent)
 
@@ -103,12 +109,17 @@ def replace_dir(new: str | os.PathLike, target: str | os.PathLike, keep_old: boo
     if kind != "a folder":
         raise EdgeKVError(f"{target}: is {kind}, not a folder; refusing to replace it")
     # an empty folder of a unique name: a folder may be renamed over an empty one
-    aside = Path(tempfile.mkdtemp(prefix=f"{target.name}.old-", dir=target.parent))
-    os.rename(target, aside)
+    try:
+        aside = Path(tempfile.mkdtemp(prefix=f"{target.name}.old-", dir=target.parent))
+        os.rename(target, aside)
+    except OSError as e:
+        raise EdgeKVError(f"{target}: cannot replace it ({e.strerror or e})") from None
     try:
         os.rename(new, target)
-    except BaseException:
+    except BaseException as e:
         os.rename(aside, target)  # put the old one back
+        if isinstance(e, OSError):
+            raise EdgeKVError(f"{target}: cannot replace it ({e.strerror or e})") from None
         raise
     if keep_old:
         return aside
