@@ -79,7 +79,10 @@ def chat_loop(args, rt, explain) -> int:
         try:
             text, st = session.reply(line, write)
         except EdgeKVError as e:  # the turn was rolled back: the conversation is as before it
-            print(f"\nerror: {explain(e)}", file=sys.stderr, flush=True)
+            if not args.json:
+                out.write("\n")  # end a reply that had started streaming
+                out.flush()
+            print(f"error: {explain(e)}", file=sys.stderr, flush=True)
             continue
         if args.json:
             print(json.dumps({"user": line, "text": text, **stats_record(st, gen.cache, gen.seq),

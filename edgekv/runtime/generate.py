@@ -78,8 +78,8 @@ class Generator:
             self.cache.write(turn["slots"])
         self.seq.rollback(turn["seq"])
 
-    def _protect(self, s: int) -> None:
-        """Before a call writes slots [w, w + s): copy the turn's held slots if it touches them."""
+    def _protect(self) -> None:
+        """Before a call writes at the write slot: copy the turn's held slots if it is among them."""
         turn = self._turn
         if turn is not None and turn["slots"] is None and self.seq.w < turn["n"]:
             turn["slots"] = self.cache.read(turn["n"])
@@ -104,7 +104,7 @@ class Generator:
     def _call(self, ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
         """One graph call: ids [1, S] at the sequence's write slot; logits [1, K, V] of the rows asked for."""
         self.seq.check_write(ids.shape[1])
-        self._protect(ids.shape[1])
+        self._protect()
         logits = self.backend.run(self.cache, self.seq, ids, logits_index)
         if not np.isfinite(logits).all():  # damaged weights or an overflow: never sample from it
             raise EdgeKVError("the model produced non-finite logits (NaN or infinity); the bundle's weights may "
