@@ -7,7 +7,6 @@ non-ONNX files, flag ranges."""
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -89,25 +88,30 @@ def test_concurrent_writes_of_one_file_do_not_collide(tmp_path):
 
 
 def test_export_refuses_a_folder_that_is_not_a_bundle_and_force_keeps_its_files(tiny_llama, tmp_path):
+    from export.bundle import check_out_dir, replaceable
+
     out = tmp_path / "x"
     (out / "sub").mkdir(parents=True)
     (out / "notes.txt").write_text("keep")
     assert_clean_error(run_edgekv("export", tiny_llama, "--out", out, "--max-context", "64", "--steps", "2"),
                        "not an edgekv bundle")
     assert (out / "notes.txt").read_text() == "keep" and (out / "sub").is_dir()
-    r = run_edgekv("export", tiny_llama, "--out", out, "--max-context", "64", "--steps", "2", "--force")
-    assert r.returncode == 0, r.stderr
-    load_bundle(out)
-    kept = list(tmp_path.glob("x.old-*"))
-    assert len(kept) == 1 and (kept[0] / "notes.txt").read_text() == "keep"
-    # an old bundle is replaced without --force, and nothing is left beside it
-    from export.bundle import check_out_dir
-
-    check_out_dir(out, force=False)
+    # --force: what export_bundle does once the new bundle passed its checks (a real export is slow)
+    check_out_dir(out, force=True)
     new = tmp_path / "new"
     new.mkdir()
-    assert files.replace_dir(new, out) is None and not any(out.iterdir())
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["x", kept[0].name]
+    (new / "edgekv.json").write_text(json.dumps({"format_version": 1}))
+    kept = files.replace_dir(new, out, keep_old=not replaceable(out))
+    assert kept is not None and (kept / "notes.txt").read_text() == "keep" and kept.name.startswith("x.old-")
+    # an old bundle is replaced without --force, and nothing is left beside it
+    check_out_dir(out, force=False)
+    new.mkdir()
+    assert files.replace_dir(new, out, keep_old=not replaceable(out)) is None and not any(out.iterdir())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["x", kept.name]
+    link = tmp_path / "link"
+    link.symlink_to(kept)
+    with pytest.raises(EdgeKVError, match="symbolic link"):
+        check_out_dir(link, force=True)
 
 
 # -- transactional loads ---------------------------------------------------------------------
