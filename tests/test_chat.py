@@ -9,6 +9,7 @@ import pytest
 from edgekv.runtime.backends import OrtBackend
 from edgekv.runtime.cache import KVCache
 from edgekv.chat.session import ChatSession
+from edgekv.errors import EdgeKVError
 from edgekv.runtime.generate import Generator
 from edgekv.runtime.sampling import SamplingParams
 from edgekv.format.bundle import load_bundle
@@ -176,6 +177,22 @@ def test_prompt_cache_restores_and_rebuilds(tiny_bundle_int8, tmp_path):
     s3.system = "A different system prompt."
     assert "saved" in s3.warm_system(str(pc))  # stale for this prompt: rebuilt, not trusted
     assert s3.system == "A different system prompt."
-    pc.write_bytes(b"garbage")
+    pc.write_bytes(pc.read_bytes()[:200])  # ours but damaged (truncated): rebuilt
     s4 = session(tiny_bundle_int8)
     assert "saved" in s4.warm_system(str(pc))
+    assert "restored" in session(tiny_bundle_int8).warm_system(str(pc))
+    pc.write_bytes(b"")  # empty: nothing to lose, rebuilt
+    assert "saved" in session(tiny_bundle_int8).warm_system(str(pc))
+
+
+def test_prompt_cache_never_overwrites_a_file_that_is_not_one(tiny_bundle_int8, tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("Hi\n")
+    with pytest.raises(EdgeKVError, match="not an edgekv prompt cache"):
+        session(tiny_bundle_int8).warm_system(str(notes))
+    assert notes.read_text() == "Hi\n"
+    link = tmp_path / "link.npz"
+    link.symlink_to(notes)
+    with pytest.raises(EdgeKVError, match="symbolic link"):
+        session(tiny_bundle_int8).warm_system(str(link))
+    assert link.is_symlink() and notes.read_text() == "Hi\n"

@@ -207,10 +207,10 @@ def test_drop_turns_drops_whole_old_exchanges(tiny_bundle_int8):
 
 
 def test_ring_wraps_and_stops_at_the_verified_context(small_bundle, tmp_path):
-    """ctx 48 of a bundle verified for 96 positions, replies longer than a quarter of that: the
+    """ctx 56 of a bundle verified for 96 positions, replies longer than a quarter of that: the
     ring wraps, then a reply runs into the verified context (cut there), then turns are dropped
     and the conversation restarts from position 0."""
-    ctx = 48
+    ctx = 56  # the ring holds a system prompt of at most half the cache (26 tokens here)
     s, hist = make(small_bundle, ctx, "ring", max_new=60), []
     assert s.ring
     check(s, hist)
@@ -244,11 +244,21 @@ def test_ring_sinks_are_the_system_prompt(tiny_bundle_int8):
 
 
 def test_ring_sinks_are_capped_at_half_the_cache(tiny_bundle_int8):
+    """The system prompt's slots (the sinks) may take half the ring, not one slot more: a longer
+    system prompt is refused, never partly overwritten (docs/chat.md)."""
+    from edgekv.chat.conversation import sink_count
+
     b = load_bundle(tiny_bundle_int8)
-    long_system = "You are a very terse assistant who answers about trains and tea. " * 3
-    s = ChatSession(b, TextCodec(b), Generator(OrtBackend(b, threads=1), KVCache(b, 32)), SamplingParams(),
-                    long_system, 8, "ring")
-    assert s.gen.seq.sinks == 16
+    long_system = "You are a very terse assistant who answers about trains and tea."
+    n = sink_count(TextCodec(b), long_system)
+
+    def session(capacity):
+        return ChatSession(b, TextCodec(b), Generator(OrtBackend(b, threads=1), KVCache(b, capacity)),
+                           SamplingParams(), long_system, 8, "ring")
+
+    assert session(2 * n).gen.seq.sinks == n  # exactly half: kept whole
+    with pytest.raises(EdgeKVError, match="system prompt too long for the ring"):
+        session(2 * n - 2)  # half is n - 1
 
 
 def test_message_longer_than_the_cache_is_refused(tiny_bundle_int8):

@@ -30,6 +30,10 @@ class Conversation:
     def msgs(self, extra=()) -> list[dict]:
         return system_turn(self.system) + self.messages + list(extra)
 
+    def msgs_alone(self, user: str) -> list[dict]:
+        """The system turn and one user message, nothing between."""
+        return system_turn(self.system) + [{"role": "user", "content": user}]
+
     def render(self, msgs: list[dict], held: list[int]) -> list[int]:
         """Token ids of the conversation `msgs` plus the generation prompt. Where the rendered text
         only appends to what the cache holds (`held`), the held ids are kept as they are

@@ -1,73 +1,139 @@
 """A chat saved to a file (/save, /load) and the system prompt's prompt cache (--prompt-cache).
 
-The file is an .npz: the filled KV slots of every buffer, plus `__meta__` (JSON): the format
-version, the bundle's source checksum and KV scheme (a file only loads into the same model and
-scheme), the system prompt, the messages, the token ids in the cache and the ring's write slot
-and sinks."""
+The file is an .npz: `__meta__` (JSON) first, then the filled KV slots of every buffer. The
+meta holds the format version, the bundle's source checksum and KV scheme (a file only loads
+into the same model and scheme), the system prompt, the messages, the token ids in the cache and
+the ring's write slot and sinks.
+
+Which files are ours: an .npz is a zip, and numpy writes its members in order, so a file edgekv
+wrote starts with the zip signature and `__meta__.npy` as its first member's name (SIGNATURE at
+offset 0 and 30). A file that starts so (or is empty) is ours: when it cannot be read it is
+"ours but damaged" and --prompt-cache rebuilds it; any other file is not ours and is never
+overwritten. A load reads and checks the whole file (meta, every array's shape and dtype, the
+bundle, ids against the vocab and the slots) before it changes anything."""
 from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
+from dataclasses import dataclass
 
 import numpy as np
 
 from edgekv.errors import EdgeKVError
+from edgekv.format.files import atomic_open, kind_of
 from edgekv.runtime.text import system_turn
 
 FORMAT = 1
+SIGNATURE = ((0, b"PK\x03\x04"), (30, b"__meta__.npy"))
 
 
 def save(session, path: str) -> None:
-    p = Path(path)
     bundle, seq = session.bundle, session.gen.seq
     meta = {"edgekv_chat": FORMAT, "bundle_sha256": bundle.manifest["source"].get("sha256"),
             "bundle_scheme": bundle.scheme.name, "system": session.system, "messages": session.messages,
             "ids": seq.ids, "ring": {"w": seq.w, "sinks": seq.sinks}}
     snap = session.gen.snapshot()
-    tmp = p.with_name(p.name + ".tmp")
-    with open(tmp, "wb") as f:
+    with atomic_open(path, "wb") as f:
+        # __meta__ first: its name at a fixed offset is how a file is known to be ours (SIGNATURE)
         np.savez(f, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **snap)
-    tmp.replace(p)
 
 
-def load(session, path: str) -> None:
+def is_ours(path: str) -> bool:
+    """An empty file or one that starts like a file `save` wrote (SIGNATURE)."""
     try:
-        z = np.load(path)
-        meta = json.loads(bytes(z["__meta__"]).decode())
-        snap = {k: z[k] for k in z.files if k != "__meta__"}
-    except (OSError, ValueError, KeyError) as e:
-        raise EdgeKVError(f"{path}: not a saved edgekv chat ({type(e).__name__})") from None
+        with open(path, "rb") as f:
+            head = f.read(64)
+    except OSError as e:
+        raise EdgeKVError(f"{path}: cannot read ({e.strerror or e})") from None
+    return not head or all(head[at: at + len(sig)] == sig for at, sig in SIGNATURE)
+
+
+@dataclass
+class Saved:
+    """A saved chat read and checked against a session, not yet applied."""
+    meta: dict
+    snap: dict
+    n: int
+
+
+def read(session, path: str) -> Saved:
+    """Read and check the whole file against this session; change nothing."""
+    kind = kind_of(path)
+    if kind is None:
+        raise EdgeKVError(f"{path}: no such file")
+    if kind != "a file":
+        raise EdgeKVError(f"{path}: is {kind}, not a saved edgekv chat")
+    try:
+        with np.load(path, allow_pickle=False) as z:  # never unpickle: an .npz may carry code
+            meta = json.loads(bytes(z["__meta__"]).decode())
+            snap = {k: z[k] for k in z.files if k != "__meta__"}
+    except Exception as e:  # numpy and zipfile raise many kinds for a damaged file
+        damaged = "damaged or not a saved edgekv chat" if is_ours(path) else "not a saved edgekv chat"
+        raise EdgeKVError(f"{path}: {damaged} ({type(e).__name__})") from None
+    check_meta(meta, path)
     bundle = session.bundle
     if (meta.get("bundle_sha256"), meta.get("bundle_scheme")) != (bundle.manifest["source"].get("sha256"),
                                                                  bundle.scheme.name):
         raise EdgeKVError(f"{path}: saved with another model or KV scheme")
-    ring = meta.get("ring") or {}
-    if ring.get("w") is not None and ring.get("w") != len(meta["ids"]) and not session.gen.seq.ring:
+    n = session.gen.cache.slots_in(snap)  # every buffer, its shape and dtype
+    ids, vocab = meta["ids"], bundle.model["vocab_size"]
+    if any(not 0 <= t < vocab for t in ids):
+        raise EdgeKVError(f"{path}: token ids outside the vocabulary of {vocab}")
+    ring = meta["ring"]
+    if ring.get("w") is not None and ring["w"] != len(ids) and not session.gen.seq.ring:
         raise EdgeKVError(f"{path}: saved from a ring cache that has wrapped", setting="context_policy",
                           fix="load it with {} ring")
-    session.gen.restore(snap, meta["ids"], w=ring.get("w"))
-    session.system, session.messages = meta["system"], meta["messages"]
+    session.gen.seq.check_restore(n, ids, ring.get("w"))
+    return Saved(meta, snap, n)
+
+
+_META = {"edgekv_chat": int, "system": (str, type(None)), "messages": list, "ids": list, "ring": dict}
+
+
+def check_meta(meta, path: str) -> None:
+    def bad(what):
+        return EdgeKVError(f"{path}: not a saved edgekv chat ({what})")
+
+    if not isinstance(meta, dict) or meta.get("edgekv_chat") != FORMAT:
+        raise bad("no edgekv_chat header of version %d" % FORMAT)
+    for key, typ in _META.items():
+        if key not in meta or not isinstance(meta[key], typ):
+            raise bad(f"{key} missing or of the wrong type")
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in meta["ids"]):
+        raise bad("ids are not all integers")
+    for m in meta["messages"]:
+        if not (isinstance(m, dict) and m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str)):
+            raise bad("a message is not a {role, content} pair")
+    w = meta["ring"].get("w")
+    if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 0):
+        raise bad("ring.w is not a slot")
+
+
+def load(session, path: str) -> None:
+    """Replace the session's conversation with the saved one; on any error nothing changes."""
+    saved = read(session, path)
+    session.gen.restore(saved.snap, saved.meta["ids"], w=saved.meta["ring"].get("w"))
+    session.system, session.messages = saved.meta["system"], saved.meta["messages"]
 
 
 def warm_system(session, prompt_cache: str | None) -> str:
     """Prefill the system prompt alone, or restore its KV from `prompt_cache` when that file
-    was made for this bundle and this exact system prompt (anything else is rebuilt)."""
+    was made for this bundle and this exact system prompt. A file of ours that is stale or
+    damaged is rebuilt; anything else at that path is refused, never overwritten."""
     if not session.system:
         return "no system prompt"
     ids = session.codec.chat_ids(system_turn(session.system), add_generation_prompt=False)
-    if prompt_cache and Path(prompt_cache).is_file():
-        wanted = session.system
-        t0 = time.perf_counter()
-        try:
-            load(session, prompt_cache)
-            if session.system == wanted and session.ids == ids and not session.messages:
-                took = time.perf_counter() - t0
-                return f"restored {len(ids)} system-prompt tokens from {prompt_cache} in {took * 1000:.0f} ms"
-        except EdgeKVError:
-            pass
-        session.system = wanted
-        session.reset()
+    if prompt_cache:
+        kind = kind_of(prompt_cache)
+        if kind not in (None, "a file"):
+            raise EdgeKVError(f"{prompt_cache}: is {kind}, not a prompt cache; refusing to replace it")
+        if kind == "a file":
+            if not is_ours(prompt_cache):
+                raise EdgeKVError(f"{prompt_cache}: not an edgekv prompt cache; refusing to overwrite it "
+                                  f"(choose another file)")
+            restored = _restore(session, prompt_cache, ids)
+            if restored:
+                return restored
     t0 = time.perf_counter()
     session.gen.reset()
     session.gen.prefill(ids)
@@ -76,3 +142,17 @@ def warm_system(session, prompt_cache: str | None) -> str:
         save(session, prompt_cache)
         return f"prefilled {len(ids)} system-prompt tokens in {took * 1000:.0f} ms, saved to {prompt_cache}"
     return f"prefilled {len(ids)} system-prompt tokens in {took * 1000:.0f} ms"
+
+
+def _restore(session, path: str, ids: list[int]) -> str | None:
+    """Restore the system prompt's KV from our file if it is for exactly this prompt (None if not)."""
+    t0 = time.perf_counter()
+    try:
+        saved = read(session, path)
+    except EdgeKVError:
+        return None  # ours but damaged, or for another bundle: rebuilt
+    m = saved.meta
+    if m["system"] != session.system or m["ids"] != ids or m["messages"]:
+        return None
+    session.gen.restore(saved.snap, ids, w=m["ring"].get("w"))
+    return f"restored {len(ids)} system-prompt tokens from {path} in {(time.perf_counter() - t0) * 1000:.0f} ms"

@@ -10,7 +10,7 @@ docs/chat.md has what `edgekv eval-context` measured for each."""
 from __future__ import annotations
 
 from edgekv.chat.conversation import Conversation, sink_count
-from edgekv.errors import EdgeKVError
+from edgekv.errors import ContextOverflow, EdgeKVError
 from edgekv.runtime.sequence import Sequence
 from edgekv.runtime.text import TextCodec
 
@@ -41,17 +41,33 @@ class Ring(DropTurns):
     name = "ring"
 
     def prepare(self, seq: Sequence, codec: TextCodec, system: str | None) -> None:
-        """The system prompt's slots are the sinks (at most half the cache)."""
+        """The system prompt's slots are the sinks. They may take at most half the cache: a longer
+        system prompt is refused, never partly overwritten."""
+        sinks = sink_count(codec, system)
+        if sinks > seq.capacity // 2:
+            raise ContextOverflow(f"system prompt too long for the ring: {sinks} tokens, the ring keeps at most "
+                                  f"half the cache ({seq.capacity // 2})", setting="capacity", fix="raise {}")
         seq.disable_ring()
-        seq.enable_ring(min(sink_count(codec, system), seq.capacity // 2))
+        seq.enable_ring(sinks)
 
     def fit(self, conv: Conversation, user: str, seq: Sequence, max_new: int) -> list[int]:
         # a ring overwrites what does not fit in the cache, but positions must stay verified: it
         # keeps going while a whole reply still has positions left, then drops turns once
+        self.check_message(conv, user, seq)
         target = conv.prompt_ids(user, seq.ids)
         if len(target) + min(max_new, seq.max_positions // 4) <= seq.max_positions:
             return target
         return super().fit(conv, user, seq, max_new)
+
+    @staticmethod
+    def check_message(conv: Conversation, user: str, seq: Sequence) -> None:
+        """One message (with its template glue) must fit in the ring beside the sinks: the ring
+        would otherwise overwrite its own start before the model has read to its end."""
+        alone = len(conv.render(conv.msgs_alone(user), [])) - (seq.sinks or 0)
+        room = seq.capacity - (seq.sinks or 0)
+        if alone > room:
+            raise ContextOverflow(f"message too long: {alone} tokens, the ring holds {room} beside the system "
+                                  f"prompt", setting="capacity", fix="raise {}")
 
 
 POLICIES = {p.name: p for p in (Ring(), DropTurns())}

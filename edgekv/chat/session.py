@@ -96,30 +96,44 @@ class ChatSession:
 
     def reply(self, user: str, write=None):
         """Answer one user message; stream text pieces to `write`. Returns (text, Stats).
-        Ctrl-C (KeyboardInterrupt) stops the reply wherever it is; the cache stays consistent
-        because the sequence records only graph calls that completed."""
+        A turn is all or nothing: Ctrl-C (KeyboardInterrupt) or an error anywhere in it puts the
+        conversation back exactly as it was before it (messages, cache slots, ids, positions, the
+        sampler's state); an interrupted turn returns ("", stats with stop_reason "interrupted"),
+        an error is raised after the rollback."""
         write = write or (lambda s: None)
         st = Stats()
         t0 = time.perf_counter()
         dec = StreamDecoder(self.codec)
         pieces = []
+        before = (list(self.conv.messages), self.conv.dropped_turns, self.rng.bit_generator.state)
+        self.gen.begin_turn()
         try:
             target = self.policy.fit(self.conv, user, self.gen.seq, self.max_new)
-            self.last_prompt_ids = list(target)
             st.prompt_tokens = self._sync(target)  # only what the cache did not already hold
             st.prefill_s = time.perf_counter() - t0
             self._decode(st, dec, pieces, write, t0)
-        except KeyboardInterrupt:
+            tail = dec.flush()
+        except BaseException as e:
+            self._rollback(before)
+            if not isinstance(e, KeyboardInterrupt):
+                raise
             st.stop_reason = "interrupted"
-        tail = dec.flush()
+            self.last = st
+            return "", st
+        self.gen.end_turn()
         if tail:
             pieces.append(tail)
             write(tail)
         text = "".join(pieces)
-        if st.prefill_s or text:  # a turn interrupted before it was even read is not recorded
-            self.conv.add_exchange(user, text)
+        self.conv.add_exchange(user, text)
+        self.last_prompt_ids = list(target)
         self.last = st
         return text, st
+
+    def _rollback(self, before) -> None:
+        self.gen.rollback()
+        self.conv.messages, self.conv.dropped_turns, self.rng.bit_generator.state = \
+            before[0], before[1], before[2]
 
     def _decode(self, st: Stats, dec: StreamDecoder, pieces: list, write, t0: float) -> None:
         for tok in self.gen.decode(self._logits, self.max_new, self.params, self.rng, self.codec.stop_ids,
@@ -140,6 +154,17 @@ class ChatSession:
         self.conv.messages = []
         self.gen.reset()
         self.policy.prepare(self.gen.seq, self.codec, self.system)  # the system prompt may have changed
+
+    def set_system(self, text: str | None) -> None:
+        """A new system prompt resets the conversation; one the policy refuses changes nothing."""
+        before = (self.system, list(self.conv.messages), self.gen.seq.checkpoint())
+        self.system = text
+        try:
+            self.reset()  # reset moves no KV data: going back is the sequence's checkpoint
+        except EdgeKVError:
+            self.system, self.conv.messages = before[0], before[1]
+            self.gen.seq.rollback(before[2])
+            raise
 
     # -- persistence (persistence.py)
     def warm_system(self, prompt_cache: str | None) -> str:

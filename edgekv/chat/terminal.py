@@ -51,6 +51,9 @@ def chat_loop(args, rt, explain) -> int:
         print(f"edgekv chat — {rt.bundle.manifest.get('name', rt.bundle.path.name)}, KV {rt.bundle.scheme.name}, "
               f"ctx {gen.cache.capacity}. /help for commands, Ctrl-D to quit.", file=sys.stderr)
     dim = ("\033[2m", "\033[0m") if sys.stderr.isatty() else ("", "")
+    # bytes that are not UTF-8 come through as surrogates: such a line is refused, not fatal
+    if hasattr(sys.stdin, "reconfigure"):
+        sys.stdin.reconfigure(errors="surrogateescape")
     while True:
         try:
             line = input("> " if interactive else "")
@@ -61,6 +64,9 @@ def chat_loop(args, rt, explain) -> int:
         except KeyboardInterrupt:
             print("\n(Ctrl-D or /quit to exit)", file=sys.stderr)
             continue
+        if not is_utf8(line):
+            print("error: that line is not valid UTF-8; it was skipped", file=sys.stderr, flush=True)
+            continue
         line = line.strip()
         if not line:
             continue
@@ -70,7 +76,14 @@ def chat_loop(args, rt, explain) -> int:
             continue
         out = sys.stdout
         write = (lambda s: (out.write(s), out.flush())) if not args.json else None
-        text, st = session.reply(line, write)
+        try:
+            text, st = session.reply(line, write)
+        except EdgeKVError as e:  # the turn was rolled back: the conversation is as before it
+            if not args.json:
+                out.write("\n")  # end a reply that had started streaming
+                out.flush()
+            print(f"error: {explain(e)}", file=sys.stderr, flush=True)
+            continue
         if args.json:
             print(json.dumps({"user": line, "text": text, **stats_record(st, gen.cache, gen.seq),
                               "dropped_turns": session.dropped_turns, "context": args.context}), flush=True)
@@ -78,8 +91,16 @@ def chat_loop(args, rt, explain) -> int:
             out.write("\n")
             out.flush()
             if st.stop_reason == "interrupted":
-                print("[stopped]", file=sys.stderr)
+                print("[stopped] (the turn is discarded; the conversation is as before it)", file=sys.stderr)
             print(f"{dim[0]}{session_stats(session)}{dim[1]}", file=sys.stderr, flush=True)
+
+
+def is_utf8(line: str) -> bool:
+    try:
+        line.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def handle_command(s: ChatSession, line: str, explain=EdgeKVError.explain):
@@ -100,8 +121,7 @@ def handle_command(s: ChatSession, line: str, explain=EdgeKVError.explain):
             if not arg:
                 print(f"(system prompt: {s.system!r}; /system TEXT sets it)", file=err)
             else:
-                s.system = arg
-                s.reset()
+                s.set_system(arg)
                 print("(system prompt set; conversation reset)", file=err)
         elif cmd == "/stats":
             print(session_stats(s), file=err)

@@ -4,8 +4,10 @@ The manifest is the only thing the runtime trusts about a bundle. It is versione
 version is refused, not guessed at."""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +22,9 @@ DTYPES = ("float32", "float16")  # a bundle's weights and compute dtype
 # the manifest's parity row (parity.outputs) whose tolerance other backends are held to: decode
 # logits, set by the exporter from the scheme's measured quantization noise
 PARITY_LOGITS = "logits (decode)"
+MAX_MANIFEST = 16 << 20  # bytes: a manifest is a few KiB (its chat template the most of it)
+RACY_NS = 2 * 10**9  # a file modified less than this long ago is hashed again next time (timestamp granularity)
+VERIFIED = ".edgekv-verified.json"  # `edgekv verify`'s memory of the files it hashed (not part of the bundle)
 
 
 def io_names(n_layers: int, scheme: KVScheme) -> dict[str, list[str]]:
@@ -79,10 +84,151 @@ class Bundle:
         return self.scheme.bytes_per_token(m["n_layers"], m["n_kv_heads"], m["head_dim"], fb)
 
 
-_REQUIRED = ("format_version", "model", "kv", "dtype", "max_context", "files", "special", "io")
+# -- the manifest's schema: one row per key (dotted path), easy to extend ---------------------------
+# Limits are resource limits as much as sanity checks: nothing a bundle says may make the runtime
+# allocate more than the bounds allow before the memory check (edgekv/runtime/cache.py).
+@dataclass(frozen=True)
+class Field:
+    path: str  # "model.n_layers"
+    types: tuple  # accepted JSON types (bool is never an int here)
+    required: bool = True
+    lo: float | None = None  # numbers: inclusive range
+    hi: float | None = None
+    choices: tuple | None = None
+    item: type | None = None  # lists and dicts: the type of every item (dicts: of every value)
+
+
+LIMITS = {"n_layers": 1024, "n_heads": 4096, "head_dim": 4096, "vocab_size": 1 << 22, "hidden_size": 1 << 17,
+          "max_context": 1 << 22, "chat_template": 1 << 20}
+_NUM = (int, float)
+SCHEMA = (
+    Field("format_version", (int,)),
+    Field("name", (str,), required=False),
+    Field("exporter", (dict,), required=False),
+    Field("exporter.source_key", (str,), required=False),  # the slow tests' bundle reuse (tests/conftest.py)
+    Field("source", (dict,)),
+    Field("source.sha256", (str, type(None)), required=False),
+    Field("model", (dict,)),
+    Field("model.arch", (str,)),
+    Field("model.vocab_size", (int,), lo=1, hi=LIMITS["vocab_size"]),
+    Field("model.hidden_size", (int,), required=False, lo=1, hi=LIMITS["hidden_size"]),
+    Field("model.n_layers", (int,), lo=1, hi=LIMITS["n_layers"]),
+    Field("model.n_heads", (int,), lo=1, hi=LIMITS["n_heads"]),
+    Field("model.n_kv_heads", (int,), lo=1, hi=LIMITS["n_heads"]),
+    Field("model.head_dim", (int,), lo=1, hi=LIMITS["head_dim"]),
+    Field("model.rope_theta", _NUM, required=False, lo=0),
+    Field("dtype", (str,), choices=DTYPES),
+    Field("max_context", (int,), lo=1, hi=LIMITS["max_context"]),
+    Field("kv", (dict,)),
+    Field("kv.scheme", (str,)),
+    Field("io", (dict,)),
+    Field("files", (dict,)),
+    Field("files.onnx", (str,)),
+    Field("files.tokenizer", (str,)),
+    Field("files.sizes", (dict,), required=False, item=int),
+    Field("files.sha256", (dict,), required=False, item=str),
+    Field("special", (dict,)),
+    Field("special.stop_token_ids", (list,), required=False, item=int),
+    Field("special.bos_token", (str, type(None)), required=False),
+    Field("special.eos_token", (str, type(None)), required=False),
+    Field("chat_template", (str, type(None)), required=False, hi=LIMITS["chat_template"]),
+    Field("parity", (dict,), required=False),
+)
+
+
+def _lookup(man: dict, path: str):
+    """(found, value) of a dotted path."""
+    node = man
+    for key in path.split("."):
+        if not isinstance(node, dict) or key not in node:
+            return False, None
+        node = node[key]
+    return True, node
+
+
+def _is(value, types: tuple) -> bool:
+    if isinstance(value, bool):  # JSON true/false are never numbers here
+        return bool in types
+    return isinstance(value, types)
+
+
+def check_schema(man: dict) -> str | None:
+    """What is wrong with the manifest by SCHEMA (None if nothing)."""
+    for f in SCHEMA:
+        found, v = _lookup(man, f.path)
+        if not found:
+            if f.required:
+                return f"missing {f.path}"
+            continue
+        if not _is(v, f.types):
+            return f"{f.path} is {type(v).__name__}, not {' or '.join(t.__name__ for t in f.types)}"
+        if f.choices is not None and v not in f.choices:
+            return f"{f.path} is {v!r}, not one of {', '.join(map(str, f.choices))}"
+        if _is(v, _NUM) and not isinstance(v, bool):
+            if v != v or (f.lo is not None and v < f.lo) or (f.hi is not None and v > f.hi):
+                return f"{f.path} = {v} is outside {f.lo}..{f.hi if f.hi is not None else ''}"
+        if isinstance(v, str) and f.hi is not None and len(v) > f.hi:
+            return f"{f.path} is longer than {f.hi} characters"
+        if f.item is not None:
+            items = v.values() if isinstance(v, dict) else v
+            if not all(_is(x, (f.item,)) for x in items):
+                return f"{f.path} holds items that are not {f.item.__name__}"
+    return None
+
+
+def check_consistency(man: dict) -> str | None:
+    """Cross-field rules the schema's rows cannot say (None if all hold)."""
+    m = man["model"]
+    if m["n_heads"] % m["n_kv_heads"]:
+        return f"model.n_heads {m['n_heads']} is not a multiple of model.n_kv_heads {m['n_kv_heads']}"
+    try:
+        scheme = get_scheme(man["kv"]["scheme"])
+    except ValueError as e:
+        return str(e)
+    if man["io"] != io_names(m["n_layers"], scheme):
+        return "io does not match the model's layers and KV scheme"
+    vocab = m["vocab_size"]
+    if any(not 0 <= t < vocab for t in man["special"].get("stop_token_ids") or []):
+        return f"special.stop_token_ids outside the vocabulary of {vocab}"
+    sizes = man["files"].get("sizes", {})
+    if any(v < 0 for v in sizes.values()):
+        return "files.sizes holds a negative size"
+    if any(len(h) != 64 or set(h) - set("0123456789abcdef") for h in man["files"].get("sha256", {}).values()):
+        return "files.sha256 holds a value that is not a sha256"
+    return None
+
+
+def file_names(man: dict) -> list[str]:
+    """Every file name the manifest gives (each must be inside the bundle)."""
+    f = man["files"]
+    return list(dict.fromkeys([f["onnx"], f["tokenizer"], *f.get("sizes", {}), *f.get("sha256", {})]))
+
+
+def inside(folder: Path, name: str) -> Path | None:
+    """`folder / name` if `name` is a plain relative name that stays inside `folder` (symlinks
+    resolved); None otherwise."""
+    if not name or name.startswith(("/", "\\")) or os.path.isabs(name) or "\x00" in name:
+        return None
+    parts = Path(name).parts
+    if ".." in parts or not parts:
+        return None
+    p = folder / name
+    root = os.path.realpath(folder)
+    real = os.path.realpath(p)
+    return p if real == root or real.startswith(root + os.sep) else None
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def load_bundle(path: str | os.PathLike) -> Bundle:
+    """Read the manifest and check everything that is cheap: the schema, the cross-field rules,
+    file names inside the folder and their sizes (hashes: `verify`)."""
     path = Path(path)
     if not path.exists():
         raise BundleError(f"{path}: no such bundle (export one with `edgekv export`)")
@@ -91,22 +237,23 @@ def load_bundle(path: str | os.PathLike) -> Bundle:
     mpath = path / MANIFEST
     if not mpath.is_file():
         raise BundleError(f"{path}: not an edgekv bundle (no {MANIFEST})")
+    if mpath.stat().st_size > MAX_MANIFEST:
+        raise BundleError(f"{mpath}: corrupt manifest (larger than {MAX_MANIFEST >> 20} MiB)")
     try:
-        man = json.loads(mpath.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BundleError(f"{mpath}: corrupt manifest ({e})") from None
+        man = json.loads(mpath.read_text(encoding="utf-8"))
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise BundleError(f"{mpath}: corrupt manifest ({str(e)[:120]})") from None
     if not isinstance(man, dict) or "format_version" not in man:
         raise BundleError(f"{mpath}: not an edgekv manifest (no format_version)")
     if man["format_version"] != FORMAT_VERSION:
-        raise BundleError(f"{mpath}: bundle format_version {man['format_version']!r} is not supported by this "
-                          f"edgekv (reads version {FORMAT_VERSION}); re-export the model with this version (edgekv export)")
-    missing = [k for k in _REQUIRED if k not in man]
-    if missing:
-        raise BundleError(f"{mpath}: corrupt manifest (missing {', '.join(missing)})")
-    try:
-        get_scheme(man["kv"]["scheme"])
-    except (ValueError, KeyError, TypeError) as e:
-        raise BundleError(f"{mpath}: {e}") from None
+        raise BundleError(f"{mpath}: bundle format_version {repr(man['format_version'])[:20]} is not supported by "
+                          f"this edgekv (reads version {FORMAT_VERSION}); re-export the model with this version (edgekv export)")
+    problem = check_schema(man) or check_consistency(man)
+    if problem:
+        raise BundleError(f"{mpath}: corrupt manifest ({problem})")
+    for name in file_names(man):
+        if inside(path, name) is None:
+            raise BundleError(f"{mpath}: corrupt manifest (file {name[:80]!r} is not inside the bundle)")
     b = Bundle(path, man)
     for key, size in man["files"].get("sizes", {}).items():
         f = path / key
@@ -115,3 +262,33 @@ def load_bundle(path: str | os.PathLike) -> Bundle:
         if f.stat().st_size != size:
             raise BundleError(f"{path}: corrupt bundle ({key} is {f.stat().st_size} bytes, manifest says {size})")
     return b
+
+
+def verify_files(b: Bundle, known: dict | None = None) -> tuple[int, dict]:
+    """Hash every file the manifest has a sha256 for; a BundleError names the first that differs.
+    `known`: name -> [stamp, sha256] from an earlier run; a file whose stamp (size, mtime, ctime,
+    inode) is unchanged is not hashed again. Returns (files hashed now, the new `known`)."""
+    hashes = b.manifest["files"].get("sha256")
+    if not hashes:
+        raise BundleError(f"{b.path}: the manifest has no sha256 per file (exported by an older edgekv); "
+                          f"re-export it to be able to verify it")
+    missing = set(b.manifest["files"].get("sizes", {})) - set(hashes)
+    if missing:
+        raise BundleError(f"{b.path}: corrupt manifest (no sha256 for {', '.join(sorted(missing))})")
+    known, hashed = dict(known or {}), 0
+    for name, want in sorted(hashes.items()):
+        f = b.path / name
+        if not f.is_file():
+            raise BundleError(f"{b.path}: corrupt bundle ({name} is missing)")
+        st = f.stat()
+        stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino]
+        if known.get(name) != [stamp, want]:
+            got = file_sha256(f)
+            hashed += 1
+            if got != want:
+                known.pop(name, None)
+                raise BundleError(f"{b.path}: corrupt bundle ({name} does not match its sha256: the file was "
+                                  f"changed or damaged; re-export or copy the bundle again)")
+            if time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > RACY_NS:
+                known[name] = [stamp, want]  # a file changed just now could change again within the same tick
+    return hashed, known

@@ -58,6 +58,32 @@ class Generator:
         self.backend, self.cache = backend, cache
         self.seq = seq if seq is not None else cache.new_sequence()
         self.prefill_chunk = min(prefill_chunk, backend.max_tokens_per_call)
+        self._turn = None  # an open turn (begin_turn): the sequence's checkpoint and overwritten slots
+
+    # -- turns: what a turn changes can be undone exactly (an interrupted or failed chat turn)
+    def begin_turn(self) -> None:
+        """Remember the sequence now; `rollback` returns to it, slots included. The slots it holds
+        are copied once, and only if a call of this turn is about to overwrite one of them
+        (a ring that wraps, a prefill after a truncate); appending copies nothing."""
+        self._turn = {"seq": self.seq.checkpoint(), "n": self.seq.n, "slots": None}
+
+    def end_turn(self) -> None:
+        self._turn = None
+
+    def rollback(self) -> None:
+        """Back to the state at `begin_turn`: the overwritten slots and the sequence."""
+        turn, self._turn = self._turn, None
+        if turn is None:
+            return
+        if turn["slots"] is not None:
+            self.cache.write(turn["slots"])
+        self.seq.rollback(turn["seq"])
+
+    def _protect(self) -> None:
+        """Before a call writes at the write slot: copy the turn's held slots if it is among them."""
+        turn = self._turn
+        if turn is not None and turn["slots"] is None and self.seq.w < turn["n"]:
+            turn["slots"] = self.cache.read(turn["n"])
 
     def reset(self, pos: int = 0) -> None:
         self.seq.reset(pos)
@@ -72,13 +98,18 @@ class Generator:
     def restore(self, snap: dict[str, np.ndarray], ids: list[int], w: int | None = None) -> None:
         """Continue a saved sequence: its slots, the token ids it was fed and a wrapped ring's write slot."""
         n = self.cache.slots_in(snap)
-        self.seq.restore(n, ids, w)
+        self.seq.check_restore(n, ids, w)  # both checked before either changes
         self.cache.write(snap)
+        self.seq.restore(n, ids, w)
 
     def _call(self, ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
         """One graph call: ids [1, S] at the sequence's write slot; logits [1, K, V] of the rows asked for."""
         self.seq.check_write(ids.shape[1])
+        self._protect()
         logits = self.backend.run(self.cache, self.seq, ids, logits_index)
+        if not np.isfinite(logits).all():  # damaged weights or an overflow: never sample from it
+            raise EdgeKVError("the model produced non-finite logits (NaN or infinity); the bundle's weights may "
+                              "be damaged: check them with `edgekv verify BUNDLE`")
         self.seq.advance(ids[0])
         return logits
 

@@ -159,9 +159,8 @@ class Sequence:
         self._n = self._w = n
         del self._ids[n:]
 
-    def restore(self, n: int, ids: list[int], w: int | None = None) -> None:
-        """Take the state of a saved sequence whose first n slots were just restored: the token
-        ids it had been fed (from position 0) and, for a ring that had wrapped, its write slot."""
+    def check_restore(self, n: int, ids: list[int], w: int | None = None) -> None:
+        """`restore` would accept this saved state (an error saying why not; nothing changes)."""
         if n > self.capacity:
             raise ContextOverflow(f"snapshot holds {n} tokens, more than the cache capacity {self.capacity}",
                                   setting="capacity", fix="raise {}")
@@ -172,7 +171,23 @@ class Sequence:
                 raise EdgeKVError("snapshot holds more slots than token ids")
         elif len(ids) != n:  # slot i holds the token fed at position i
             raise EdgeKVError(f"snapshot holds {n} slots but {len(ids)} token ids")
+        if len(ids) > self.max_positions:
+            raise ContextOverflow(f"snapshot holds {len(ids)} positions, more than the {self.max_positions} "
+                                  f"this bundle was verified for")
+
+    def restore(self, n: int, ids: list[int], w: int | None = None) -> None:
+        """Take the state of a saved sequence whose first n slots were just restored: the token
+        ids it had been fed (from position 0) and, for a ring that had wrapped, its write slot."""
+        self.check_restore(n, ids, w)
         self._n = n
         self._w = n if w is None else w
         self._ids = [int(t) for t in ids]
         self._pos = len(self._ids)  # positions run with the conversation, also past a ring's wrap
+
+    def checkpoint(self) -> tuple:
+        """Everything this sequence says, to go back to with `rollback`."""
+        return self._n, self._w, self._pos, list(self._ids), self._sinks
+
+    def rollback(self, cp: tuple) -> None:
+        self._n, self._w, self._pos, ids, self._sinks = cp
+        self._ids = list(ids)

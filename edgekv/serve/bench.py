@@ -14,6 +14,7 @@ import uuid
 import numpy as np
 
 from edgekv.errors import EdgeKVError, note
+from edgekv.format.files import write_text
 
 TOPICS = ["a robot that learns to paint", "a train crossing the desert", "a lighthouse keeper", "tea in Kyoto",
           "a city under the sea", "the first moon base", "a lost violin", "a clockmaker's apprentice"]
@@ -115,7 +116,7 @@ async def soak(url: str, n: int) -> None:
 def cmd_bench_serve(args) -> int:
     from edgekv.serve.server import BackgroundServer, build, open_serving_runtime
 
-    levels = [int(x) for x in args.clients.split(",")]
+    levels = args.clients  # a list (cli.int_list)
     rt = open_serving_runtime(args.bundle, args.ctx, args.backend, args.threads)
     engine, srv, pid = None, None, None
     if args.url:
@@ -153,6 +154,5 @@ def cmd_bench_serve(args) -> int:
         r["vs_one_client"] = r["aggregate_tps"] / base if base else 0.0
     print(json.dumps(res, indent=1))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=1)
+        write_text(args.json, json.dumps(res, indent=1))  # atomic, regular files only (format/files.py)
     return 0

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 
 from edgekv.errors import EdgeKVError, note
+from edgekv.format.files import write_text
 from edgekv.format.bundle import load_bundle
 from edgekv.runtime.assemble import Runtime, open_runtime
 from edgekv.runtime.backends import default_threads
@@ -180,9 +181,7 @@ def cmd_bench(args) -> int:
     bundle = load_bundle(args.bundle)
     gguf = llama_cpp_gguf(args.llama_cpp) if args.llama_cpp is not None else None  # refused before any timing
     threads = args.threads or default_threads()
-    caps = [int(x) for x in args.capacities.split(",")]
-    lens = [int(x) for x in args.prompt_lengths.split(",")]
-    fills = [int(x) for x in args.fill.split(",")]
+    caps, lens, fills = args.capacities, args.prompt_lengths, args.fill  # lists (cli.int_list)
     big = max(caps)
     res = {"bundle": str(bundle.path), "kv_scheme": bundle.scheme.name, "threads": threads,
            "kv_bytes_per_token": bundle.kv_bytes_per_token(), "runs": []}
@@ -266,6 +265,6 @@ def bench(args, rt: Runtime, res: dict, configs: list, caps: list[int], fills: l
           f"({r['rss_growth_mib']:+.2f} MiB); peak RSS {res['peak_rss_mib']:.0f} MiB")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=1))
+        write_text(args.json, json.dumps(res, indent=1))
         note(f"  wrote {args.json}")
     return 0

@@ -25,6 +25,7 @@ from edgekv.chat.conversation import Conversation, common_prefix, sink_count
 from edgekv.chat.policies import DropTurns
 from edgekv.chat.session import ChatSession
 from edgekv.errors import EdgeKVError, note
+from edgekv.format.files import write_text
 from edgekv.format.bundle import load_bundle
 from edgekv.runtime.assemble import open_runtime
 from edgekv.runtime.generate import Generator
@@ -182,6 +183,6 @@ def cmd_eval_context(args) -> int:
     res = evaluate_context(args.bundle, args.ctx, args.turns, args.reply_tokens, args.system, args.sinks, args.threads)
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(res, indent=1))
+        write_text(args.json, json.dumps(res, indent=1))
         note(f"wrote {args.json}")
     return 0

@@ -9,6 +9,7 @@ scheme is compared with them: KL divergence, top-1 agreement, ΔPPL."""
 from __future__ import annotations
 
 import csv
+import io
 import json
 import math
 import sys
@@ -19,6 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from edgekv.errors import EdgeKVError, note
+from edgekv.format.files import atomic_open, write_bytes, write_text
 from edgekv.format.bundle import Bundle, load_bundle
 from edgekv.format.kvschemes import float16_bytes_per_token
 from edgekv.runtime.assemble import open_runtime
@@ -164,13 +166,13 @@ def write_outputs(res: dict, json_path: str | None, plot_path: str | None) -> li
     if json_path:
         base = Path(json_path)
         base.parent.mkdir(parents=True, exist_ok=True)
-        base.write_text(json.dumps(res, indent=1))
+        write_text(base, json.dumps(res, indent=1))
         stem = base.with_suffix("")
-        with open(stem.with_suffix(".csv"), "w", newline="") as f:
+        with atomic_open(stem.with_suffix(".csv"), "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(res["results"][0]))
             w.writeheader()
             w.writerows(res["results"])
-        stem.with_suffix(".md").write_text(markdown_table(res))
+        write_text(stem.with_suffix(".md"), markdown_table(res))
         written += [str(base), str(stem.with_suffix(".csv")), str(stem.with_suffix(".md"))]
     if plot_path:
         plot(res, plot_path)
@@ -218,8 +220,10 @@ def plot(res: dict, path: str) -> None:
     ax.set_xlim(0, max(1.2, max(r["kv_vs_fp16"] for r in res["results"]) * 1.45))
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    png = io.BytesIO()
+    fig.savefig(png, format="png")
     plt.close(fig)
+    write_bytes(path, png.getvalue())
 
 
 def cmd_eval(args) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from edgekv.errors import BackendUnavailable, EdgeKVError
+from edgekv.errors import BackendUnavailable, BundleError, EdgeKVError
 from edgekv.format.bundle import Bundle
 from edgekv.runtime.backends.base import Backend
 from edgekv.runtime.backends.ort import OrtBackend, OrtCudaBackend
@@ -23,9 +23,9 @@ def make_backend(name: str, bundle: Bundle, threads: int | None = None, max_logi
     covers `ctx`, else ort-cuda when onnxruntime has CUDA, else ort-cpu. `log` gets one line
     saying why a better backend was passed over."""
     if name == "ort-cpu":
-        return OrtBackend(bundle, threads, max_logits_rows)
+        return check_graph(OrtBackend(bundle, threads, max_logits_rows), bundle)
     if name == "ort-cuda":
-        return OrtCudaBackend(bundle, threads, max_logits_rows)
+        return check_graph(OrtCudaBackend(bundle, threads, max_logits_rows), bundle)
     if name == "trt":
         from edgekv.runtime.backends.trt import TrtBackend
         return TrtBackend(bundle, ctx or default_capacity(bundle), max_logits_rows)
@@ -40,7 +40,35 @@ def make_backend(name: str, bundle: Bundle, threads: int | None = None, max_logi
     if log and skipped and _looks_like_gpu_box():
         for why in skipped:
             log(f"auto backend: {why}")
-    return OrtBackend(bundle, threads, max_logits_rows)
+    return check_graph(OrtBackend(bundle, threads, max_logits_rows), bundle)
+
+
+# numpy dtype name -> onnxruntime's type string of a graph input
+ORT_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "int8": "tensor(int8)", "uint8": "tensor(uint8)"}
+
+
+def check_graph(backend, bundle: Bundle):
+    """The graph says what the manifest says: the logits' vocabulary, and each cache input's dtype
+    from the KV scheme and the bundle's dtype (a manifest edited or mixed up with another graph
+    fails here with one line, not in the middle of a call)."""
+    session = getattr(backend, "session", None)
+    if session is None:
+        return backend
+    where = f"{bundle.path}: corrupt bundle"
+    logits = {o.name: o for o in session.get_outputs()}.get("logits")
+    vocab = bundle.model["vocab_size"]
+    dim = logits.shape[-1] if logits is not None and logits.shape else None
+    if logits is None or (isinstance(dim, int) and dim != vocab):  # a named (dynamic) dim is not checked
+        raise BundleError(f"{where} (the graph's logits have {dim} entries per token, the manifest's "
+                          f"vocab_size is {vocab})")
+    for i in session.get_inputs():
+        if i.name.startswith("past."):
+            spec = bundle.scheme.spec_of(i.name)
+            want = ORT_TYPES.get(bundle.dtype if spec.dtype == "float" else spec.dtype)
+            if i.type != want:
+                raise BundleError(f"{where} ({i.name} is {i.type} in the graph; the manifest's KV scheme "
+                                  f"{bundle.scheme.name} and dtype {bundle.dtype} need {want})")
+    return backend
 
 
 def _looks_like_gpu_box() -> bool:

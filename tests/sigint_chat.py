@@ -1,0 +1,45 @@
+"""Runs `edgekv chat` with a slowed backend and a small prefill chunk, so a test can send a real
+SIGINT in the middle of a multi-chunk prefill or of a decode (tests/test_hardening.py).
+
+Each graph call prints `CALL <kind> <n>` on stderr before it runs (kind: prefill or decode, n:
+its number in this turn), then sleeps SLOW seconds for turns whose message starts with "SLOW"."""
+import sys
+import time
+
+from edgekv.cli import main
+from edgekv.runtime import assemble
+from edgekv.runtime.backends.ort import OrtBackend
+
+CHUNK, SLOW = 8, 0.25
+turn = {"slow": False, "prefill": 0, "decode": 0}
+_generator, _run = assemble.Runtime.generator, OrtBackend.run
+
+
+def generator(self, capacity=None, prefill_chunk=256, cache=None):
+    return _generator(self, capacity, CHUNK, cache)
+
+
+def run(self, cache, seq, ids, logits_index):
+    kind = "prefill" if ids.shape[1] > 1 else "decode"
+    turn[kind] += 1
+    if turn["slow"]:
+        print(f"CALL {kind} {turn[kind]}", file=sys.stderr, flush=True)
+        time.sleep(SLOW)
+    return _run(self, cache, seq, ids, logits_index)
+
+
+_input = input
+
+
+def read_line(prompt=""):
+    line = _input(prompt)
+    turn.update(slow=line.startswith("SLOW"), prefill=0, decode=0)
+    return line
+
+
+assemble.Runtime.generator = generator
+OrtBackend.run = run
+import builtins  # noqa: E402
+
+builtins.input = read_line
+sys.exit(main(["chat", *sys.argv[1:]]))
