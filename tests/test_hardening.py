@@ -191,7 +191,11 @@ def test_interrupted_decode_and_prefill_leave_the_conversation_exactly_as_before
     assert s.reply("And of Germany?")[0] == t.reply("And of Germany?")[0]
 
 
-def test_interrupted_turn_in_a_wrapped_ring_puts_the_overwritten_slots_back(tiny_bundle_int8):
+@pytest.mark.parametrize("rows", [True, False], ids=["slot-ranges", "whole-cache"])
+def test_interrupted_turn_in_a_wrapped_ring_puts_the_overwritten_slots_back(tiny_bundle_int8, rows, monkeypatch):
+    """Host memory copies only the overwritten slots; a memory without row ranges, all held ones."""
+    if not rows:
+        monkeypatch.setattr(KVCache, "reads_rows", property(lambda self: False))
     s = session(tiny_bundle_int8, ctx=64, max_new=16, context="ring", chunk=8)
     while not s.gen.seq.wrapped:
         s.reply("Tell me about trains.")

@@ -79,6 +79,20 @@ class KVCache:
         """Host copies of the first n slots of every buffer (a snapshot)."""
         return {name: self.memory.read(buf, n) for name, buf in self.buffers.items()}
 
+    @property
+    def reads_rows(self) -> bool:
+        """The memory copies slot ranges (`read_rows` / `write_rows`, optional in KVMemory)."""
+        return hasattr(self.memory, "read_rows") and hasattr(self.memory, "write_rows")
+
+    def read_rows(self, start: int, stop: int) -> dict[str, np.ndarray]:
+        """Host copies of slots [start, stop) of every buffer."""
+        return {name: self.memory.read_rows(buf, start, stop) for name, buf in self.buffers.items()}
+
+    def write_rows(self, start: int, rows: dict[str, np.ndarray]) -> None:
+        """Copy `rows` (from read_rows) back to the slots from `start` on."""
+        for name, buf in self.buffers.items():
+            self.memory.write_rows(buf, start, rows[name])
+
     def slots_in(self, snap: dict[str, np.ndarray]) -> int:
         """The slots a snapshot holds; an error unless it fits this cache's layout."""
         n = {v.shape[0] for v in snap.values()}

@@ -62,10 +62,13 @@ class Generator:
 
     # -- turns: what a turn changes can be undone exactly (an interrupted or failed chat turn)
     def begin_turn(self) -> None:
-        """Remember the sequence now; `rollback` returns to it, slots included. The slots it holds
-        are copied once, and only if a call of this turn is about to overwrite one of them
-        (a ring that wraps, a prefill after a truncate); appending copies nothing."""
-        self._turn = {"seq": self.seq.checkpoint(), "n": self.seq.n, "slots": None}
+        """Remember the sequence now; `rollback` returns to it, slots included. Before a call of
+        the turn overwrites slots the sequence held (a ring that wraps, a prefill after a
+        truncate), those slots are copied: just them where the memory reads row ranges (host
+        memory), else all held slots once. Appending copies nothing."""
+        n = self.seq.n
+        self._turn = {"seq": self.seq.checkpoint(), "n": n, "rows": [], "saved": np.zeros(n, np.bool_),
+                      "whole": None}
 
     def end_turn(self) -> None:
         self._turn = None
@@ -75,15 +78,35 @@ class Generator:
         turn, self._turn = self._turn, None
         if turn is None:
             return
-        if turn["slots"] is not None:
-            self.cache.write(turn["slots"])
+        if turn["whole"] is not None:
+            self.cache.write(turn["whole"])
+        for start, rows in turn["rows"]:
+            self.cache.write_rows(start, rows)
         self.seq.rollback(turn["seq"])
 
-    def _protect(self) -> None:
-        """Before a call writes at the write slot: copy the turn's held slots if it is among them."""
+    def _protect(self, s: int) -> None:
+        """Before a call writes slots [w, w + s): copy those the turn's start held, once each."""
         turn = self._turn
-        if turn is not None and turn["slots"] is None and self.seq.w < turn["n"]:
-            turn["slots"] = self.cache.read(turn["n"])
+        if turn is None or turn["whole"] is not None:
+            return
+        lo, hi = self.seq.w, min(self.seq.w + s, turn["n"])
+        if lo >= hi:
+            return
+        if not self.cache.reads_rows:
+            turn["whole"] = self.cache.read(turn["n"])
+            return
+        saved = turn["saved"]
+        i = lo
+        while i < hi:  # each run of slots not copied yet
+            if saved[i]:
+                i += 1
+                continue
+            j = i
+            while j < hi and not saved[j]:
+                j += 1
+            turn["rows"].append((i, self.cache.read_rows(i, j)))
+            saved[i:j] = True
+            i = j
 
     def reset(self, pos: int = 0) -> None:
         self.seq.reset(pos)
@@ -105,7 +128,7 @@ class Generator:
     def _call(self, ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
         """One graph call: ids [1, S] at the sequence's write slot; logits [1, K, V] of the rows asked for."""
         self.seq.check_write(ids.shape[1])
-        self._protect()
+        self._protect(ids.shape[1])
         logits = self.backend.run(self.cache, self.seq, ids, logits_index)
         if not np.isfinite(logits).all():  # damaged weights or an overflow: never sample from it
             raise EdgeKVError("the model produced non-finite logits (NaN or infinity); the bundle's weights may "

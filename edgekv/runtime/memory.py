@@ -63,3 +63,10 @@ class HostMemory:
 
     def write(self, buf: np.ndarray, arr: np.ndarray) -> None:
         buf[: len(arr)] = arr
+
+    # optional in KVMemory: slot ranges, so a chat turn's undo copies only the slots it overwrites
+    def read_rows(self, buf: np.ndarray, start: int, stop: int) -> np.ndarray:
+        return buf[start:stop].copy()
+
+    def write_rows(self, buf: np.ndarray, start: int, arr: np.ndarray) -> None:
+        buf[start: start + len(arr)] = arr
