@@ -48,7 +48,8 @@ class OrtBackend:
     device = "cpu"
     ring_ok = True  # onnxruntime runs the ring's aliased past/present (the aliased slots are masked)
 
-    def __init__(self, bundle: Bundle, threads: int | None = None, max_logits_rows: int = 1):
+    def __init__(self, bundle: Bundle, threads: int | None = None, max_logits_rows: int = 1,
+                 matmul_accuracy: int = 4):
         ort = self.ort = _import_ort()
         self.check_available(ort)
         opts = ort.SessionOptions()
@@ -59,6 +60,9 @@ class OrtBackend:
         # onnxruntime caches a memory plan per input shape; the past length changes every step, so
         # the cache only grows (measured: +59 MiB over 600 decode steps) and is never reused
         opts.enable_mem_pattern = False
+        # quantized weights: DequantizeLinear -> MatMul runs fused as MatMulNBits; 4 = int8
+        # activations (llama.cpp's choice), 0 = float32 activations (the exporter's exact parity)
+        opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(matmul_accuracy))
         if not bundle.onnx_path.is_file():
             raise BundleError(f"{bundle.path}: corrupt bundle ({bundle.onnx_path.name} is missing)")
         try:

@@ -48,10 +48,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-text", default=None, metavar="FILE",
                    help="calibration text for int8-static / int8-tensor (default: docstrings of stdlib modules)")
     p.add_argument("--calib-tokens", type=int, default=4096, help="calibration tokens used at most")
-    p.add_argument("--out", default=None, help="bundle folder (default: models/bundles/NAME-KV)")
+    p.add_argument("--out", default=None, help="bundle folder (default: models/bundles/NAME-KV, + -wFORMAT for quantized weights)")
     p.add_argument("--max-context", type=int, default=None, help="longest context the bundle is verified for (default: recipe, else min(model, 4096))")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16"],
                    help="weights and compute dtype: float32 for CPU bundles, float16 for GPU (TensorRT) bundles")
+    p.add_argument("--weights", default="float", choices=["float", "int8", "int4"],
+                   help="stored weights: int4 keeps a GGUF's own Q4_0/Q4_1 blocks exactly (else symmetric groups with "
+                        "a clip search); int8 per output channel; the embedding/head at 8 bits (docs/weights.md)")
+    p.add_argument("--group", type=int, default=32, choices=[32, 64, 128],
+                   help="int4 group size along the input dimension, for weights requantized from float")
+    p.add_argument("--rtn", action="store_true",
+                   help="requantize int4 by plain round-to-nearest instead of the clip search (for comparison)")
     p.add_argument("--steps", type=int, default=32, help="decode steps in the parity check")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for the check")
 
@@ -188,7 +195,8 @@ def cmd_export(args) -> int:
         raise EdgeKVError(f"export needs the exporter's dependencies ({e.name} missing): "
                           "pip install -e '.[export]'") from None
     export_bundle(args.model, kv=args.kv, out=args.out, max_context=args.max_context, dtype=args.dtype,
-                  steps=args.steps, threads=args.threads, calib_text=args.calib_text, calib_tokens=args.calib_tokens)
+                  steps=args.steps, threads=args.threads, calib_text=args.calib_text, calib_tokens=args.calib_tokens,
+                  weights=args.weights, group=args.group, search=not args.rtn)
     return 0
 
 
