@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-WEIGHT_FORMATS = ("float", "int8", "int4")
+from edgekv.manifest import WEIGHT_FORMATS  # noqa: E402  (the runtime's list is the one truth)
 GROUPS = (32, 64, 128)
 CLIP_RATIOS = tuple(np.round(np.arange(1.0, 0.49, -0.05), 2))  # searched per group, best error kept
 
@@ -266,25 +266,23 @@ def _quantized_gather(node, name: str, q: QuantWeight, dtype, inits: list) -> li
     base = name.replace(".", "_")
     ids, out = node.input[1], node.output[0]
     n, k = q.codes.shape
-    inits.append(_int_tensor(base + "_q", q.codes, 8))
+    nb = 1 if q.block is None else k // q.block
+    # a block-wise table is stored [V, K/B, B] so that the gathered rows meet their scales without
+    # a Reshape between DequantizeLinear and Mul (onnxruntime's Q/DQ propagation mishandles that)
+    inits.append(_int_tensor(base + "_q", q.codes.reshape(n, nb, k // nb) if q.block else q.codes, 8))
     inits.append(numpy_helper.from_array(np.array(1.0, dtype), base + "_unit"))
     inits.append(numpy_helper.from_array(np.array(0, np.int8), base + "_zero"))
+    inits.append(numpy_helper.from_array(q.scales.astype(dtype).reshape(n, nb, 1) if q.block
+                                         else q.scales.astype(dtype).reshape(n, 1), base + "_scale"))
+    scaled = out if q.block is None else base + "_rows_bs"
     nodes = [helper.make_node("Gather", [base + "_q", ids], [base + "_rows_q"], axis=0, name=base + "_gather_q"),
              helper.make_node("DequantizeLinear", [base + "_rows_q", base + "_unit", base + "_zero"], [base + "_rows"],
-                              name=base + "_rows_dq")]
-    if q.block is None:
-        inits.append(numpy_helper.from_array(q.scales.astype(dtype).reshape(n, 1), base + "_scale"))
-        nodes += [helper.make_node("Gather", [base + "_scale", ids], [base + "_rows_scale"], axis=0, name=base + "_gather_s"),
-                  helper.make_node("Mul", [base + "_rows", base + "_rows_scale"], [out], name=base + "_scale_rows")]
-    else:
-        nb = k // q.block
-        inits.append(numpy_helper.from_array(q.scales.astype(dtype).reshape(n, nb, 1), base + "_scale"))
-        inits.append(numpy_helper.from_array(np.array([0, 0, nb, q.block], np.int64), base + "_blocks_shape"))
+                              name=base + "_rows_dq"),
+             helper.make_node("Gather", [base + "_scale", ids], [base + "_rows_scale"], axis=0, name=base + "_gather_s"),
+             helper.make_node("Mul", [base + "_rows", base + "_rows_scale"], [scaled], name=base + "_scale_rows")]
+    if q.block is not None:
         inits.append(numpy_helper.from_array(np.array([0, 0, k], np.int64), base + "_rows_shape"))
-        nodes += [helper.make_node("Gather", [base + "_scale", ids], [base + "_rows_scale"], axis=0, name=base + "_gather_s"),
-                  helper.make_node("Reshape", [base + "_rows", base + "_blocks_shape"], [base + "_rows_b"], name=base + "_to_blocks"),
-                  helper.make_node("Mul", [base + "_rows_b", base + "_rows_scale"], [base + "_rows_bs"], name=base + "_scale_rows"),
-                  helper.make_node("Reshape", [base + "_rows_bs", base + "_rows_shape"], [out], name=base + "_from_blocks")]
+        nodes.append(helper.make_node("Reshape", [scaled, base + "_rows_shape"], [out], name=base + "_from_blocks"))
     return nodes
 
 
