@@ -340,7 +340,7 @@ def quantize_model(model: Transformer, src: Source, weights: str, group: int, se
     state = {k: v.float().numpy() for k, v in src.state_dict.items() if v.dim() == 2}
     if src.config.tie_word_embeddings:  # the head is stored apart from the table (8-bit per channel vs blocks)
         state["lm_head.weight"] = state["embed.weight"]
-    log(f"quantizing weights to {weights}" + (f" (requantized groups of {group})" if weights == "int4" else "") + " ...")
+    log(f"quantizing weights to {weights}" + (f" (groups of {group} where requantized)" if weights == "int4" else "") + " ...")
     try:
         plan = plan_weights(state, src.blocks, weights, group, "embed.weight", "lm_head.weight", search)
     except ValueError as e:

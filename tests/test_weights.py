@@ -280,3 +280,22 @@ def test_real_model_own_4bit_weights_answers_paris(tmp_path):
     for _ in range(12):
         out.append(int(np.argmax(gen.decode_step(out[-1]))))
     assert "Paris" in codec.decode(out)
+
+
+def test_eval_reference_is_float_weights_and_shows_total_memory(weight_bundles, tiny_sources, tmp_path):
+    import io
+
+    from edgekv.evaluate import evaluate
+    from export.bundle import export_bundle
+
+    float_b = export_bundle(str(tiny_sources["llama"]), kv="float", out=str(tmp_path / "float"), max_context=128, steps=2)
+    quant_b = weight_bundles[("llama", "int4")]
+    res = evaluate([str(quant_b), str(float_b)], ctx=32, chunks=2, threads=1, out=io.StringIO())
+    assert res["reference"] == "float"  # listed second, chosen for its float weights
+    rows = {r["weights"]: r for r in res["results"]}
+    assert rows["float"]["kld_mean"] == 0 and rows["int4"]["kld_mean"] > 0
+    for fmt, b in (("float", float_b), ("int4", quant_b)):
+        disk = sum(f.stat().st_size for f in b.glob("model.onnx*"))
+        kv = load_bundle(b).kv_bytes_per_token() * 32
+        assert rows[fmt]["total_mib_at_ctx"] == pytest.approx((disk + kv) / 2**20)
+    assert rows["int4"]["weights_mib"] < 0.6 * rows["float"]["weights_mib"]
