@@ -59,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="int4 group size along the input dimension, for weights requantized from float")
     p.add_argument("--rtn", action="store_true",
                    help="requantize int4 by plain round-to-nearest instead of the clip search (for comparison)")
+    p.add_argument("--requantize", action="store_true",
+                   help="requantize from the dequantized float even where the source has its own blocks (for comparison)")
     p.add_argument("--steps", type=int, default=32, help="decode steps in the parity check")
     p.add_argument("--threads", type=int, default=None, help="CPU threads for the check")
 
@@ -196,7 +198,7 @@ def cmd_export(args) -> int:
                           "pip install -e '.[export]'") from None
     export_bundle(args.model, kv=args.kv, out=args.out, max_context=args.max_context, dtype=args.dtype,
                   steps=args.steps, threads=args.threads, calib_text=args.calib_text, calib_tokens=args.calib_tokens,
-                  weights=args.weights, group=args.group, search=not args.rtn)
+                  weights=args.weights, group=args.group, search=not args.rtn, requantize=args.requantize)
     return 0
 
 

@@ -242,7 +242,8 @@ def verify(model: Transformer, bundle_dir: Path, prompt: list[int], steps: int, 
 def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = None,
                   max_context: int | None = None, dtype: str = "float32", steps: int = 32,
                   threads: int | None = None, force: bool = True, calib_text: str | None = None,
-                  calib_tokens: int = 4096, weights: str = "float", group: int = 32, search: bool = True) -> Path:
+                  calib_tokens: int = 4096, weights: str = "float", group: int = 32, search: bool = True,
+                  requantize: bool = False) -> Path:
     t0 = time.time()
     from edgekv.kvschemes import get_scheme
     from export.weights import GROUPS, WEIGHT_FORMATS
@@ -270,7 +271,7 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
     calibration = None
     if kv in STATIC or model.scheme.center_keys:
         calibration = calibrate(model, src, kv, calib_text, calib_tokens)
-    plan = quantize_model(model, src, weights, group, search)
+    plan = quantize_model(model, src, weights, group, search, requantize)
     model = model.to(torch_dtype).eval()
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -294,6 +295,7 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
         (tmp / "tokenizer.json").write_text(src.tokenizer_json)
         manifest = build_manifest(src, recipe, kv, dtype, max_context, tmp)
         manifest["weights"] = weights_manifest(weights, plan, group, search)
+        manifest["weights"]["source_blocks_kept"] = bool(src.blocks) and not requantize
         if calibration:
             manifest["kv"]["calibration"] = calibration
         _write_manifest(tmp, manifest)
@@ -331,7 +333,8 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
     return out_dir
 
 
-def quantize_model(model: Transformer, src: Source, weights: str, group: int, search: bool) -> dict:
+def quantize_model(model: Transformer, src: Source, weights: str, group: int, search: bool,
+                   requantize: bool = False) -> dict:
     """Decide each weight's stored format and give the model exactly those (dequantized) values."""
     from export.weights import plan_weights
 
@@ -342,7 +345,8 @@ def quantize_model(model: Transformer, src: Source, weights: str, group: int, se
         state["lm_head.weight"] = state["embed.weight"]
     log(f"quantizing weights to {weights}" + (f" (groups of {group} where requantized)" if weights == "int4" else "") + " ...")
     try:
-        plan = plan_weights(state, src.blocks, weights, group, "embed.weight", "lm_head.weight", search)
+        kept = {} if requantize else src.blocks  # requantize: ignore the source's own blocks (for comparison)
+        plan = plan_weights(state, kept, weights, group, "embed.weight", "lm_head.weight", search)
     except ValueError as e:
         raise ExportError(str(e)) from None
     if src.config.tie_word_embeddings:
