@@ -20,6 +20,7 @@ from edgekv.manifest import FORMAT_VERSION, MANIFEST, io_names
 from export.loaders import Source, SourceError, load_gguf, load_hf_folder
 from edgekv.kvschemes import INT4, INT4_GROUP, INT4_LEVELS, STATIC, unpack_int4
 from export.model import Transformer, UnsupportedModel
+from export.weights import GROUPS, WEIGHT_FORMATS, plan_weights, summary
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_RECIPE = "smollm2-135m-instruct"
@@ -246,7 +247,6 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
                   requantize: bool = False) -> Path:
     t0 = time.time()
     from edgekv.kvschemes import get_scheme
-    from export.weights import GROUPS, WEIGHT_FORMATS
     try:
         get_scheme(kv)
     except ValueError as e:
@@ -336,8 +336,6 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
 def quantize_model(model: Transformer, src: Source, weights: str, group: int, search: bool,
                    requantize: bool = False) -> dict:
     """Decide each weight's stored format and give the model exactly those (dequantized) values."""
-    from export.weights import plan_weights
-
     if weights == "float":
         return {}
     state = {k: v.float().numpy() for k, v in src.state_dict.items() if v.dim() == 2}
@@ -355,22 +353,16 @@ def quantize_model(model: Transformer, src: Source, weights: str, group: int, se
     with torch.no_grad():
         for name, q in plan.items():
             params[name].copy_(torch.from_numpy(q.dequantize()))
-    for origin, r in summary_of(plan).items():
+    for origin, r in summary(plan).items():
         log(f"  {r['tensors']:4d} tensors {r['bytes'] / 2**20:7.1f} MiB  {origin}")
     return plan
-
-
-def summary_of(plan: dict) -> dict:
-    from export.weights import summary
-
-    return summary(plan)
 
 
 def weights_manifest(weights: str, plan: dict, group: int, search: bool) -> dict:
     total = sum(q.nbytes for q in plan.values())
     return {"format": weights, "group": group if weights == "int4" else None,
             "requantize": ("clip-ratio search" if search else "round-to-nearest") if weights != "float" else None,
-            "stored": summary_of(plan), "quantized_bytes": total,
+            "stored": summary(plan), "quantized_bytes": total,
             "embedding": "Gather on the INT8 table, rows scaled after the lookup" if plan else None,
             "head": "INT8 per output channel" if plan else None}
 
@@ -381,9 +373,9 @@ def weight_cost(model: Transformer, src: Source, prompt: list[int]) -> dict:
     ref = Transformer(src.config, "float").eval()
     ref.load_state_dict(src.state_dict, strict=False)
     q = Transformer(src.config, "float").eval()
+    if src.config.tie_word_embeddings:  # stored apart (quantize_model): untie before loading both
+        q.lm_head.weight = torch.nn.Parameter(q.embed.weight.detach().clone())
     q.load_state_dict({k: v.float() for k, v in model.state_dict().items()}, strict=False)
-    if src.config.tie_word_embeddings:
-        q.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().float().clone())
     s = len(prompt)
     args = (torch.tensor([prompt]), torch.arange(s)[None], torch.ones(1, s, dtype=torch.bool), torch.arange(s)[None])
     with torch.no_grad():

@@ -13,8 +13,8 @@ Formats (docs/weights.md):
   its own term: W.x = DQ(q - 8, d).x + blocksum(x).M, a second MatMul 32x smaller.
 - INT8 per output channel: DequantizeLinear(INT8 [K, N], scales [N], axis 1) -> MatMul
   (TensorRT takes block-wise DQ only for INT4, so GGUF Q8_0 matrices are requantized per channel).
-- The embedding: Gather on the INT8 (or INT4-free) table, DequantizeLinear with a unit scale,
-  then the gathered rows times their scales; no float copy of the table exists.
+- The embedding: Gather on the INT8 table, DequantizeLinear with a unit scale, then the gathered
+  rows times their (block) scales; no float copy of the table exists.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from edgekv.manifest import WEIGHT_FORMATS  # noqa: E402  (the runtime's list is the one truth)
+from edgekv.manifest import WEIGHT_FORMATS  # the runtime's list of what it reads
 GROUPS = (32, 64, 128)
 CLIP_RATIOS = tuple(np.round(np.arange(1.0, 0.49, -0.05), 2))  # searched per group, best error kept
 
@@ -287,12 +287,9 @@ def _quantized_gather(node, name: str, q: QuantWeight, dtype, inits: list) -> li
 
 
 def needs_opset_21(plan: dict[str, QuantWeight]) -> bool:
-    """INT4 and DequantizeLinear's block_size exist from opset 21 (docs/graph.md)."""
-    return any(q.bits == 4 or (q.block is not None and not _is_gather_only(q)) for q in plan.values())
-
-
-def _is_gather_only(q: QuantWeight) -> bool:
-    return q.bits == 8  # an 8-bit blocked table is only ever read by the Gather (no block_size DQ)
+    """INT4 and DequantizeLinear's block_size exist from opset 21 (docs/graph.md); block-wise DQ is
+    written only for INT4 (8-bit matrices are per channel; an 8-bit block table is only gathered)."""
+    return any(q.bits == 4 for q in plan.values())
 
 
 def summary(plan: dict[str, QuantWeight]) -> dict:
