@@ -218,7 +218,7 @@ def plot(res: dict, path: str) -> None:
         ax.annotate(label, (x, y), textcoords="offset points", fontsize=8.5, xytext=(10, 8 if above else -16))
     ax.set_yscale("log")
     ax.set_xlabel(f"memory: weights + KV cache at ctx {res['ctx']} (MiB)")
-    ax.set_ylabel("mean KL divergence vs float weights + float cache (log; lower is better)")
+    ax.set_ylabel("mean KLD vs float weights + float KV (log)")
     ax.set_title(f"Accuracy vs memory — ctx {res['ctx']}, {res['windows']} windows")
     ax.grid(True, which="both", alpha=0.3)
     ax.set_xlim(0, max(r["total_mib_at_ctx"] for r in res["results"]) * 1.6)
