@@ -12,7 +12,9 @@ from pathlib import Path
 from edgekv.errors import BundleError
 from edgekv.format.kvschemes import KVScheme, get_scheme
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the manifest records the stored weight format ("weights"); 1 = float weights
+READABLE_VERSIONS = (1, 2)
+WEIGHT_FORMATS = ("float", "int8", "int4")
 MANIFEST = "edgekv.json"
 INPUTS = ["input_ids", "position_ids", "key_mask", "logits_index"]
 DTYPES = ("float32", "float16")  # a bundle's weights and compute dtype
@@ -39,6 +41,11 @@ class Bundle:
     @property
     def scheme(self) -> KVScheme:
         return get_scheme(self.manifest["kv"]["scheme"])
+
+    @property
+    def weights(self) -> str:
+        """Stored weight format: float, int8 or int4 (docs/weights.md); version-1 bundles are float."""
+        return self.manifest.get("weights", {}).get("format", "float")
 
     @property
     def dtype(self) -> str:
@@ -96,9 +103,15 @@ def load_bundle(path: str | os.PathLike) -> Bundle:
         raise BundleError(f"{mpath}: corrupt manifest ({e})") from None
     if not isinstance(man, dict) or "format_version" not in man:
         raise BundleError(f"{mpath}: not an edgekv manifest (no format_version)")
-    if man["format_version"] != FORMAT_VERSION:
+    if man["format_version"] not in READABLE_VERSIONS:
         raise BundleError(f"{mpath}: bundle format_version {man['format_version']!r} is not supported by this "
-                          f"edgekv (reads version {FORMAT_VERSION}); re-export the model with this version")
+                          f"edgekv (reads versions {', '.join(map(str, READABLE_VERSIONS))}); re-export the model "
+                          "with this version")
+    if man["format_version"] >= 2:
+        fmt = man.get("weights", {}).get("format") if isinstance(man.get("weights"), dict) else None
+        if fmt not in WEIGHT_FORMATS:
+            raise BundleError(f"{mpath}: weight format {fmt!r} is not supported by this edgekv "
+                              f"(reads {', '.join(WEIGHT_FORMATS)})")
     missing = [k for k in _REQUIRED if k not in man]
     if missing:
         raise BundleError(f"{mpath}: corrupt manifest (missing {', '.join(missing)})")
