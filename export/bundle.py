@@ -460,5 +460,6 @@ def build_manifest(src: Source, recipe: dict, kv: str, dtype: str, max_context: 
 def cmd_export(args) -> int:
     """`edgekv export` (edgekv/cli.py dispatches here by name)."""
     export_bundle(args.model, kv=args.kv, out=args.out, max_context=args.max_context, dtype=args.dtype,
-                  steps=args.steps, threads=args.threads, calib_text=args.calib_text, calib_tokens=args.calib_tokens)
+                  steps=args.steps, threads=args.threads, calib_text=args.calib_text, calib_tokens=args.calib_tokens,
+                  weights=args.weights, group=args.group, search=not args.rtn, requantize=args.requantize)
     return 0
