@@ -294,3 +294,17 @@ def test_eval_reference_is_float_weights_and_shows_total_memory(weight_bundles, 
         kv = load_bundle(b).kv_bytes_per_token() * 32
         assert rows[fmt]["total_mib_at_ctx"] == pytest.approx((disk + kv) / 2**20)
     assert rows["int4"]["weights_mib"] < 0.6 * rows["float"]["weights_mib"]
+
+
+def test_int4_weights_with_int8_cache_load_and_match_torch(tiny_sources, tmp_path):
+    """INT4 weights (opset 21) with the int8 KV cache's Q/DQ: the graph loads in the ORT backend
+    and the exporter's parity check (ONNX vs torch) passes (onnxruntime's QDQ propagation broke
+    the load; docs/weights.md)."""
+    from export.bundle import export_bundle
+
+    b = load_bundle(export_bundle(str(tiny_sources["qwen2"]), kv="int8", out=str(tmp_path / "b"), max_context=128,
+                                  steps=2, weights="int4"))
+    assert b.weights == "int4" and b.manifest["parity"]["passed"]
+    with open_runtime(b, 64, "ort-cpu", log=None) as rt:
+        logits = rt.generator().prefill(list(range(1, 9)))
+    assert np.isfinite(logits).all()

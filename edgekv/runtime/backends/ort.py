@@ -60,8 +60,12 @@ class OrtBackend:
         opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(matmul_accuracy))
         if not bundle.onnx_path.is_file():
             raise BundleError(f"{bundle.path}: corrupt bundle ({bundle.onnx_path.name} is missing)")
+        # onnxruntime's QDQ propagation copies the int8 cache's unit Q/DQ across a Transpose with a
+        # uint8 zero point, which opset 21 (INT4 weights) refuses at load (docs/weights.md)
+        off = ["QDQPropagationTransformer"] if bundle.weights == "int4" else None
         try:
-            self.session = ort.InferenceSession(str(bundle.onnx_path), opts, providers=self.providers())
+            self.session = ort.InferenceSession(str(bundle.onnx_path), opts, providers=self.providers(),
+                                                disabled_optimizers=off)
         except Exception as e:  # onnxruntime raises its own exception types for a bad file
             msg = str(e).splitlines()[0][:200]
             raise BundleError(f"{bundle.path}: corrupt bundle (onnxruntime cannot load {bundle.onnx_path.name}: {msg})") from None
