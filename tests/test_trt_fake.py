@@ -47,7 +47,9 @@ def test_build_engine_caches_and_the_trt_backend_matches_ort_cpu(bundle_copy, mo
     assert make_backend("auto", b, ctx=128).name == "ort-cpu"  # no engine covers a 128-slot cache
     g = Generator(be, KVCache(b, 64, memory=be.memory))
     assert g.prefill_chunk == 16  # prefill is cut to the engine's profile
-    ref = Generator(OrtBackend(b, threads=1), KVCache(b, 64), prefill_chunk=16)
+    # past_bucket=1: ort-cpu binds exactly the filled slots, as the engine does, so the two sum in
+    # the same order and must agree bit for bit (a bucketed past adds masked keys: ~1e-6 apart)
+    ref = Generator(OrtBackend(b, threads=1, past_bucket=1), KVCache(b, 64), prefill_chunk=16)
     seq = ids(40)
     got = [g.prefill(seq).copy()] + [g.decode_step(t).copy() for t in ids(8, 1)]
     want = [ref.prefill(seq).copy()] + [ref.decode_step(t).copy() for t in ids(8, 1)]
@@ -92,7 +94,9 @@ def test_selftest_passes_with_a_working_trt(bundle_copy, monkeypatch, tmp_path, 
     assert main([str(bundle_copy), "--ctx", "96", "--skip-bench", "--report", str(report)]) == 0
     d = json.loads(report.read_text())
     trt = next(r for r in d["parity"] if r["backend"] == "trt")
-    assert d["passed"] and trt["status"] == "pass" and trt["max_abs_logit_diff"] == 0.0
+    # the self-test's ort-cpu reference binds a bucketed past (masked tail keys change the float
+    # summation order by ~1e-6); an address or layout bug is off by orders of magnitude more
+    assert d["passed"] and trt["status"] == "pass" and trt["max_abs_logit_diff"] < 1e-5
     assert "✓ trt" in capsys.readouterr().out
 
 
