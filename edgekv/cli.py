@@ -8,7 +8,7 @@ import sys
 
 from edgekv.chat.policies import CONTEXT_POLICIES
 from edgekv.errors import EdgeKVError
-from edgekv.format.bundle import DTYPES, LIMITS
+from edgekv.format.bundle import DTYPES, LIMITS, WEIGHT_FORMATS
 from edgekv.format.kvschemes import SCHEMES, get_scheme
 from edgekv.runtime.backends import BACKENDS
 
@@ -130,12 +130,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-text", default=None, metavar="FILE",
                    help="calibration text for int8-static / int8-tensor (default: docstrings of stdlib modules)")
     p.add_argument("--calib-tokens", type=int_range(64, TOKENS), default=4096, help="calibration tokens used at most")
-    p.add_argument("--out", default=None, help="bundle folder (default: models/bundles/NAME-KV)")
+    p.add_argument("--out", default=None, help="bundle folder (default: models/bundles/NAME-KV, + -wFORMAT for quantized weights)")
     p.add_argument("--force", action="store_true",
                    help="export into a --out folder that holds other files (they are moved aside, not deleted)")
     p.add_argument("--max-context", type=CTX, default=None, help="longest context the bundle is verified for (default: recipe, else min(model, 4096))")
     p.add_argument("--dtype", default=DTYPES[0], choices=DTYPES,
                    help="weights and compute dtype: float32 for CPU bundles, float16 for GPU (TensorRT) bundles")
+    p.add_argument("--weights", default=WEIGHT_FORMATS[0], choices=WEIGHT_FORMATS,
+                   help="stored weights: int4 keeps a GGUF's own Q4_0/Q4_1 blocks exactly (else symmetric groups with "
+                        "a clip search); int8 per output channel; the embedding/head at 8 bits (docs/weights.md)")
+    p.add_argument("--group", type=int, default=32, choices=[32, 64, 128],
+                   help="int4 group size along the input dimension, for weights requantized from float")
+    p.add_argument("--rtn", action="store_true",
+                   help="requantize int4 by plain round-to-nearest instead of the clip search (for comparison)")
+    p.add_argument("--requantize", action="store_true",
+                   help="requantize from the dequantized float even where the source has its own blocks (for comparison)")
     p.add_argument("--steps", type=int_range(1, 4096), default=32, help="decode steps in the parity check")
     p.add_argument("--threads", type=THREADS, default=None, help="CPU threads for the check")
 

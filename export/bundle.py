@@ -19,6 +19,7 @@ from edgekv.format.files import kind_of, replace_dir, write_text
 from edgekv.format.kvschemes import INT4_GROUP, INT4_LEVELS, get_scheme, unpack_int4
 from export.loaders import Source, SourceError, load_gguf, load_hf_folder
 from export.model import Transformer, UnsupportedModel, causal_mask
+from export.weights import GROUPS, WEIGHT_FORMATS, plan_weights, summary
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_RECIPE = "smollm2-135m-instruct"
@@ -135,7 +136,9 @@ def verify(model: Transformer, bundle_dir: Path, prompt: list[int], steps: int, 
     both bounds; the float scheme is held to plain float tolerances."""
     from edgekv.runtime.assemble import open_runtime
 
-    with open_runtime(bundle_dir, min(max_context, len(prompt) + steps + 1), "ort-cpu", threads) as rt:
+    # float activations in the fused low-bit MatMul (accuracy level 0): ONNX = torch on the same weights
+    with open_runtime(bundle_dir, min(max_context, len(prompt) + steps + 1), "ort-cpu", threads,
+                      matmul_accuracy=0) as rt:
         return compare(model, rt.bundle, rt.generator(), prompt, steps, max_context)
 
 
@@ -249,19 +252,24 @@ def compare(model: Transformer, bundle, gen, prompt: list[int], steps: int, max_
 def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = None,
                   max_context: int | None = None, dtype: str = "float32", steps: int = 32,
                   threads: int | None = None, calib_text: str | None = None, calib_tokens: int = 4096,
-                  force: bool = False) -> Path:
+                  force: bool = False, weights: str = "float", group: int = 32, search: bool = True,
+                  requantize: bool = False) -> Path:
     t0 = time.time()
     try:
         get_scheme(kv)
     except ValueError as e:
         raise ExportError(str(e)) from None
+    if weights not in WEIGHT_FORMATS:
+        raise ExportError(f"unknown weight format {weights!r}; known: {', '.join(WEIGHT_FORMATS)}")
+    if group not in GROUPS:
+        raise ExportError(f"--group {group}: choose one of {', '.join(map(str, GROUPS))}")
     note(f"loading {model_arg or DEFAULT_RECIPE} ...")
     src, recipe = resolve_source(model_arg)
     cfg = src.config
     max_context = max_context or recipe.get("max_context") or min(cfg.max_position_embeddings, 4096)
     if max_context > cfg.max_position_embeddings:
         note(f"  note: --max-context {max_context} is beyond the model's trained {cfg.max_position_embeddings}")
-    suffix = "-fp16" if dtype == "float16" else ""
+    suffix = ("-fp16" if dtype == "float16" else "") + ("" if weights == "float" else f"-w{weights}")
     out_dir = Path(out) if out else MODELS_DIR / "bundles" / f"{recipe['name']}-{kv}{suffix}"
     check_out_dir(out_dir, force)
     note(f"  {cfg.arch}: {cfg.n_layers} layers, {cfg.n_heads} heads ({cfg.n_kv_heads} KV), head_dim {cfg.head_dim}, "
@@ -272,6 +280,7 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
     calibration = None
     if model.scheme.kind == "static" or model.scheme.center_keys:
         calibration = calibrate(model, src, kv, calib_text, calib_tokens)
+    plan = quantize_model(model, src, weights, group, search, requantize)
     model = model.to(torch_dtype).eval()
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -280,7 +289,7 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
         note(f"exporting ONNX (kv={kv}, dtype={dtype}) ...")
         from export.onnx_export import export_onnx, save_onnx
 
-        proto = export_onnx(model)
+        proto = export_onnx(model, plan)
         save_onnx(proto, tmp / "model.onnx")
         del proto
         onnx.checker.check_model(str(tmp / "model.onnx"), full_check=True)
@@ -294,6 +303,8 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
         note(f"  ✓ TensorRT {TRT_TARGET} parser rules (edgekv check-trt)")
         (tmp / "tokenizer.json").write_text(src.tokenizer_json)
         manifest = build_manifest(src, recipe, kv, dtype, max_context, tmp)
+        manifest["weights"] = weights_manifest(weights, plan, group, search)
+        manifest["weights"]["source_blocks_kept"] = bool(src.blocks) and not requantize
         if calibration:
             manifest["kv"]["calibration"] = calibration
         _write_manifest(tmp, manifest)
@@ -307,6 +318,8 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
         note(f"verifying ONNX Runtime against PyTorch: prefill {len(prompt)} tokens, {steps} decode steps ...")
         par, info = verify(model, tmp, prompt, steps, max_context, threads)
         par.report()
+        if plan:
+            info["weight_quantization"] = weight_cost(model, src, prompt)
         for f in [tmp, *tmp.iterdir()]:  # mkdtemp makes 0700; a bundle is meant to be shared
             f.chmod(0o755 if f.is_dir() else 0o644)
         if not par.ok:
@@ -344,6 +357,62 @@ def check_out_dir(out_dir: Path, force: bool) -> None:
     if kind and not force and not replaceable(out_dir):
         raise ExportError(f"{out_dir}: a folder with other files, not an edgekv bundle; choose another --out "
                           f"(or --force: its contents are moved aside to {out_dir.name}.old-*, not deleted)")
+
+
+def quantize_model(model: Transformer, src: Source, weights: str, group: int, search: bool,
+                   requantize: bool = False) -> dict:
+    """Decide each weight's stored format and give the model exactly those (dequantized) values."""
+    if weights == "float":
+        return {}
+    state = {k: v.float().numpy() for k, v in src.state_dict.items() if v.dim() == 2}
+    if src.config.tie_word_embeddings:  # the head is stored apart from the table (8-bit per channel vs blocks)
+        state["lm_head.weight"] = state["embed.weight"]
+    note(f"quantizing weights to {weights}" + (f" (groups of {group} where requantized)" if weights == "int4" else "") + " ...")
+    try:
+        kept = {} if requantize else src.blocks  # requantize: ignore the source's own blocks (for comparison)
+        plan = plan_weights(state, kept, weights, group, "embed.weight", "lm_head.weight", search)
+    except ValueError as e:
+        raise ExportError(str(e)) from None
+    if src.config.tie_word_embeddings:
+        model.lm_head.weight = torch.nn.Parameter(model.embed.weight.detach().clone())
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, q in plan.items():
+            params[name].copy_(torch.from_numpy(q.dequantize()))
+    for origin, r in summary(plan).items():
+        note(f"  {r['tensors']:4d} tensors {r['bytes'] / 2**20:7.1f} MiB  {origin}")
+    return plan
+
+
+def weights_manifest(weights: str, plan: dict, group: int, search: bool) -> dict:
+    total = sum(q.nbytes for q in plan.values())
+    return {"format": weights, "group": group if weights == "int4" else None,
+            "requantize": ("clip-ratio search" if search else "round-to-nearest") if weights != "float" else None,
+            "stored": summary(plan), "quantized_bytes": total,
+            "embedding": "Gather on the INT8 table, rows scaled after the lookup" if plan else None,
+            "head": "INT8 per output channel" if plan else None}
+
+
+def weight_cost(model: Transformer, src: Source, prompt: list[int]) -> dict:
+    """What storing the weights quantized costs against the source's float weights (torch, float
+    cache, every prompt position): the exporter's parity check above compares like with like."""
+    ref = Transformer(src.config, "float").eval()
+    ref.load_state_dict(src.state_dict, strict=False)
+    q = Transformer(src.config, "float").eval()
+    if src.config.tie_word_embeddings:  # stored apart (quantize_model): untie before loading both
+        q.lm_head.weight = torch.nn.Parameter(q.embed.weight.detach().clone())
+    q.load_state_dict({k: v.float() for k, v in model.state_dict().items()}, strict=False)
+    s = len(prompt)
+    args = (torch.tensor([prompt]), torch.arange(s)[None], causal_mask(0, s), torch.arange(s)[None])
+    with torch.no_grad():
+        a = ref(*args, *ref.past_like(0, 1))[0][0].double()
+        b = q(*args, *q.past_like(0, 1))[0][0].double()
+    pa, lb = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
+    kld = float((pa.exp() * (pa - lb)).sum(-1).mean())
+    top1 = float((a.argmax(-1) == b.argmax(-1)).double().mean())
+    note(f"  weight quantization vs float weights (torch, {s} prompt positions): KLD {kld:.4g}, top-1 {100 * top1:.1f} %, "
+        f"max|Δlogit| {float((a - b).abs().max()):.3g}")
+    return {"vs_float_weights": {"positions": s, "kld": kld, "top1": top1, "max_abs_logit_diff": float((a - b).abs().max())}}
 
 
 def calibrate(model: Transformer, src: Source, kv: str, calib_text: str | None, calib_tokens: int) -> dict:
@@ -415,5 +484,6 @@ def cmd_export(args) -> int:
     """`edgekv export` (edgekv/cli.py dispatches here by name)."""
     export_bundle(args.model, kv=args.kv, out=args.out, max_context=args.max_context, dtype=args.dtype,
                   steps=args.steps, threads=args.threads, calib_text=args.calib_text, calib_tokens=args.calib_tokens,
-                  force=args.force)
+                  force=args.force, weights=args.weights, group=args.group, search=not args.rtn,
+                  requantize=args.requantize)
     return 0

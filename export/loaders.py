@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from export.model import ModelConfig, Transformer, UnsupportedModel
+from export.weights import concat_rows, from_gguf_blocks, permute_rows
 
 # checkpoint name (per layer with {i}) -> our name, or (our name, slot) for parts that are
 # concatenated along dim 0 into one fused matrix (q|k|v -> wqkv, gate|up -> w_gate_up)
@@ -67,6 +68,7 @@ class Source:
     path: str = ""
     sha256: str = ""
     kind: str = ""  # "hf" | "gguf"
+    blocks: dict = field(default_factory=dict)  # our name -> QuantWeight: the source's own quantized blocks (GGUF)
 
 
 def _expand(table: dict, n_layers: int) -> dict:
@@ -110,6 +112,27 @@ def rename(weights: dict[str, torch.Tensor], table: dict[str, str], cfg: ModelCo
             raise SourceError(f"tensor {k}: shape {tuple(sd[k].shape)}, config says {shape}")
     assert len(sd) == len(expected), (len(sd), len(expected))
     return sd
+
+
+def rename_blocks(blocks: dict, table: dict, cfg: ModelConfig) -> dict:
+    """The source's quantized blocks under our names; a fused matrix keeps its blocks only if
+    every part has them in the same format."""
+    names = _expand(table, cfg.n_layers)
+    out, parts = {}, {}
+    for k, q in blocks.items():
+        dst = names.get(k)
+        if isinstance(dst, tuple):
+            parts.setdefault(dst[0], {})[dst[1]] = q
+        elif dst is not None:
+            out[dst] = q
+    for dst, slots in parts.items():
+        n_parts = 3 if dst.endswith("wqkv.weight") else 2
+        if sorted(slots) == list(range(n_parts)):
+            try:
+                out[dst] = concat_rows([slots[j] for j in range(n_parts)])
+            except ValueError:
+                pass
+    return out
 
 
 def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
@@ -267,21 +290,26 @@ def load_gguf(path: str | Path) -> Source:
         bos_token_id=field("tokenizer.ggml.bos_token_id"),
         eos_token_id=[field("tokenizer.ggml.eos_token_id")],
     )
-    weights = {}
+    weights, blocks = {}, {}
     for name, t in tensors.items():
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         w = w.reshape([int(x) for x in reversed(t.shape)])  # GGUF lists dims innermost first
-        if arch == "llama" and name.endswith(("attn_q.weight", "attn_q.bias")):
-            w = _unpermute(w, cfg.n_heads)
-        elif arch == "llama" and name.endswith(("attn_k.weight", "attn_k.bias")):
-            w = _unpermute(w, cfg.n_kv_heads)
+        q = from_gguf_blocks(t.tensor_type.name, t.data, w.shape) if w.ndim == 2 else None
+        heads = {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}.get(name.split(".")[-2]) if arch == "llama" else None
+        if heads:  # llama.cpp interleaved the rotary halves of q/k rows
+            w = _unpermute(w, heads)
+            q = permute_rows(q, lambda a: _unpermute(a, heads)) if q is not None else None
         weights[name] = torch.from_numpy(np.ascontiguousarray(w))
+        if q is not None:
+            blocks[name] = q
     sd = rename(weights, GGUF_NAMES, cfg)
+    blocks = rename_blocks(blocks, GGUF_NAMES, cfg)
 
     tok_json = gguf_tokenizer_json(field, tokens)
     vocab = {t: i for i, t in enumerate(tokens)}
     special = _special(vocab, cfg.bos_token_id, cfg.eos_token_id)
-    return Source(cfg, sd, tok_json, field("tokenizer.chat_template"), special, str(path), file_sha256([path]), "gguf")
+    return Source(cfg, sd, tok_json, field("tokenizer.chat_template"), special, str(path), file_sha256([path]), "gguf",
+                  blocks)
 
 
 def gguf_tokenizer_json(field, tokens: list[str]) -> str:

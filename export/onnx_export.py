@@ -12,11 +12,13 @@ from onnx import TensorProto, helper, numpy_helper
 from edgekv.format.bundle import io_names
 from export.model import Transformer, causal_mask
 
-OPSET = 18  # TensorRT 10.3 (JetPack 6) parses opsets up to 20; 18 keeps us well inside
+OPSET = 18  # every graph; one with INT4 weights is relabelled 21 (docs/graph.md: why, and why that is safe)
+OPSET_INT4 = 21
 
 
-def export_onnx(model: Transformer) -> onnx.ModelProto:
-    """Export with every dimension that varies at run time dynamic (B, S, P, K)."""
+def export_onnx(model: Transformer, weights: dict | None = None) -> onnx.ModelProto:
+    """Export with every dimension that varies at run time dynamic (B, S, P, K). weights: name ->
+    QuantWeight for the weights stored quantized (the model must hold their dequantized values)."""
     cfg = model.cfg
     names = io_names(cfg.n_layers, model.scheme)
     B, S, P = 2, 3, 5  # example sizes > 1 so that torch.export does not specialize them
@@ -47,7 +49,25 @@ def export_onnx(model: Transformer) -> onnx.ModelProto:
     opt.remove_unused_nodes(prog.model)
     m = prog.model_proto
     m = int8_casts_to_qdq(m)
+    if weights:
+        m = store_quantized_weights(m, model, weights)
     name_dims(m, names)
+    return m
+
+
+def store_quantized_weights(m: onnx.ModelProto, model: Transformer, weights: dict) -> onnx.ModelProto:
+    from export.weights import needs_opset_21, quantize_initializers
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    targets = {name: (params[name].detach().cpu().numpy(), q) for name, q in weights.items()}
+    m = quantize_initializers(m, targets, embed="embed.weight")
+    if needs_opset_21(weights):
+        # ops change between 18 and 21 only by added types/attributes (docs/graph.md), so the
+        # graph torch wrote at 18 means the same at 21; onnx.checker verifies it after saving
+        for o in m.opset_import:
+            if o.domain in ("", "ai.onnx"):
+                o.version = OPSET_INT4
+        m.ir_version = max(m.ir_version, 10)
     return m
 
 

@@ -46,6 +46,8 @@ CALIB = ("tests/test_calibration.py", "tests/test_eval*.py")
 TRT = ("tests/test_trt_check.py", "-k", "not every_scheme and not exported_bundles and not mutated_export "
                                           "and not jetson")
 TRT_CLI = ("tests/test_trt_check.py", "-k", "cli")
+TRT_W = ("tests/test_trt_check_weights.py", "-k", "not exported")
+WEIGHTS_EVAL = ("tests/test_weights.py", "-k", "eval_reference")
 CHAT = ("tests/test_chat_invariants.py", "tests/test_chat.py", "-m", "not slow")
 GUARDS = ("tests/test_guards.py", "tests/test_runtime.py", "tests/test_backends.py", "tests/test_cli_errors.py")
 BENCH = ("tests/test_bench.py", "tests/test_stream.py", "tests/test_runtime.py")
@@ -64,8 +66,11 @@ MUTATIONS = [
     M("eval-context NLL targets shifted by one", "eval", "edgekv/tools/context_eval.py",
       "tgt = np.asarray(full_ids[s: s + n])", "tgt = np.asarray(full_ids[s - 1: s - 1 + n])", CTX_EVAL),
     M("eval reference is the first bundle, not the float one", "eval", "edgekv/tools/evaluate.py",
-      'order = sorted(range(len(bundles)), key=lambda i: bundles[i].scheme.name != "float")',
+      'order = sorted(range(len(bundles)), key=lambda i: (bundles[i].weights != "float", bundles[i].scheme.name != "float"))',
       "order = list(range(len(bundles)))", EVAL),
+    M("eval reference chosen by KV scheme only, not float weights", "eval", "edgekv/tools/evaluate.py",
+      'key=lambda i: (bundles[i].weights != "float", bundles[i].scheme.name != "float"))',
+      'key=lambda i: bundles[i].scheme.name != "float")', WEIGHTS_EVAL),
     M("eval top-1 compares with the wrong argmax", "eval", "edgekv/tools/evaluate.py",
       "(ref_lp.argmax(-1) == lp.argmax(-1))", "(ref_lp.argmax(-1) == ref_lp.argmax(-1))", EVAL),
     # -- sampling
@@ -115,9 +120,28 @@ MUTATIONS = [
     M("check-trt: Where typed by its condition", "check-trt", "edgekv/tools/trt_check.py",
       '_DATA_INPUT = {"Where": 1}', "_DATA_INPUT = {}", TRT),
     M("check-trt: no upper opset bound", "check-trt", "edgekv/tools/trt_check.py",
-      'if not ver["min_opset"] <= o.version <= ver["max_opset"]:', 'if not ver["min_opset"] <= o.version:', TRT),
+      'if not ver["min_opset"] <= o.version <= max_opset:', 'if not ver["min_opset"] <= o.version:', TRT),
     M("check-trt: no lower opset bound", "check-trt", "edgekv/tools/trt_check.py",
-      'if not ver["min_opset"] <= o.version <= ver["max_opset"]:', 'if not o.version <= ver["max_opset"]:', TRT),
+      'if not ver["min_opset"] <= o.version <= max_opset:', 'if not o.version <= max_opset:', TRT),
+    M("check-trt: opset 21 for any graph under 10.3, INT4 or not", "check-trt", "edgekv/tools/trt_check.py",
+      'max_opset = max(ver["max_opset"], ver["int4_opset"]) if int4 else ver["max_opset"]',
+      'max_opset = max(ver["max_opset"], ver["int4_opset"])', TRT_W),
+    M("check-trt: block-wise DQ of other than INT4", "check-trt", "edgekv/tools/trt_check.py",
+      'if src != "INT4":', "if False:", TRT_W),
+    M("check-trt: block-wise DQ on a runtime tensor", "check-trt", "edgekv/tools/trt_check.py",
+      "if n.input[0] not in constants:\n        out.append(Violation(name, op, \"block-wise",
+      "if False:\n        out.append(Violation(name, op, \"block-wise", TRT_W),
+    M("check-trt: block-wise DQ on a 3-D weight", "check-trt", "edgekv/tools/trt_check.py",
+      "elif len(shapes.get(n.input[0], [])) != 2:", "elif False:", TRT_W),
+    M("check-trt: INT4 below opset 21", "check-trt", "edgekv/tools/trt_check.py",
+      'if src == "INT4" and opset < ver["int4_opset"]:', "if False:", TRT_W),
+    M("check-trt: UINT4 tensors", "check-trt", "edgekv/tools/trt_check.py", 'if t == "UINT4":', "if False:", TRT_W),
+    M("check-trt: INT8 Gather on a runtime table", "check-trt", "edgekv/tools/trt_check.py",
+      'if n.input[0] not in constants:\n        out.append(Violation(name, "Gather"',
+      'if False:\n        out.append(Violation(name, "Gather"', TRT_W),
+    M("check-trt: INT8 gathered rows used outside DQ", "check-trt", "edgekv/tools/trt_check.py",
+      'if c.op_type != "DequantizeLinear":\n            out.append(Violation(c.name, c.op_type, f"consumes the INT8 rows',
+      'if False:\n            out.append(Violation(c.name, c.op_type, f"consumes the INT8 rows', TRT_W),
     M("check-trt: foreign domain imports", "check-trt", "edgekv/tools/trt_check.py",
       'if o.domain in ("", "ai.onnx"):', 'if o.domain in ("", "ai.onnx") or True:', TRT),
     M("check-trt: custom-domain nodes", "check-trt", "edgekv/tools/trt_check.py",

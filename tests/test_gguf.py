@@ -16,7 +16,8 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:  # as llama.cpp's conver
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(folder, path, arch="llama"):
+def write_gguf(folder, path, arch="llama", quant=None):
+    """quant: a function GGUF tensor name -> GGMLQuantizationType (or None for float32)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -60,7 +61,11 @@ def write_gguf(folder, path, arch="llama"):
             v = _permute(v, cfg["num_attention_heads"])
         elif name.endswith("attn_k.weight"):
             v = _permute(v, cfg["num_key_value_heads"])
-        wr.add_tensor(name, np.ascontiguousarray(v, np.float32))
+        qtype = quant(name) if quant and v.ndim == 2 else None
+        if qtype is None:
+            wr.add_tensor(name, np.ascontiguousarray(v, np.float32))
+        else:  # the gguf package's own quantizer, as llama.cpp's convert writes blocks
+            wr.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(v, np.float32), qtype), raw_dtype=qtype)
     wr.write_header_to_file()
     wr.write_kv_data_to_file()
     wr.write_tensors_to_file()

@@ -14,8 +14,10 @@ from pathlib import Path
 from edgekv.errors import BundleError
 from edgekv.format.kvschemes import KVScheme, get_scheme
 
-# 2: key_mask is per token, [B, S, P+S], causal rule included (1 had [B, P+S] and the graph added it)
+# 2: key_mask is per token, [B, S, P+S], causal rule included (1 had [B, P+S] and the graph added it);
+# the manifest records the stored weight format (weights.format)
 FORMAT_VERSION = 2
+WEIGHT_FORMATS = ("float", "int8", "int4")
 MANIFEST = "edgekv.json"
 INPUTS = ["input_ids", "position_ids", "key_mask", "logits_index"]
 DTYPES = ("float32", "float16")  # a bundle's weights and compute dtype
@@ -45,6 +47,11 @@ class Bundle:
     @property
     def scheme(self) -> KVScheme:
         return get_scheme(self.manifest["kv"]["scheme"])
+
+    @property
+    def weights(self) -> str:
+        """Stored weight format: float, int8 or int4 (docs/weights.md)."""
+        return self.manifest["weights"]["format"]
 
     @property
     def dtype(self) -> str:
@@ -121,6 +128,12 @@ SCHEMA = (
     Field("max_context", (int,), lo=1, hi=LIMITS["max_context"]),
     Field("kv", (dict,)),
     Field("kv.scheme", (str,)),
+    Field("weights", (dict,)),  # docs/weights.md
+    Field("weights.format", (str,), choices=WEIGHT_FORMATS),
+    Field("weights.group", (int, type(None)), required=False, lo=1, hi=1 << 16),
+    Field("weights.quantized_bytes", (int,), required=False, lo=0),
+    Field("weights.stored", (dict,), required=False, item=dict),
+    Field("weights.source_blocks_kept", (bool,), required=False),
     Field("io", (dict,)),
     Field("files", (dict,)),
     Field("files.onnx", (str,)),

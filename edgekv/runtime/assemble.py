@@ -6,7 +6,7 @@ from functools import cached_property
 
 from edgekv.errors import note
 from edgekv.format.bundle import Bundle, load_bundle
-from edgekv.runtime.backends import make_backend
+from edgekv.runtime.backends import MATMUL_ACCURACY, make_backend
 from edgekv.runtime.backends.base import Backend
 from edgekv.runtime.cache import KVCache, default_capacity
 from edgekv.runtime.generate import Generator
@@ -43,10 +43,13 @@ class Runtime:
 
 
 def open_runtime(bundle: str | os.PathLike | Bundle, ctx: int | None = None, backend: str = "auto",
-                 threads: int | None = None, max_logits_rows: int = 1, log=note) -> Runtime:
+                 threads: int | None = None, max_logits_rows: int = 1, log=note,
+                 matmul_accuracy: int = MATMUL_ACCURACY) -> Runtime:
     """Load the bundle (a path, or a Bundle already loaded) and start `backend` for caches of
-    `ctx` slots (default: min(2048, the bundle's verified context))."""
+    `ctx` slots (default: min(2048, the bundle's verified context)). `matmul_accuracy`: the
+    activations of onnxruntime's fused low-bit MatMul (quantized weights; ort backends)."""
     bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
     capacity = ctx or default_capacity(bundle)
-    be = make_backend(backend, bundle, threads, max_logits_rows, ctx=capacity, log=log)
+    be = make_backend(backend, bundle, threads, max_logits_rows, ctx=capacity, log=log,
+                      matmul_accuracy=matmul_accuracy)
     return Runtime(bundle, be, capacity)

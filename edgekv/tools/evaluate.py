@@ -3,8 +3,8 @@
 The text goes through the runtime and its quantized cache in chunks (every token attends to the
 quantized past, as in decode; chunked = token-by-token because new K/V are quantized before
 attention). Like llama-perplexity, each window of --ctx tokens is scored on its second half
-(every scored token has at least ctx/2 tokens of context). The float bundle's log-probs are the
-reference (llama-perplexity's --kl-divergence-base): computed once per window and every other
+(every scored token has at least ctx/2 tokens of context). The float-weights float-KV bundle's
+log-probs are the reference (llama-perplexity's --kl-divergence-base): computed once per window and every other
 scheme is compared with them: KL divergence, top-1 agreement, ΔPPL."""
 from __future__ import annotations
 
@@ -46,9 +46,15 @@ class SchemeResult:
     name: str
     scheme: str
     bytes_per_token: int
+    weights: str = "float"  # stored weight format
+    weight_bytes: int = 0   # the graph and its weights on disk: what the runtime holds
     nll: list = field(default_factory=list)  # per scored token
     kld: list = field(default_factory=list)
     top1: list = field(default_factory=list)
+
+    @property
+    def label(self) -> str:
+        return self.scheme if self.weights == "float" else f"w{self.weights}/{self.scheme}"
 
     def ppl(self) -> tuple[float, float]:
         """PPL and its standard error (delta method on the mean NLL, as llama-perplexity)."""
@@ -83,8 +89,8 @@ def evaluate(paths: list[str], text: str | None = None, ctx: int = 1024, chunks:
     starts = list(range(0, len(ids) - ctx, stride))
     if chunks:
         starts = starts[:chunks]
-    # the float bundle is the reference; without one, the first bundle is
-    order = sorted(range(len(bundles)), key=lambda i: bundles[i].scheme.name != "float")
+    # the float-weights float-KV bundle is the reference; without one, the most float one is
+    order = sorted(range(len(bundles)), key=lambda i: (bundles[i].weights != "float", bundles[i].scheme.name != "float"))
     runtimes, runners, results = [], [], []
     try:
         for b in bundles:
@@ -94,7 +100,7 @@ def evaluate(paths: list[str], text: str | None = None, ctx: int = 1024, chunks:
             rt = open_runtime(b, ctx, "auto", threads, max_logits_rows=prefill_chunk, log=None)
             runtimes.append(rt)
             runners.append(rt.generator(prefill_chunk=prefill_chunk))
-            results.append(SchemeResult(b.path.name, b.scheme.name, b.kv_bytes_per_token()))
+            results.append(SchemeResult(b.path.name, b.scheme.name, b.kv_bytes_per_token(), b.weights, b.graph_bytes()))
         return score_windows(bundles, runners, results, ids, starts, order, ctx, text_desc, out)
     finally:
         for rt in runtimes:
@@ -122,7 +128,7 @@ def score_windows(bundles, runners, results, ids, starts, order, ctx, text_desc,
                 p = np.exp(ref_lp)
                 r.kld.extend((p * (ref_lp - lp)).sum(-1).tolist())
                 r.top1.extend((ref_lp.argmax(-1) == lp.argmax(-1)).astype(float).tolist())
-        line = "  ".join(f"{r.scheme} {r.ppl()[0]:.4f}" for r in results)
+        line = "  ".join(f"{r.label} {r.ppl()[0]:.4f}" for r in results)
         print(f"[{w + 1}/{n_windows}] {time.time() - t0:.0f}s  running PPL: {line}", file=out, flush=True)
     return summarize(bundles, results, ref_i, ctx, text_desc, n_windows, out)
 
@@ -148,15 +154,18 @@ def summarize(bundles, results, ref_i, ctx, text_desc, n_windows, out) -> dict:
                "kld_err": float(kld.std(ddof=1) / math.sqrt(len(kld))) if len(kld) > 1 else 0.0,
                "kld_p99": float(np.percentile(kld, 99)), "top1_pct": 100 * float(np.mean(r.top1)),
                "kv_bytes_per_token": r.bytes_per_token, "kv_vs_fp16": r.bytes_per_token / f16,
-               "kv_mib_at_ctx": r.bytes_per_token * ctx / 2**20,
+               "kv_mib_at_ctx": r.bytes_per_token * ctx / 2**20, "weights": r.weights,
+               "weights_mib": r.weight_bytes / 2**20, "total_mib_at_ctx": (r.weight_bytes + r.bytes_per_token * ctx) / 2**20,
                "saving_vs_fp16_pct": 100 * (1 - r.bytes_per_token / f16), "tokens_scored": len(r.nll)}
         rows.append(row)
-        print(f"\n{r.scheme} ({r.name})", file=out)
+        print(f"\n{r.label} ({r.name})", file=out)
         print(f"  PPL = {p:.4f} ± {e:.4f}   ΔPPL = {row['dppl']:+.4f} ({row['dppl_pct']:+.3f} %)", file=out)
         print(f"  mean KLD = {row['kld_mean']:.6f} ± {row['kld_err']:.6f}   KLD p99 = {row['kld_p99']:.6f}   "
               f"top-1 agreement = {row['top1_pct']:.2f} %", file=out)
         print(f"  KV {r.bytes_per_token} B/token ({row['kv_vs_fp16']:.3f}x fp16), {row['kv_mib_at_ctx']:.2f} MiB at "
               f"ctx {ctx}, saving vs fp16 {row['saving_vs_fp16_pct']:.1f} %", file=out)
+        print(f"  weights {r.weights}: {row['weights_mib']:.1f} MiB; total {row['total_mib_at_ctx']:.1f} MiB at ctx {ctx}",
+              file=out)
     return {"ctx": ctx, "windows": n_windows, "text": text_desc, "reference": ref.name,
             "fp16_bytes_per_token": f16, "results": rows}
 
@@ -183,12 +192,14 @@ def write_outputs(res: dict, json_path: str | None, plot_path: str | None) -> li
 def markdown_table(res: dict) -> str:
     lines = [f"KV schemes on {res['text']}, ctx {res['ctx']}, {res['windows']} windows "
              f"(reference: {res['reference']})", "",
-             "| scheme | PPL | ΔPPL % | mean KLD | KLD p99 | top-1 % | KV B/token | × fp16 | MiB @ ctx |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| weights | KV scheme | PPL | ΔPPL % | mean KLD | KLD p99 | top-1 % | KV B/token | × fp16 | KV MiB @ ctx "
+             "| weights MiB | total MiB @ ctx |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res["results"]:
-        lines.append(f"| {r['scheme']} | {r['ppl']:.4f} ± {r['ppl_err']:.4f} | {r['dppl_pct']:+.3f} | "
+        lines.append(f"| {r['weights']} | {r['scheme']} | {r['ppl']:.4f} ± {r['ppl_err']:.4f} | {r['dppl_pct']:+.3f} | "
                      f"{r['kld_mean']:.2e} | {r['kld_p99']:.2e} | {r['top1_pct']:.2f} | {r['kv_bytes_per_token']} | "
-                     f"{r['kv_vs_fp16']:.3f} | {r['kv_mib_at_ctx']:.2f} |")
+                     f"{r['kv_vs_fp16']:.3f} | {r['kv_mib_at_ctx']:.2f} | {r['weights_mib']:.1f} | "
+                     f"{r['total_mib_at_ctx']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -201,23 +212,24 @@ def plot(res: dict, path: str) -> None:
     except ImportError:
         raise EdgeKVError("--plot needs matplotlib: pip install matplotlib") from None
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
-    rows = sorted(res["results"], key=lambda r: (r["kv_vs_fp16"], r["kld_mean"]))
+    rows = sorted(res["results"], key=lambda r: (r["total_mib_at_ctx"], r["kld_mean"]))
     floor = min([r["kld_mean"] for r in rows if r["kld_mean"] > 0] or [1e-4]) / 10
-    for i, r in enumerate(rows):
+    for r in rows:
+        x = r["total_mib_at_ctx"]
         y = r["kld_mean"] if r["kld_mean"] > 0 else floor  # the reference has KLD 0: drawn on the floor
-        ax.scatter(r["kv_vs_fp16"], y, s=60, zorder=3)
-        label = (f"{r['scheme']} (reference)" if r["kld_mean"] == 0
-                 else f"{r['scheme']}  ΔPPL {r['dppl_pct']:+.2f}%  top-1 {r['top1_pct']:.1f}%")
-        near = [q["kld_mean"] for q in rows if abs(q["kv_vs_fp16"] - r["kv_vs_fp16"]) < 0.05]
+        ax.scatter(x, y, s=60, zorder=3)
+        name = r["scheme"] if r["weights"] == "float" else f"w{r['weights']}/{r['scheme']}"
+        label = (f"{name} (reference)" if r["kld_mean"] == 0
+                 else f"{name}  ΔPPL {r['dppl_pct']:+.2f}%  top-1 {r['top1_pct']:.1f}%")
+        near = [q["kld_mean"] for q in rows if abs(q["total_mib_at_ctx"] - x) < 0.03 * x]
         above = r["kld_mean"] >= max(near)  # of points at about the same memory, label the top one above
-        ax.annotate(label, (r["kv_vs_fp16"], y), textcoords="offset points", fontsize=8.5,
-                    xytext=(10, 8 if above else -16))
+        ax.annotate(label, (x, y), textcoords="offset points", fontsize=8.5, xytext=(10, 8 if above else -16))
     ax.set_yscale("log")
-    ax.set_xlabel("KV cache bytes per token (× float16)")
-    ax.set_ylabel("mean KL divergence vs float cache (log; lower is better)")
-    ax.set_title(f"Accuracy vs KV memory — ctx {res['ctx']}, {res['windows']} windows")
+    ax.set_xlabel(f"memory: weights + KV cache at ctx {res['ctx']} (MiB)")
+    ax.set_ylabel("mean KLD vs float weights + float KV (log)")
+    ax.set_title(f"Accuracy vs memory — ctx {res['ctx']}, {res['windows']} windows")
     ax.grid(True, which="both", alpha=0.3)
-    ax.set_xlim(0, max(1.2, max(r["kv_vs_fp16"] for r in res["results"]) * 1.45))
+    ax.set_xlim(0, max(r["total_mib_at_ctx"] for r in res["results"]) * 1.6)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     png = io.BytesIO()

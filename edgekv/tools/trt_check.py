@@ -15,7 +15,7 @@ DATA = Path(__file__).parent.parent / "data" / "trt_onnx_ops.json"
 
 # onnx TensorProto element types -> the table's names
 _TYPES = {1: "FP32", 2: "UINT8", 3: "INT8", 6: "INT32", 7: "INT64", 9: "BOOL", 10: "FP16", 11: "DOUBLE", 16: "BF16",
-          17: "FP8", 22: "INT4", 23: "FP4"}
+          17: "FP8", 21: "UINT4", 22: "INT4", 23: "FP4"}
 _QUANTIZED = {"INT8", "INT4", "FP8", "FP4"}
 # ops whose data input is not input 0, or whose input types are not what the table lists
 _DATA_INPUT = {"Where": 1}
@@ -53,11 +53,17 @@ def check_model(model, trt: str = "10.3") -> list[Violation]:
     g = model.graph
     out: list[Violation] = []
 
+    opset = 0
+    int4 = any(i.data_type == 22 for i in model.graph.initializer)
+    # INT4 block quantization exists from opset 21, which the docs' range stops short of (the json's note)
+    max_opset = max(ver["max_opset"], ver["int4_opset"]) if int4 else ver["max_opset"]
     for o in model.opset_import:
         if o.domain in ("", "ai.onnx"):
-            if not ver["min_opset"] <= o.version <= ver["max_opset"]:
+            opset = o.version
+            if not ver["min_opset"] <= o.version <= max_opset:
                 out.append(Violation("<model>", "opset", f"opset {o.version} outside TensorRT {trt}'s "
-                                                          f"{ver['min_opset']}..{ver['max_opset']}"))
+                                                          f"{ver['min_opset']}..{max_opset}"
+                                                          + ("" if int4 else " (21 only for INT4 weights)")))
         else:
             out.append(Violation("<model>", "opset", f"non-standard domain {o.domain!r} imported"))
 
@@ -112,7 +118,10 @@ def check_model(model, trt: str = "10.3") -> list[Violation]:
                 out.append(Violation(name, op, f"Cast from {src} is not supported"))
             continue
         if op in ("QuantizeLinear", "DequantizeLinear"):
-            out.extend(_check_qdq(n, name, op, types, constants, shapes, ver, trt))
+            out.extend(_check_qdq(n, name, op, types, constants, shapes, ver, trt, opset))
+            continue
+        if op == "Gather" and types.get(n.input[0]) == "INT8":
+            out.extend(_check_int8_gather(n, name, constants, consumers))
             continue
         if op in _SKIP_TYPES:
             continue
@@ -123,11 +132,18 @@ def check_model(model, trt: str = "10.3") -> list[Violation]:
 
     # quantized tensors exist only between Q and DQ; UINT8 only at the network's edge
     for tname, t in types.items():
+        if t == "UINT4":
+            prod = producers.get(tname)
+            out.append(Violation(prod.name if prod else tname, prod.op_type if prod else "tensor",
+                                 f"UINT4 tensor {tname}: TensorRT takes only signed INT4"))
         if t == "INT8":
             prod = producers.get(tname)
-            ok_src = tname in graph_inputs or tname in constants or (prod is not None and prod.op_type == "QuantizeLinear")
+            # a Gather's INT8 rows are checked by _check_int8_gather (its table constant, its rows to DQ only)
+            ok_src = (tname in graph_inputs or tname in constants or (prod is not None and prod.op_type == "QuantizeLinear")
+                      or (prod is not None and prod.op_type == "Gather" and prod.input[0] in constants))
             bad_use = [c for c in consumers.get(tname, []) if c.op_type != "DequantizeLinear"
-                       and not (c.op_type == "QuantizeLinear" and tname in c.input[2:] and tname in constants)]
+                       and not (c.op_type == "QuantizeLinear" and tname in c.input[2:] and tname in constants)
+                       and not (c.op_type == "Gather" and c.input[0] == tname and tname in constants)]
             if not ok_src:
                 out.append(Violation(prod.name if prod else tname, prod.op_type if prod else "tensor",
                                      f"produces INT8 tensor {tname} other than by QuantizeLinear"))
@@ -140,8 +156,49 @@ def check_model(model, trt: str = "10.3") -> list[Violation]:
     return out
 
 
-def _check_qdq(n, name, op, types, constants, shapes, ver, trt) -> list[Violation]:
+def _check_int8_gather(n, name, constants, consumers) -> list[Violation]:
+    """TensorRT's IGatherLayer takes INT8 data (its operator reference); the ONNX parser is only
+    trusted with it for a constant table whose gathered rows go straight to DequantizeLinear."""
     out = []
+    if n.input[0] not in constants:
+        out.append(Violation(name, "Gather", f"INT8 Gather on {n.input[0]}, which is not a constant table"))
+    for c in consumers.get(n.output[0], []):
+        if c.op_type != "DequantizeLinear":
+            out.append(Violation(c.name, c.op_type, f"consumes the INT8 rows {n.output[0]}; only DequantizeLinear may"))
+    return out
+
+
+def _block_size(n) -> int:
+    return next((a.i for a in n.attribute if a.name == "block_size"), 0)
+
+
+def _check_blocked_dq(n, name, op, types, constants, shapes, ver, trt, opset) -> list[Violation]:
+    """Block-wise DequantizeLinear: TensorRT takes it only for INT4, on a 2-D constant, from opset 21."""
+    out = []
+    src = types.get(n.input[0])
+    if op == "QuantizeLinear":
+        return [Violation(name, op, "block-wise QuantizeLinear: TensorRT quantizes block-wise only weights (DQ)")]
+    if src != "INT4":
+        out.append(Violation(name, op, f"block-wise DequantizeLinear of {src}: TensorRT takes block quantization "
+                                       "only for INT4"))
+    if n.input[0] not in constants:
+        out.append(Violation(name, op, "block-wise DequantizeLinear is allowed only on constant weights"))
+    elif len(shapes.get(n.input[0], [])) != 2:
+        out.append(Violation(name, op, f"block-wise DequantizeLinear on a {len(shapes.get(n.input[0], []))}-D "
+                                       "tensor: TensorRT takes only 2-D weights"))
+    if opset < ver["int4_opset"]:
+        out.append(Violation(name, op, f"block-wise DequantizeLinear needs opset {ver['int4_opset']} "
+                                       f"(the graph imports {opset})"))
+    return out
+
+
+def _check_qdq(n, name, op, types, constants, shapes, ver, trt, opset=0) -> list[Violation]:
+    out = []
+    src = types.get(n.input[0])
+    if src == "INT4" and opset < ver["int4_opset"]:
+        out.append(Violation(name, op, f"INT4 needs opset {ver['int4_opset']} (the graph imports {opset})"))
+    if _block_size(n) > 0:
+        out.extend(_check_blocked_dq(n, name, op, types, constants, shapes, ver, trt, opset))
     scale = n.input[1] if len(n.input) > 1 else ""
     zp = n.input[2] if len(n.input) > 2 else ""
     if ver["qdq_scale_must_be_constant"] and scale not in constants:
@@ -149,12 +206,11 @@ def _check_qdq(n, name, op, types, constants, shapes, ver, trt) -> list[Violatio
                                        "constant (runtime scales arrive in 10.13)"))
     if zp and zp not in constants:
         out.append(Violation(name, op, f"zero point {zp} must be a build-time constant"))
-    per_channel = scale in shapes and len(shapes[scale]) > 0 and int(_prod(shapes[scale])) > 1
+    per_channel = scale in shapes and len(shapes[scale]) > 0 and int(_prod(shapes[scale])) > 1 and not _block_size(n)
     if per_channel and op == "DequantizeLinear" and n.input[0] not in constants:
         out.append(Violation(name, op, "per-channel DequantizeLinear is allowed only on constant weights"))
     if per_channel and op == "QuantizeLinear" and n.input[0] not in constants:
         out.append(Violation(name, op, "per-channel QuantizeLinear is allowed only on constant weights"))
-    src = types.get(n.input[0])
     if op == "DequantizeLinear" and src and src not in _QUANTIZED:
         out.append(Violation(name, op, f"input type {src}: TensorRT dequantizes only quantized types"))
     if op == "QuantizeLinear" and src and src not in ("FP32", "FP16", "BF16"):

@@ -7,7 +7,7 @@ import os
 from edgekv.errors import BackendUnavailable, BundleError, EdgeKVError
 from edgekv.format.bundle import Bundle
 from edgekv.runtime.backends.base import Backend
-from edgekv.runtime.backends.ort import OrtBackend, OrtCudaBackend
+from edgekv.runtime.backends.ort import MATMUL_ACCURACY, OrtBackend, OrtCudaBackend
 from edgekv.runtime.cache import default_capacity
 
 BACKENDS = ("auto", "ort-cpu", "ort-cuda", "trt")
@@ -18,14 +18,14 @@ def default_threads() -> int:
 
 
 def make_backend(name: str, bundle: Bundle, threads: int | None = None, max_logits_rows: int = 1,
-                 ctx: int | None = None, log=None) -> Backend:
+                 ctx: int | None = None, log=None, matmul_accuracy: int = MATMUL_ACCURACY) -> Backend:
     """The backend `name`, or for `auto` the best one that works here: trt when a built engine
     covers `ctx`, else ort-cuda when onnxruntime has CUDA, else ort-cpu. `log` gets one line
-    saying why a better backend was passed over."""
+    saying why a better backend was passed over. `matmul_accuracy`: OrtBackend's."""
     if name == "ort-cpu":
-        return check_graph(OrtBackend(bundle, threads, max_logits_rows), bundle)
+        return check_graph(OrtBackend(bundle, threads, max_logits_rows, matmul_accuracy=matmul_accuracy), bundle)
     if name == "ort-cuda":
-        return check_graph(OrtCudaBackend(bundle, threads, max_logits_rows), bundle)
+        return check_graph(OrtCudaBackend(bundle, threads, max_logits_rows, matmul_accuracy=matmul_accuracy), bundle)
     if name == "trt":
         from edgekv.runtime.backends.trt import TrtBackend
         return TrtBackend(bundle, ctx or default_capacity(bundle), max_logits_rows)
@@ -34,13 +34,13 @@ def make_backend(name: str, bundle: Bundle, threads: int | None = None, max_logi
     skipped = []
     for cand in ("trt", "ort-cuda"):
         try:
-            return make_backend(cand, bundle, threads, max_logits_rows, ctx)
+            return make_backend(cand, bundle, threads, max_logits_rows, ctx, matmul_accuracy=matmul_accuracy)
         except BackendUnavailable as e:
             skipped.append(str(e))
     if log and skipped and _looks_like_gpu_box():
         for why in skipped:
             log(f"auto backend: {why}")
-    return check_graph(OrtBackend(bundle, threads, max_logits_rows), bundle)
+    return check_graph(OrtBackend(bundle, threads, max_logits_rows, matmul_accuracy=matmul_accuracy), bundle)
 
 
 # numpy dtype name -> onnxruntime's type string of a graph input

@@ -31,6 +31,11 @@ def _import_ort():
     return ort
 
 
+# session.qdq_matmulnbits_accuracy_level: the activations of the fused MatMulNBits that quantized
+# weights run as (docs/weights.md): 4 = int8 (llama.cpp's choice), 0 = float32 (the exporter's exact parity)
+MATMUL_ACCURACY = 4
+
+
 class OrtBackend:
     """onnxruntime with IOBinding; the CPU provider (subclassed for CUDA)."""
     name = "ort-cpu"
@@ -40,7 +45,7 @@ class OrtBackend:
     stage_present = True  # a one-token call writes present.* to staging buffers, copied to the cache after
 
     def __init__(self, bundle: Bundle, threads: int | None = None, max_logits_rows: int = 1,
-                 past_bucket: int = PAST_BUCKET):
+                 past_bucket: int = PAST_BUCKET, matmul_accuracy: int = MATMUL_ACCURACY):
         ort = self.ort = _import_ort()
         self.check_available(ort)
         opts = ort.SessionOptions()
@@ -51,10 +56,16 @@ class OrtBackend:
         # onnxruntime caches a memory plan per input shape; past lengths and prompt chunks vary, so
         # that cache only grows (docs/graph.md)
         opts.enable_mem_pattern = False
+        # quantized weights: DequantizeLinear -> MatMul runs fused as MatMulNBits
+        opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(matmul_accuracy))
         if not bundle.onnx_path.is_file():
             raise BundleError(f"{bundle.path}: corrupt bundle ({bundle.onnx_path.name} is missing)")
+        # onnxruntime's QDQ propagation copies the int8 cache's unit Q/DQ across a Transpose with a
+        # uint8 zero point, which opset 21 (INT4 weights) refuses at load (docs/weights.md)
+        off = ["QDQPropagationTransformer"] if bundle.weights == "int4" else None
         try:
-            self.session = ort.InferenceSession(str(bundle.onnx_path), opts, providers=self.providers())
+            self.session = ort.InferenceSession(str(bundle.onnx_path), opts, providers=self.providers(),
+                                                disabled_optimizers=off)
         except Exception as e:  # onnxruntime raises its own exception types for a bad file
             msg = str(e).splitlines()[0][:200]
             raise BundleError(f"{bundle.path}: corrupt bundle (onnxruntime cannot load {bundle.onnx_path.name}: {msg})") from None

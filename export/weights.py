@@ -1,0 +1,302 @@
+"""Quantized weights: what each matrix is stored as, and the ONNX pass that stores it so.
+
+The exporter runs the float model with weights that are *exactly* the dequantized values of
+what the bundle stores (QuantWeight.dequantize), exports the float graph, and then
+`quantize_initializers` replaces each such weight feeding a MatMul (or the embedding's Gather)
+with its integer codes + DequantizeLinear. The graph therefore computes the same function as
+the torch model by construction, and the parity check still catches layout and scale bugs.
+
+Formats (docs/weights.md):
+- INT4, signed, block-wise along K: DequantizeLinear(INT4 [K, N], scales [K/B, N], axis 0,
+  block_size B, no zero point) -> MatMul. Opset 21. GGUF Q4_0 is this as it stands.
+- GGUF Q4_1 (w = d*q + m per block of 32): codes shifted to signed (q - 8) with M = m + 8d as
+  its own term: W.x = DQ(q - 8, d).x + blocksum(x).M, a second MatMul 32x smaller.
+- INT8 per output channel: DequantizeLinear(INT8 [K, N], scales [N], axis 1) -> MatMul
+  (TensorRT takes block-wise DQ only for INT4, so GGUF Q8_0 matrices are requantized per channel).
+- The embedding: Gather on the INT8 table, DequantizeLinear with a unit scale, then the gathered
+  rows times their (block) scales; no float copy of the table exists.
+"""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from edgekv.format.bundle import WEIGHT_FORMATS  # the runtime's list of what it reads
+GROUPS = (32, 64, 128)
+CLIP_RATIOS = tuple(np.round(np.arange(1.0, 0.49, -0.05), 2))  # searched per group, best error kept
+
+
+@dataclass
+class QuantWeight:
+    """One matrix W [N, K] (torch Linear layout: N outputs, K inputs) as the bundle stores it."""
+    bits: int                        # 4 or 8
+    codes: np.ndarray                # int8 [N, K]; -8..7 for 4 bits, -127..127 for 8
+    scales: np.ndarray               # float32 [N, K/block] (block-wise) or [N] (per output channel)
+    block: int | None                # block size along K; None = per output channel
+    origin: str                      # where the codes come from (manifest)
+    mins: np.ndarray | None = None   # float32 [N, K/block]: Q4_1's M term, W = codes*scales + M
+
+    def dequantize(self) -> np.ndarray:
+        """The float values the graph computes with, in float64 rounded once to float32."""
+        c = self.codes.astype(np.float64)
+        if self.block is None:
+            return (c * self.scales.astype(np.float64)[:, None]).astype(np.float32)
+        n, k = c.shape
+        w = c.reshape(n, k // self.block, self.block) * self.scales.astype(np.float64)[..., None]
+        if self.mins is not None:
+            w = w + self.mins.astype(np.float64)[..., None]
+        return w.reshape(n, k).astype(np.float32)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes in the bundle: packed codes + float32 scales (+ the Q4_1 term)."""
+        codes = self.codes.size * self.bits // 8
+        return codes + 4 * self.scales.size + (4 * self.mins.size if self.mins is not None else 0)
+
+
+def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
+    """Fused matrices (q|k|v, gate|up) stack output rows; blocks along K are unaffected."""
+    a = parts[0]
+    if any(p.bits != a.bits or p.block != a.block or (p.mins is None) != (a.mins is None) for p in parts):
+        raise ValueError("cannot fuse matrices stored in different formats")
+    return QuantWeight(a.bits, np.concatenate([p.codes for p in parts]), np.concatenate([p.scales for p in parts]),
+                       a.block, a.origin, None if a.mins is None else np.concatenate([p.mins for p in parts]))
+
+
+def permute_rows(q: QuantWeight, fn) -> QuantWeight:
+    """Apply a row permutation (llama.cpp's q/k interleave undone) to codes, scales and mins."""
+    return QuantWeight(q.bits, fn(q.codes), fn(q.scales), q.block, q.origin, None if q.mins is None else fn(q.mins))
+
+
+# --- GGUF blocks, read as they are ---------------------------------------------------------
+
+def from_gguf_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantWeight | None:
+    """raw: the tensor's bytes [N, bytes per row]; shape (N, K). None for a block type not kept."""
+    n, k = shape
+    raw = np.ascontiguousarray(raw).reshape(n * k // 32, -1)
+    if kind == "Q8_0":  # d f16, 32 x int8
+        d = raw[:, :2].copy().view(np.float16).astype(np.float32).reshape(n, k // 32)
+        q = raw[:, 2:].copy().view(np.int8).reshape(n, k)
+        return QuantWeight(8, q, d, 32, "gguf Q8_0")
+    if kind in ("Q4_0", "Q4_1"):
+        off = 2 if kind == "Q4_0" else 4
+        d = raw[:, :2].copy().view(np.float16).astype(np.float32)
+        qs = raw[:, off:]  # 16 bytes: element j in the low nibble of byte j, element j+16 in the high
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.int8) - 8  # [blocks, 32] signed
+        if kind == "Q4_0":
+            return QuantWeight(4, q.reshape(n, k), d.reshape(n, k // 32), 32, "gguf Q4_0")
+        m = raw[:, 2:4].copy().view(np.float16).astype(np.float32)
+        mins = (m.astype(np.float64) + 8.0 * d.astype(np.float64)).astype(np.float32)  # M = m + 8d
+        return QuantWeight(4, q.reshape(n, k), d.reshape(n, k // 32), 32, "gguf Q4_1", mins.reshape(n, k // 32))
+    return None
+
+
+# --- from float ------------------------------------------------------------------------------
+
+def int8_per_channel(w: np.ndarray, origin: str = "int8 per output channel, absmax") -> QuantWeight:
+    w = w.astype(np.float32)
+    s = np.maximum(np.abs(w).max(1), 1e-12) / 127.0
+    q = np.clip(np.rint(w / s[:, None]), -127, 127).astype(np.int8)
+    return QuantWeight(8, q, s.astype(np.float32), None, origin)
+
+
+def int4_groups(w: np.ndarray, group: int, search: bool = True) -> QuantWeight:
+    """Symmetric INT4 per group of `group` inputs. search: for each group the clip ratio (of the
+    absmax) whose codes reconstruct the group with the least squared error; else round-to-nearest."""
+    n, k = w.shape
+    if k % group:
+        raise ValueError(f"--group {group} does not divide a matrix's input size {k}")
+    wg = w.astype(np.float32).reshape(n, k // group, group)
+    amax = np.maximum(np.abs(wg).max(-1), 1e-12)
+    best_s, best_err = None, None
+    for r in (CLIP_RATIOS if search else (1.0,)):
+        s = (r * amax / 7.0).astype(np.float32)
+        q = np.clip(np.rint(wg / s[..., None]), -8, 7)
+        err = ((q * s[..., None] - wg) ** 2).sum(-1)
+        if best_s is None:
+            best_s, best_err = s, err
+        else:
+            better = err < best_err
+            best_s, best_err = np.where(better, s, best_s), np.where(better, err, best_err)
+    q = np.clip(np.rint(wg / best_s[..., None]), -8, 7).astype(np.int8).reshape(n, k)
+    how = "clip-ratio search" if search else "round-to-nearest"
+    return QuantWeight(4, q, best_s, group, f"int4 symmetric per {group}, {how}")
+
+
+# --- the plan: what each weight becomes ------------------------------------------------------
+
+def plan_weights(state: dict, kept: dict[str, QuantWeight], fmt: str, group: int, embed: str, head: str,
+                 search: bool = True) -> dict[str, QuantWeight]:
+    """state: name -> float [N, K] (numpy). kept: the source's own blocks by name (GGUF).
+    Every 2-D projection gets fmt; the head 8 bits per output channel; the embedding keeps the
+    source's 8-bit blocks when it has them (a Gather takes any block size), else per row."""
+    if fmt == "float":
+        return {}
+    plan = {}
+    for name, w in state.items():
+        if w.ndim != 2 or name in (embed, head):
+            continue
+        src = kept.get(name)
+        if fmt == "int4" and src is not None and src.bits == 4:
+            plan[name] = src  # the source's own 4-bit blocks, exactly
+        elif fmt == "int4" and (src is None or src.bits != 8):
+            plan[name] = int4_groups(w, group, search)
+        else:  # int8, or an 8-bit source matrix under int4: 8 bits per channel (TensorRT: no INT8 blocks)
+            plan[name] = int8_per_channel(w, "int8 per output channel" + (f", from {src.origin}" if src else ""))
+    src = kept.get(embed)
+    plan[embed] = src if src is not None and src.bits == 8 else int8_per_channel(state[embed], "int8 per row")
+    plan[head] = int8_per_channel(state[head], "int8 per output channel"
+                                  + (f", from {kept[head].origin}" if head in kept else ""))
+    return plan
+
+
+# --- the ONNX pass ----------------------------------------------------------------------------
+
+def _key(a: np.ndarray) -> str:
+    return hashlib.sha1(np.ascontiguousarray(a).tobytes()).hexdigest() + str(a.shape) + str(a.dtype)
+
+
+def quantize_initializers(m, targets: dict[str, tuple[np.ndarray, QuantWeight]], embed: str):
+    """m: the float graph. targets: name -> (the float weight [N, K] exactly as the torch model
+    holds it, its QuantWeight). Every MatMul whose B is W^T (an initializer, or Transpose of one)
+    and the Gather reading `embed`'s table are rewritten; unmatched targets are an error (a weight
+    left in float would silently cost memory and speed)."""
+    from onnx import numpy_helper
+
+    g = m.graph
+    inits = {i.name: i for i in g.initializer}
+    producers = {o: n for n in g.node for o in n.output}
+    by_key = {}
+    for name, (w, q) in targets.items():
+        by_key[_key(w.T)] = name
+        if name == embed:
+            by_key["gather:" + _key(w)] = name
+    arrays: dict[str, np.ndarray] = {}
+
+    def array(tname):
+        if tname not in arrays:
+            arrays[tname] = numpy_helper.to_array(inits[tname])
+        return arrays[tname]
+
+    done, new_nodes, new_inits = set(), [], []
+    for node in g.node:
+        if node.op_type == "MatMul":
+            b = node.input[1]
+            val = None
+            if b in inits:
+                val = array(b)
+            elif b in producers and producers[b].op_type == "Transpose" and producers[b].input[0] in inits:
+                t = producers[b]
+                perm = [a.ints for a in t.attribute if a.name == "perm"]
+                if not perm or list(perm[0]) == [1, 0]:
+                    val = array(t.input[0]).T
+            name = by_key.get(_key(val)) if val is not None and val.ndim == 2 else None
+            if name is not None:
+                new_nodes.extend(_quantized_matmul(node, name, targets[name][1], val.dtype, new_inits))
+                done.add(("matmul", name))
+                continue
+        if node.op_type == "Gather" and node.input[0] in inits and not any(a.name == "axis" and a.i for a in node.attribute):
+            name = by_key.get("gather:" + _key(array(node.input[0])))
+            if name is not None:
+                new_nodes.extend(_quantized_gather(node, name, targets[name][1], array(node.input[0]).dtype, new_inits))
+                done.add(("gather", name))
+                continue
+        new_nodes.append(node)
+    missing = [n for n in targets if ("matmul", n) not in done and ("gather", n) not in done]
+    if missing:
+        raise ValueError(f"quantized weights not found in the graph: {missing[:5]}")
+    del g.node[:]
+    g.node.extend(new_nodes)
+    used = {i for n in g.node for i in n.input}
+    kept = [i for i in g.initializer if i.name in used]
+    del g.initializer[:]
+    g.initializer.extend(kept + new_inits)
+    del g.value_info[:]
+    return m
+
+
+def _int_tensor(name: str, codes: np.ndarray, bits: int):
+    from onnx import TensorProto, helper, numpy_helper
+
+    if bits == 8:
+        return numpy_helper.from_array(np.ascontiguousarray(codes.astype(np.int8)), name)
+    flat = (codes.astype(np.int8).reshape(-1) & 0x0F).astype(np.uint8)
+    if flat.size % 2:
+        flat = np.append(flat, np.uint8(0))
+    packed = flat[0::2] | (flat[1::2] << 4)  # ONNX INT4: first element in the low nibble
+    return helper.make_tensor(name, TensorProto.INT4, list(codes.shape), packed.tobytes(), raw=True)
+
+
+def _quantized_matmul(node, name: str, q: QuantWeight, dtype, inits: list) -> list:
+    """DQ(codes^T [K, N]) -> MatMul (+ the Q4_1 term)."""
+    from onnx import helper, numpy_helper
+
+    base = name.replace(".", "_")
+    inits.append(_int_tensor(base + "_q", q.codes.T, q.bits))
+    if q.block is None:
+        inits.append(numpy_helper.from_array(q.scales.astype(dtype), base + "_scale"))
+        dq = helper.make_node("DequantizeLinear", [base + "_q", base + "_scale"], [base + "_dq"], axis=1,
+                              name=base + "_dq")
+    else:
+        inits.append(numpy_helper.from_array(np.ascontiguousarray(q.scales.T.astype(dtype)), base + "_scale"))
+        dq = helper.make_node("DequantizeLinear", [base + "_q", base + "_scale"], [base + "_dq"], axis=0,
+                              block_size=q.block, name=base + "_dq")
+    out = node.output[0]
+    mm_out = out if q.mins is None else out + "_codes"
+    nodes = [dq, helper.make_node("MatMul", [node.input[0], base + "_dq"], [mm_out], name=node.name or base + "_mm")]
+    if q.mins is not None:
+        n, k = q.codes.shape
+        nb = k // q.block
+        ones = np.zeros((k, nb), dtype)  # x @ ones = per-block sums of x
+        ones[np.arange(k), np.arange(k) // q.block] = 1
+        inits.append(numpy_helper.from_array(ones, base + "_blocksum"))
+        inits.append(numpy_helper.from_array(np.ascontiguousarray(q.mins.T.astype(dtype)), base + "_min"))
+        nodes += [helper.make_node("MatMul", [node.input[0], base + "_blocksum"], [base + "_xsum"], name=base + "_xsum"),
+                  helper.make_node("MatMul", [base + "_xsum", base + "_min"], [base + "_xmin"], name=base + "_xmin"),
+                  helper.make_node("Add", [mm_out, base + "_xmin"], [out], name=base + "_add_min")]
+    return nodes
+
+
+def _quantized_gather(node, name: str, q: QuantWeight, dtype, inits: list) -> list:
+    """Gather the INT8 rows, DequantizeLinear with a unit scale (exact), times the rows' scales."""
+    from onnx import helper, numpy_helper
+
+    base = name.replace(".", "_")
+    ids, out = node.input[1], node.output[0]
+    n, k = q.codes.shape
+    nb = 1 if q.block is None else k // q.block
+    # a block-wise table is stored [V, K/B, B] so that the gathered rows meet their scales without
+    # a Reshape between DequantizeLinear and Mul (onnxruntime's Q/DQ propagation mishandles that)
+    inits.append(_int_tensor(base + "_q", q.codes.reshape(n, nb, k // nb) if q.block else q.codes, 8))
+    inits.append(numpy_helper.from_array(np.array(1.0, dtype), base + "_unit"))
+    inits.append(numpy_helper.from_array(np.array(0, np.int8), base + "_zero"))
+    inits.append(numpy_helper.from_array(q.scales.astype(dtype).reshape(n, nb, 1) if q.block
+                                         else q.scales.astype(dtype).reshape(n, 1), base + "_scale"))
+    scaled = out if q.block is None else base + "_rows_bs"
+    nodes = [helper.make_node("Gather", [base + "_q", ids], [base + "_rows_q"], axis=0, name=base + "_gather_q"),
+             helper.make_node("DequantizeLinear", [base + "_rows_q", base + "_unit", base + "_zero"], [base + "_rows"],
+                              name=base + "_rows_dq"),
+             helper.make_node("Gather", [base + "_scale", ids], [base + "_rows_scale"], axis=0, name=base + "_gather_s"),
+             helper.make_node("Mul", [base + "_rows", base + "_rows_scale"], [scaled], name=base + "_scale_rows")]
+    if q.block is not None:
+        inits.append(numpy_helper.from_array(np.array([0, 0, k], np.int64), base + "_rows_shape"))
+        nodes.append(helper.make_node("Reshape", [scaled, base + "_rows_shape"], [out], name=base + "_from_blocks"))
+    return nodes
+
+
+def needs_opset_21(plan: dict[str, QuantWeight]) -> bool:
+    """INT4 and DequantizeLinear's block_size exist from opset 21 (docs/graph.md); block-wise DQ is
+    written only for INT4 (8-bit matrices are per channel; an 8-bit block table is only gathered)."""
+    return any(q.bits == 4 for q in plan.values())
+
+
+def summary(plan: dict[str, QuantWeight]) -> dict:
+    """The manifest's record of the weights: formats by count and bytes."""
+    by = {}
+    for q in plan.values():
+        r = by.setdefault(q.origin, {"tensors": 0, "bytes": 0})
+        r["tensors"] += 1
+        r["bytes"] += q.nbytes
+    return by

@@ -1,0 +1,310 @@
+"""Quantized weights (docs/weights.md). Oracles: HF transformers running the weights decoded
+from the bundle's ONNX initializers by onnx's own unpacking (ONNX = the reference model on the
+same weights); the gguf package's own quantizer and dequantizer (GGUF blocks kept exactly);
+the optimized onnxruntime graph itself (the fused MatMulNBits kernel is really used)."""
+from __future__ import annotations
+
+import collections
+import json
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, numpy_helper
+
+from edgekv.errors import BundleError
+from edgekv.format.bundle import load_bundle
+from edgekv.runtime.assemble import open_runtime
+from edgekv.tools.trt_check import check_model
+from tests.conftest import make_hf_folder
+
+CASES = [("llama", "int8"), ("llama", "int4"), ("qwen2", "int8"), ("qwen2", "int4")]
+
+
+@pytest.fixture(scope="session")
+def tiny_sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wsrc")
+    return {"llama": make_hf_folder(root / "llama", "llama"),
+            "qwen2": make_hf_folder(root / "qwen2", "qwen2", tie_word_embeddings=True)}
+
+
+@pytest.fixture(scope="session")
+def weight_bundles(tiny_sources, tmp_path_factory):
+    from export.bundle import export_bundle
+
+    root = tmp_path_factory.mktemp("wb")
+    return {(arch, w): export_bundle(str(tiny_sources[arch]), kv="float", out=str(root / f"{arch}-{w}"),
+                                     max_context=128, steps=4, weights=w)
+            for arch, w in CASES}
+
+
+def decoded_weights(onnx_path) -> dict[str, np.ndarray]:
+    """Our weight name -> W [N, K] float64, decoded from the graph's integer initializers."""
+    m = onnx.load(str(onnx_path))
+    inits = {i.name: i for i in m.graph.initializer}
+    arr = lambda n: numpy_helper.to_array(inits[n]).astype(np.float64)  # noqa: E731
+    out = {}
+    for node in m.graph.node:
+        if node.op_type != "DequantizeLinear" or node.input[0] not in inits or not node.input[0].endswith("_q"):
+            continue
+        base = node.input[0][:-2]
+        codes, scale = arr(node.input[0]), arr(node.input[1])
+        block = next((a.i for a in node.attribute if a.name == "block_size"), 0)
+        if block:  # [K, N] codes, [K/B, N] scales
+            wt = codes * np.repeat(scale, block, axis=0)
+            if base + "_min" in inits:
+                wt = wt + np.repeat(arr(base + "_min"), block, axis=0)
+        else:  # per output channel: scales [N] along axis 1
+            wt = codes * scale[None, :]
+        out[_name(base)] = wt.T
+    if "embed_weight_q" in inits:  # the Gather's table: rows times their (block) scales
+        codes, scale = arr("embed_weight_q"), arr("embed_weight_scale")  # [V, E] & [V, 1] or [V, E/B, B] & [V, E/B, 1]
+        out["embed.weight"] = (codes * scale).reshape(codes.shape[0], -1)
+    return out
+
+
+def _name(base: str) -> str:
+    for a, b in (("layers_", "layers."), ("_attn_", ".attn."), ("_mlp_", ".mlp."), ("_weight", ".weight"),
+                 ("lm_head", "lm_head"), ("embed", "embed")):
+        base = base.replace(a, b)
+    return base
+
+
+def hf_logits(folder, weights: dict[str, np.ndarray], ids: list[int]) -> np.ndarray:
+    """transformers' model with the given weights (by our names) in place of the checkpoint's."""
+    import transformers
+
+    from export.loaders import load_hf_folder, unfuse
+
+    src = load_hf_folder(folder)
+    sd = dict(src.state_dict)
+    sd.update({k: torch.from_numpy(v).float() for k, v in weights.items()})
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, tie_word_embeddings=False,
+                                                              torch_dtype=torch.float32).eval()
+    hf_sd = unfuse(sd, src.config)
+    hf_sd.setdefault("lm_head.weight", sd.get("lm_head.weight", sd["embed.weight"]))
+    missing, unexpected = model.load_state_dict(hf_sd, strict=False)
+    assert not unexpected and all("rotary" in k for k in missing), (missing, unexpected)
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0].numpy()
+
+
+def ort_logits(bundle, ids: list[int], accuracy: int = 0) -> np.ndarray:
+    with open_runtime(bundle, 64, "ort-cpu", threads=1, max_logits_rows=len(ids), log=None,
+                      matmul_accuracy=accuracy) as rt:
+        gen = rt.generator(prefill_chunk=len(ids))
+        return np.stack([gen.prefill(ids[: i + 1]).copy() if i == 0 else _step(gen, t) for i, t in enumerate(ids)])
+
+
+def _step(gen, tok):
+    return gen.decode_step(tok).copy()
+
+
+@pytest.mark.parametrize("arch,fmt", CASES)
+def test_onnx_equals_transformers_on_the_bundles_weights(arch, fmt, tiny_sources, weight_bundles):
+    b = weight_bundles[(arch, fmt)]
+    w = decoded_weights(load_bundle(b).onnx_path)
+    n_proj = 4 * 2  # wqkv, wo, w_gate_up, w_down in 2 layers
+    assert len([k for k in w if k.startswith("layers.")]) == n_proj and "lm_head.weight" in w and "embed.weight" in w
+    ids = [5, 17, 99, 3, 250, 42, 7, 300]
+    ref = hf_logits(tiny_sources[arch], w, ids)
+    got = ort_logits(b, ids)
+    np.testing.assert_allclose(got, ref, atol=2e-4 * np.abs(ref).max(), rtol=0)
+    # the stored weights really are quantized: not the float checkpoint's values
+    from export.loaders import load_hf_folder
+
+    orig = load_hf_folder(tiny_sources[arch]).state_dict["layers.0.mlp.w_down.weight"].numpy()
+    err = np.abs(w["layers.0.mlp.w_down.weight"] - orig).max() / np.abs(orig).max()
+    assert (1e-3 if fmt == "int8" else 1e-2) < err < (1e-2 if fmt == "int8" else 0.2)
+    levels = len(np.unique(np.round(w["layers.0.mlp.w_down.weight"][0] / np.abs(w["layers.0.mlp.w_down.weight"][0]).max(), 6)))
+    assert levels <= (255 if fmt == "int8" else 16 * (96 // 32))
+
+
+@pytest.mark.parametrize("arch,fmt", CASES)
+def test_graph_format_opset_and_trt_rules(arch, fmt, weight_bundles):
+    b = load_bundle(weight_bundles[(arch, fmt)])
+    assert b.weights == fmt and b.manifest["format_version"] == 2
+    m = onnx.load(str(b.onnx_path), load_external_data=False)
+    opset = next(o.version for o in m.opset_import if o.domain in ("", "ai.onnx"))
+    assert opset == (21 if fmt == "int4" else 18)  # raised only where INT4 needs it
+    types = collections.Counter(i.data_type for i in m.graph.initializer)
+    assert types[TensorProto.INT4] == (8 if fmt == "int4" else 0)
+    assert not any(i.data_type == TensorProto.FLOAT and len(i.dims) == 2 and min(i.dims) >= 64
+                   for i in m.graph.initializer), "a float weight matrix is left in the graph"
+    assert check_model(m, "10.3") == []
+
+
+def optimized_ops(bundle, monkeypatch, tmp_path) -> collections.Counter:
+    """The op types of the graph onnxruntime really runs, as the runtime's own backend builds it."""
+    import onnxruntime as ort
+
+    real = ort.SessionOptions
+    path = tmp_path / "optimized.onnx"
+
+    def options():
+        o = real()
+        o.optimized_model_filepath = str(path)
+        return o
+
+    monkeypatch.setattr(ort, "SessionOptions", options)
+    open_runtime(bundle, None, "ort-cpu", threads=1, log=None).close()
+    monkeypatch.setattr(ort, "SessionOptions", real)
+    g = onnx.load(str(path), load_external_data=False).graph
+    ops = collections.Counter(n.op_type for n in g.node)
+    # a float copy of the embedding table (DequantizeLinear folded at load) would show up here
+    ops["float tables"] = sum(i.data_type == TensorProto.FLOAT and np.prod(i.dims) >= 384 * 64 for i in g.initializer)
+    return ops
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_fused_low_bit_kernel_is_used(fmt, weight_bundles, monkeypatch, tmp_path):
+    ops = optimized_ops(weight_bundles[("llama", fmt)], monkeypatch, tmp_path)
+    assert ops["MatMulNBits"] == 2 * 4 + 1  # every projection and the head: none dequantized per call
+    assert ops["DequantizeLinear"] == 1  # only the embedding's gathered rows (unit scale)
+    assert ops["float tables"] == 0
+
+
+def test_runtime_default_int8_activations_stay_close(weight_bundles):
+    """The runtime runs MatMulNBits with int8 activations (accuracy level 4, llama.cpp's choice):
+    close to the float-activation result the parity check holds to torch."""
+    b = weight_bundles[("llama", "int4")]
+    ids = [5, 17, 99, 3, 250, 42, 7, 300]
+    exact, fast = ort_logits(b, ids, 0), ort_logits(b, ids, 4)
+    assert 0 < np.abs(exact - fast).max() < 0.05 * np.abs(exact).max()
+
+
+# --- GGUF blocks ---------------------------------------------------------------------------
+
+def _gguf_types(name: str):
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    if name.startswith(("token_embd", "output.")):
+        return T.Q8_0
+    return T.Q4_0 if "attn" in name else T.Q4_1
+
+
+@pytest.fixture(scope="session")
+def gguf_bundle(tiny_sources, tmp_path_factory):
+    from export.bundle import export_bundle
+    from tests.test_gguf import write_gguf
+
+    root = tmp_path_factory.mktemp("wgguf")
+    folder = make_hf_folder(root / "hf", "llama", tie_word_embeddings=False)
+    path = root / "tiny-q.gguf"
+    write_gguf(folder, path, quant=_gguf_types)
+    return path, export_bundle(str(path), kv="float", out=str(root / "bundle"), max_context=128, steps=4,
+                               weights="int4")
+
+
+def test_gguf_blocks_reproduced_exactly(gguf_bundle):
+    """Q4_0 (attention), Q4_1 (MLP), Q8_0 (embedding): the bundle's dequantized weights equal the
+    gguf package's dequantization of the file (to one float32 rounding of Q4_1's m + 8d)."""
+    import gguf
+
+    from export.loaders import GGUF_NAMES, _unpermute, rename
+    from export.model import ModelConfig
+
+    path, bundle = gguf_bundle
+    r = gguf.GGUFReader(str(path))
+    kinds = collections.Counter(t.tensor_type.name for t in r.tensors if len(t.shape) == 2)
+    assert kinds["Q4_0"] and kinds["Q4_1"] and kinds["Q8_0"]
+    man = load_bundle(bundle).manifest
+    cfg = ModelConfig(**{k: man["model"][k] for k in ("vocab_size", "hidden_size", "intermediate_size", "n_layers",
+                                                       "n_heads", "n_kv_heads", "head_dim")}, arch="llama")
+    ref = {}
+    for t in r.tensors:
+        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape([int(x) for x in reversed(t.shape)])
+        if t.name.endswith("attn_q.weight"):
+            w = _unpermute(w, cfg.n_heads)
+        elif t.name.endswith("attn_k.weight"):
+            w = _unpermute(w, cfg.n_kv_heads)
+        ref[t.name] = torch.from_numpy(np.ascontiguousarray(w))
+    ref = {k: v.numpy().astype(np.float64) for k, v in rename(ref, GGUF_NAMES, cfg).items()}
+    got = decoded_weights(load_bundle(bundle).onnx_path)
+    for name in [k for k in got if k.startswith("layers.")] + ["embed.weight"]:
+        exact = "w_gate_up" not in name and "w_down" not in name  # Q4_0 and Q8_0: bit for bit
+        np.testing.assert_allclose(got[name], ref[name], rtol=0, atol=0 if exact else 1e-7 * np.abs(ref[name]).max(),
+                                   err_msg=name)
+    # the head: Q8_0 blocks requantized per output channel (TensorRT takes no INT8 blocks): within half a step
+    head, step = got["lm_head.weight"], np.abs(ref["lm_head.weight"]).max(1, keepdims=True) / 127
+    assert 0 < np.abs(head - ref["lm_head.weight"]).max() and np.all(np.abs(head - ref["lm_head.weight"]) <= step / 2 + 1e-7)
+    stored = man["weights"]["stored"]
+    assert {"gguf Q4_0", "gguf Q4_1", "gguf Q8_0"} <= set(stored)
+
+
+def test_gguf_int4_bundle_matches_torch_and_fuses(gguf_bundle, monkeypatch, tmp_path):
+    path, bundle = gguf_bundle
+    man = load_bundle(bundle).manifest
+    assert man["parity"]["passed"] and man["parity"]["outputs"]["logits (decode)"]["max_abs_diff"] < 1e-3
+    ops = optimized_ops(bundle, monkeypatch, tmp_path)
+    assert ops["MatMulNBits"] == 2 * 4 + 1
+
+
+def test_bad_weight_flags_refused(tiny_sources):
+    from tests.conftest import run_edgekv
+
+    r = run_edgekv("export", tiny_sources["llama"], "--weights", "int4", "--group", "128", "--out", "/tmp/never")
+    assert r.returncode != 0 and "Traceback" not in r.stderr and "--group 128 does not divide" in r.stderr
+
+
+def test_unknown_weight_format_refused(weight_bundles, tmp_path):
+    import shutil
+
+    b = tmp_path / "b"
+    shutil.copytree(weight_bundles[("llama", "int8")], b)
+    m = json.loads((b / "edgekv.json").read_text())
+    m["weights"]["format"] = "int3"
+    (b / "edgekv.json").write_text(json.dumps(m))
+    with pytest.raises(BundleError, match="weights.format is 'int3', not one of float, int8, int4"):
+        load_bundle(b)
+
+
+@pytest.mark.slow
+def test_real_model_own_4bit_weights_answers_paris(tmp_path):
+    """The default model exported with its GGUF's own Q4_1 blocks (--weights int4)."""
+    from export.bundle import export_bundle
+
+    b = load_bundle(export_bundle(None, kv="int8", out=str(tmp_path / "real-wint4"), weights="int4", steps=8))
+    assert {"gguf Q4_1"} <= set(b.manifest["weights"]["stored"])
+    with open_runtime(b, 256, "ort-cpu", log=None) as rt:
+        codec, gen = rt.codec, rt.generator()
+        ids = codec.chat_ids([{"role": "user", "content": "What is the capital of France? Answer in one sentence."}])
+        out = [int(np.argmax(gen.prefill(ids)))]
+        for _ in range(12):
+            out.append(int(np.argmax(gen.decode_step(out[-1]))))
+    assert "Paris" in codec.decode(out)
+
+
+def test_eval_reference_is_float_weights_and_shows_total_memory(weight_bundles, tiny_sources, tmp_path):
+    import io
+
+    from edgekv.tools.evaluate import evaluate
+    from export.bundle import export_bundle
+
+    float_b = export_bundle(str(tiny_sources["llama"]), kv="float", out=str(tmp_path / "float"), max_context=128, steps=2)
+    quant_b = weight_bundles[("llama", "int4")]
+    res = evaluate([str(quant_b), str(float_b)], ctx=32, chunks=2, threads=1, out=io.StringIO())
+    assert res["reference"] == "float"  # listed second, chosen for its float weights
+    rows = {r["weights"]: r for r in res["results"]}
+    assert rows["float"]["kld_mean"] == 0 and rows["int4"]["kld_mean"] > 0
+    for fmt, b in (("float", float_b), ("int4", quant_b)):
+        disk = sum(f.stat().st_size for f in b.glob("model.onnx*"))
+        kv = load_bundle(b).kv_bytes_per_token() * 32
+        assert rows[fmt]["total_mib_at_ctx"] == pytest.approx((disk + kv) / 2**20)
+    assert rows["int4"]["weights_mib"] < 0.6 * rows["float"]["weights_mib"]
+
+
+def test_int4_weights_with_int8_cache_load_and_match_torch(tiny_sources, tmp_path):
+    """INT4 weights (opset 21) with the int8 KV cache's Q/DQ: the graph loads in the ORT backend
+    and the exporter's parity check (ONNX vs torch) passes (onnxruntime's QDQ propagation broke
+    the load; docs/weights.md)."""
+    from export.bundle import export_bundle
+
+    b = load_bundle(export_bundle(str(tiny_sources["qwen2"]), kv="int8", out=str(tmp_path / "b"), max_context=128,
+                                  steps=2, weights="int4"))
+    assert b.weights == "int4" and b.manifest["parity"]["passed"]
+    with open_runtime(b, 64, "ort-cpu", log=None) as rt:
+        logits = rt.generator().prefill(list(range(1, 9)))
+    assert np.isfinite(logits).all()
