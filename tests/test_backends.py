@@ -74,13 +74,14 @@ def test_ortvalue_memory_runs_the_ort_cuda_path_on_the_cpu(tiny_bundle_int8):
     """ort-cuda keeps the cache in OrtValues; the same class on the CPU must give the same logits."""
     import onnxruntime as ort
 
-    from edgekv.runtime.backends.base import Backend
+    from edgekv.runtime.backends.base import Backend, BatchBackend
     from edgekv.runtime.backends.gpu import OrtValueMemory
-    from edgekv.runtime.memory import KVMemory
+    from edgekv.runtime.memory import KVMemory, RowMemory
 
     b = load_bundle(tiny_bundle_int8)
     be = OrtBackend(b, threads=1)
-    assert isinstance(be, Backend) and be.runs_ring  # every member of the protocol is there
+    assert isinstance(be, BatchBackend) and be.runs_ring  # every member of the protocol is there
+    assert isinstance(be.memory, RowMemory) and not isinstance(OpaqueMemory(), RowMemory)
     assert all(isinstance(m, KVMemory) for m in (be.memory, OrtValueMemory(ort, "cpu"), OpaqueMemory()))
     host = Generator(be, KVCache(b, 32))
     ov = Generator(be, KVCache(b, 32, memory=OrtValueMemory(ort, "cpu")))

@@ -50,7 +50,7 @@ class ScriptedBackend:
     """Greedy picks `script` one token per call; each call advances the clock by its cost."""
     memory = HostMemory()
     name, device = "scripted", "cpu"
-    max_tokens_per_call, runs_ring = UNLIMITED, False
+    max_tokens_per_call, runs_ring, past_bucket = UNLIMITED, False, 1
 
     def __init__(self, clock, vocab, script=(), cost=None):
         self.clock, self.vocab, self.script, self.calls = clock, vocab, list(script), 0

@@ -189,8 +189,14 @@ def test_batched_equals_alone_real_model_int8_greedy(real_bundle):
 
 
 def test_a_backend_without_run_cells_is_refused_in_one_line(rt_float):
-    class OneSequenceBackend:
-        name = "trt"
+    class OneSequenceBackend:  # every member of Backend, no run_cells
+        name, device, memory, max_tokens_per_call, runs_ring, past_bucket = "trt", "cuda", None, 64, False, 1
+
+        def run(self, cache, seq, input_ids, logits_index):
+            raise AssertionError("not called")
+
+        def close(self):
+            pass
 
     class Rt:
         backend = OneSequenceBackend()

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from edgekv.runtime.backends import OrtBackend, make_backend
-from edgekv.runtime.backends.base import Backend
+from edgekv.runtime.backends.base import Backend, BatchBackend
 from edgekv.runtime.memory import KVMemory
 from edgekv.runtime.cache import KVCache
 from edgekv.errors import EdgeKVError
@@ -44,6 +44,7 @@ def test_build_engine_caches_and_the_trt_backend_matches_ort_cpu(bundle_copy, mo
     with make_backend("auto", b, ctx=64) as auto:
         assert be.name == "trt" and auto.name == "trt"
     assert isinstance(be, Backend) and isinstance(be.memory, KVMemory) and not be.runs_ring
+    assert not isinstance(be, BatchBackend)  # serving needs run_cells (docs/serve.md)
     assert make_backend("auto", b, ctx=128).name == "ort-cpu"  # no engine covers a 128-slot cache
     g = Generator(be, KVCache(b, 64, memory=be.memory))
     assert g.prefill_chunk == 16  # prefill is cut to the engine's profile

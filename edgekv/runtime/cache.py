@@ -15,7 +15,7 @@ import numpy as np
 
 from edgekv.errors import EdgeKVError
 from edgekv.format.bundle import Bundle, io_names
-from edgekv.runtime.memory import HostMemory, KVMemory
+from edgekv.runtime.memory import HostMemory, KVMemory, RowMemory
 from edgekv.runtime.sequence import Sequence
 
 NP_DTYPES = {"int8": np.int8, "uint8": np.uint8, "float16": np.float16, "float32": np.float32}
@@ -81,8 +81,8 @@ class KVCache:
 
     @property
     def reads_rows(self) -> bool:
-        """The memory copies slot ranges (`read_rows` / `write_rows`, optional in KVMemory)."""
-        return hasattr(self.memory, "read_rows") and hasattr(self.memory, "write_rows")
+        """The memory copies slot ranges (a RowMemory)."""
+        return isinstance(self.memory, RowMemory)
 
     def read_rows(self, start: int, stop: int) -> dict[str, np.ndarray]:
         """Host copies of slots [start, stop) of every buffer."""

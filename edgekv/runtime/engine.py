@@ -25,6 +25,7 @@ from typing import Callable
 import numpy as np
 
 from edgekv.errors import ContextOverflow, EdgeKVError, QueueFull, note
+from edgekv.runtime.backends.base import BatchBackend
 from edgekv.runtime.pool import CellPool
 from edgekv.runtime.sampling import SamplingParams, sample
 
@@ -58,7 +59,7 @@ class Engine:
     def __init__(self, runtime, capacity: int | None = None, parallel: int = 4, max_queue: int = 64,
                  prefill_chunk: int = 256, max_prefixes: int = 32):
         self.backend = runtime.backend
-        if not hasattr(self.backend, "run_cells"):
+        if not isinstance(self.backend, BatchBackend):
             raise EdgeKVError(f"serving needs the ort-cpu or ort-cuda backend ({self.backend.name} runs one "
                               "sequence per call)")
         self.cache = runtime.cache(capacity)
@@ -209,7 +210,7 @@ class Engine:
         """Cells bound as the past: [0, high water) rounded up to the backend's bucket (ort), so
         the past binding changes once per bucket, not every step; the cells above the high water
         belong to no sequence and stay masked."""
-        b = getattr(self.backend, "past_bucket", 1)
+        b = self.backend.past_bucket
         return min(-(-self.pool.high_water() // b) * b, self.capacity)
 
     def _call(self, w: int, call: list) -> None:

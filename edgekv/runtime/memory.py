@@ -31,6 +31,17 @@ class KVMemory(Protocol):
         """Copy `arr` into the buffer's first len(arr) rows."""
 
 
+@runtime_checkable
+class RowMemory(KVMemory, Protocol):
+    """Memory that also copies slot ranges, so a chat turn's undo copies only the slots it overwrites."""
+
+    def read_rows(self, buf: Any, start: int, stop: int) -> np.ndarray:
+        """A host copy of rows [start, stop)."""
+
+    def write_rows(self, buf: Any, start: int, arr: np.ndarray) -> None:
+        """Copy `arr` into rows [start, start + len(arr))."""
+
+
 def available_memory() -> int | None:
     """Bytes the kernel says it can give us now (MemAvailable), or None where unknown."""
     try:
@@ -64,7 +75,7 @@ class HostMemory:
     def write(self, buf: np.ndarray, arr: np.ndarray) -> None:
         buf[: len(arr)] = arr
 
-    # optional in KVMemory: slot ranges, so a chat turn's undo copies only the slots it overwrites
+    # RowMemory: slot ranges
     def read_rows(self, buf: np.ndarray, start: int, stop: int) -> np.ndarray:
         return buf[start:stop].copy()
 

@@ -47,13 +47,11 @@ def make_backend(name: str, bundle: Bundle, threads: int | None = None, max_logi
 ORT_TYPES = {"float32": "tensor(float)", "float16": "tensor(float16)", "int8": "tensor(int8)", "uint8": "tensor(uint8)"}
 
 
-def check_graph(backend, bundle: Bundle):
+def check_graph(backend: OrtBackend, bundle: Bundle) -> OrtBackend:
     """The graph says what the manifest says: the logits' vocabulary, and each cache input's dtype
     from the KV scheme and the bundle's dtype (a manifest edited or mixed up with another graph
     fails here with one line, not in the middle of a call)."""
-    session = getattr(backend, "session", None)
-    if session is None:
-        return backend
+    session = backend.session
     where = f"{bundle.path}: corrupt bundle"
     logits = {o.name: o for o in session.get_outputs()}.get("logits")
     vocab = bundle.model["vocab_size"]

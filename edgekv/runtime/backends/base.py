@@ -34,6 +34,7 @@ class Backend(Protocol):
     memory: KVMemory  # what its caches are allocated from: KVCache(bundle, ctx, memory=backend.memory)
     max_tokens_per_call: int  # the most tokens one run takes (a TensorRT engine's prefill profile)
     runs_ring: bool  # can it run a wrapped ring (its past and present slots overlap)?
+    past_bucket: int  # the past is bound rounded up to this many slots (1: exactly the filled ones)
 
     def run(self, cache: KVCache, seq: Sequence, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
         """input_ids [1, S], logits_index [1, K] -> logits [1, K, V]: a host view into a buffer the
@@ -42,3 +43,13 @@ class Backend(Protocol):
     def close(self) -> None:
         """Free what the backend allocated (device buffers, streams). Caches allocated from its
         memory are invalid afterwards."""
+
+
+@runtime_checkable
+class BatchBackend(Backend, Protocol):
+    """A backend that also runs a pool of cells shared by several sequences (runtime/engine.py)."""
+
+    def run_cells(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
+                  key_mask: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
+        """past = cells [0, past), present written at cells [write, write + S), position_ids [1, S]
+        and the per-token mask [1, S, past + S] given whole; returns logits like `run`."""

@@ -42,6 +42,7 @@ class TrtBackend:
     # a wrapped ring binds its write slots inside the past; TensorRT does not allow an input and an
     # output to overlap, so chat uses drop-turns on this backend
     runs_ring = False
+    past_bucket = 1  # the engine's addresses are set per call: binding the exact past costs nothing
 
     def __init__(self, bundle: Bundle, ctx: int, max_logits_rows: int = 1):
         self.trt = import_tensorrt()
