@@ -228,8 +228,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("bench", formatter_class=Formatter, help="time to first token, decode tokens/s, memory",
                        description="Benchmark a bundle: TTFT and decode tokens/s at batch 1 for several prompt lengths "
-                                   "and capacities, KV memory, peak RSS. Medians of --repeat runs.")
-    p.add_argument("bundle", help="bundle folder written by `edgekv export`")
+                                   "and capacities, KV memory, peak RSS. Medians of --repeat runs. Several bundles: "
+                                   "each in its own process, then one table (with --llama-cpp: ratios to it).")
+    p.add_argument("bundle", nargs="+", help="bundle folder(s) written by `edgekv export`")
     p.add_argument("--prompt-lengths", type=int_list(1, TOKENS), default="64,1024", help="comma-separated prompt lengths")
     p.add_argument("--capacities", type=int_list(1, TOKENS), default="256,4096",
                    help="comma-separated cache capacities (--ctx)")

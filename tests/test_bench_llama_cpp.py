@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -117,3 +118,40 @@ def test_default_gguf_is_the_default_models():
     except EdgeKVError as e:
         pytest.skip(str(e))
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
+
+
+def test_several_bundles_one_table_and_llama_cpp_timed_once(tiny_bundle_int8, tiny_bundle_float, fake_llama, tmp_path):
+    fake, gguf, log = fake_llama
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, PYTHONPATH=f"{fake}{os.pathsep}{ROOT}", FAKE_LLAMA_LOG=str(log))
+    r = subprocess.run([sys.executable, "-m", "edgekv", "bench", str(tiny_bundle_float), str(tiny_bundle_int8),
+                        "--prompt-lengths", "8", "--capacities", "32", "--fill", "8,12", "--decode-tokens", "4",
+                        "--rss-tokens", "20", "--repeat", "1", "--threads", "1", "--json", str(out),
+                        "--llama-cpp", str(gguf)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert r.returncode == 0, r.stderr
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert sum("init" in x for x in recs) == 1  # llama.cpp once for all bundles
+    d = json.loads(out.read_text())
+    assert [b["bundle"] for b in d["bundles"]] == [str(tiny_bundle_float), str(tiny_bundle_int8)]
+    for b in d["bundles"]:
+        assert b["kv_scheme"] == ("float" if b["bundle"] == str(tiny_bundle_float) else "int8")
+        by = {x["prompt_tokens"]: x for x in b["vs_llama_cpp"]["by_prompt"]}
+        assert set(by) == {8, 12}
+        theirs = {x["prompt_tokens"]: x for x in d["llama_cpp"]["runs"]}
+        assert by[12]["decode_ratio"] == pytest.approx(by[12]["decode_tps"] / theirs[12]["decode_tps"])
+        assert b["vs_llama_cpp"]["peak_rss_ratio"] == pytest.approx(b["peak_rss_mib"] / d["llama_cpp"]["peak_rss_mib"])
+    table = r.stdout[r.stdout.index("tok/s@8"):]
+    rows = [line for line in table.splitlines() if line.startswith((tiny_bundle_float.name, tiny_bundle_int8.name,
+                                                                    "llama.cpp", "  / llama.cpp"))]
+    assert len(rows) == 5, table  # two bundles, each with its ratio row, and llama.cpp
+    for b in d["bundles"]:  # the printed ratio is the JSON's
+        i = next(k for k, line in enumerate(rows) if line.startswith(Path(b["bundle"]).name))
+        ratio = float(rows[i + 1].split()[3].rstrip("x"))  # '/', 'llama.cpp', tok/s@8, tok/s@12
+        assert ratio == pytest.approx(b["vs_llama_cpp"]["by_prompt"][1]["decode_ratio"], abs=0.006)
+
+
+def test_a_bad_second_bundle_is_refused_before_any_timing(tiny_bundle_int8, tmp_path):
+    r = subprocess.run([sys.executable, "-m", "edgekv", "bench", str(tiny_bundle_int8), str(tmp_path / "nope")],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode != 0 and r.stderr.count("\n") == 1 and "nope" in r.stderr
+    assert "configurations" not in r.stderr

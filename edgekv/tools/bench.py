@@ -7,6 +7,7 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -178,14 +179,18 @@ def print_llama_cpp(lc: dict, ratios: dict, peak_mib: float) -> None:
 
 
 def cmd_bench(args) -> int:
-    bundle = load_bundle(args.bundle)
-    gguf = llama_cpp_gguf(args.llama_cpp) if args.llama_cpp is not None else None  # refused before any timing
+    bundles = [load_bundle(b) for b in args.bundle]  # every one refused before any timing
+    gguf = llama_cpp_gguf(args.llama_cpp) if args.llama_cpp is not None else None
+    if len(bundles) > 1:
+        return compare(args, bundles, gguf)
+    bundle = bundles[0]
     threads = args.threads or default_threads()
     caps, lens, fills = args.capacities, args.prompt_lengths, args.fill  # lists (cli.int_list)
     big = max(caps)
-    res = {"bundle": str(bundle.path), "kv_scheme": bundle.scheme.name, "threads": threads,
+    res = {"bundle": str(bundle.path), "kv_scheme": bundle.scheme.name, "weights": bundle.weights, "threads": threads,
            "kv_bytes_per_token": bundle.kv_bytes_per_token(), "runs": []}
-    note(f"edgekv bench: {bundle.path.name} (kv {bundle.scheme.name}, {threads} threads, median of {args.repeat})")
+    note(f"edgekv bench: {bundle.path.name} (kv {bundle.scheme.name}, weights {bundle.weights}, {threads} threads, "
+         f"median of {args.repeat})")
 
     plan = []  # (what, capacity, prompt length)
     for L in lens:  # time to first token by prompt length
@@ -197,6 +202,74 @@ def cmd_bench(args) -> int:
     configs = list(dict.fromkeys((C, L) for _, C, L in plan))
     with open_runtime(bundle, big, args.backend, threads) as rt:
         return bench(args, rt, res, configs, caps, fills, threads, lens, gguf)
+
+
+def compare(args, bundles: list, gguf: Path | None) -> int:
+    """Several bundles (say float / int8 / int4 weights) and llama.cpp in one run: each bundle
+    benched in its own process (its own peak RSS), one after another, then llama.cpp once; one
+    table of all of them with the ratios to llama.cpp."""
+    threads = args.threads or default_threads()
+    flags = ["--prompt-lengths", ",".join(map(str, args.prompt_lengths)), "--capacities",
+             ",".join(map(str, args.capacities)), "--fill", ",".join(map(str, args.fill)), "--decode-tokens",
+             str(args.decode_tokens), "--rss-tokens", str(args.rss_tokens), "--repeat", str(args.repeat),
+             "--threads", str(threads), "--backend", args.backend]
+    results = []
+    with tempfile.TemporaryDirectory(prefix="edgekv-bench-") as tmp:
+        for i, b in enumerate(bundles):
+            note(f"== {i + 1}/{len(bundles)}: {b.path}")
+            out = Path(tmp) / f"{i}.json"
+            p = subprocess.run([sys.executable, "-m", "edgekv", "bench", str(b.path), *flags, "--json", str(out)])
+            if p.returncode != 0:
+                raise EdgeKVError(f"bench of {b.path} failed (exit {p.returncode})")
+            results.append(json.loads(out.read_text()))
+    res = {"threads": threads, "bundles": results}
+    lc = None
+    if gguf is not None:
+        note(f"== llama.cpp on {gguf.name}, same prompts, fills and threads ...")
+        lc = run_llama_cpp(gguf, threads, max(args.capacities), sorted(set(args.prompt_lengths) | set(args.fill)),
+                           bundles[0].model["vocab_size"], args.decode_tokens, args.repeat)
+        if lc is not None:
+            res["llama_cpp"] = lc
+            for r in results:
+                r["vs_llama_cpp"] = llama_cpp_ratios(r["runs"], lc["runs"], r["peak_rss_mib"], lc["peak_rss_mib"])
+    print_comparison(res, sorted(set(args.prompt_lengths) | set(args.fill)))
+    if args.json:
+        write_text(args.json, json.dumps(res, indent=1))
+        note(f"  wrote {args.json}")
+    return 0
+
+
+def print_comparison(res: dict, lens: list[int]) -> None:
+    """One row per bundle (and llama.cpp): decode tok/s and TTFT per context, peak RSS; under
+    each edgekv row its ratios to llama.cpp (decode > 1 and TTFT, RSS < 1: edgekv better)."""
+    lc = res.get("llama_cpp")
+
+    def by_len(runs):
+        best = {}
+        for r in sorted(runs, key=lambda r: r["capacity"]):
+            best[r["prompt_tokens"]] = r  # the largest capacity's row, as llama_cpp_ratios takes it
+        return best
+
+    head = "".join(f"{'tok/s@' + str(L):>12}" for L in lens) + "".join(f"{'TTFT@' + str(L):>12}" for L in lens)
+    print(f"\n{'':34}{'weights':>8}{head}{'peak RSS':>10}")
+    rows = [(Path(r["bundle"]).name, r.get("weights", "?"), r) for r in res["bundles"]]
+    if lc:
+        rows.append((f"llama.cpp {lc['llama_cpp_version']}", Path(lc["gguf"]).suffixes[-2].lstrip(".")
+                     if len(Path(lc["gguf"]).suffixes) > 1 else "gguf", lc))
+    theirs = by_len(lc["runs"]) if lc else {}
+    for name, weights, r in rows:
+        mine = by_len(r["runs"])
+        cells = "".join(f"{mine[L]['decode_tps']:>12.1f}" if L in mine else f"{'':>12}" for L in lens)
+        cells += "".join(f"{mine[L]['ttft_ms']:>10.0f}ms" if L in mine else f"{'':>12}" for L in lens)
+        print(f"{name[:34]:34}{weights:>8}{cells}{r['peak_rss_mib']:>7.0f}MiB")
+        if lc and r is not lc:
+            ratio = "".join(f"{mine[L]['decode_tps'] / theirs[L]['decode_tps']:>11.2f}x" if L in mine and L in theirs
+                            else f"{'':>12}" for L in lens)
+            ratio += "".join(f"{mine[L]['ttft_ms'] / theirs[L]['ttft_ms']:>11.2f}x" if L in mine and L in theirs
+                             else f"{'':>12}" for L in lens)
+            print(f"{'  / llama.cpp':34}{'':>8}{ratio}{r['peak_rss_mib'] / lc['peak_rss_mib']:>9.2f}x")
+    if lc and not lc.get("extra_bufts", True):
+        print("llama.cpp ran without its extra buffer types (its AMX kernels crashed): a lower bound for it")
 
 
 def bench(args, rt: Runtime, res: dict, configs: list, caps: list[int], fills: list[int], threads: int,
