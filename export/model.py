@@ -114,7 +114,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        # x / sqrt(mean(x^2) + eps): the form onnxruntime fuses into one normalization kernel
+        # (rsqrt exports as Sqrt, Reciprocal, Mul, which it does not)
+        xf = xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * xf.to(x.dtype)
 
 
@@ -208,8 +210,16 @@ def attend_codes(qg, G, k_new, v_new, past, allowed, scheme, ks, vs):
     [G*S, T] scores and probabilities (a scale per key and head: scores = (q.k_int) s_k,
     out = (p s_v).v_int) or q and the output (constant per-channel scales) instead of a float
     copy of the whole [T, D] cache; past and new keys are multiplied separately, so the cache
-    is not concatenated either. Returns (out [B, Hkv, G*S, D], present K tensors, present V)."""
-    D = qg.shape[-1]
+    is not concatenated either.
+
+    The cache stays slot-major: [T, B, Hkv, D] is read as [T, B*Hkv*D] (a free reshape) and one
+    MatMul serves every head, the queries laid out block-diagonally (row block h: head h's
+    queries in column block h, zeros elsewhere), the values' products taken back off the
+    diagonal blocks. A per-head [Hkv, D, T] view would need a Transpose of the whole cache per
+    layer per step; the block-diagonal form pays B*Hkv x the multiply-adds of the (tiny) query
+    side instead. Returns (out [B, Hkv, G*S, D], present K tensors, present V)."""
+    B, Hkv, M, D = qg.shape  # M = G*S query rows per KV head
+    H = B * Hkv
     present_k, kc_new, sk_new = kv_quantize(scheme, k_new, ks)
     present_v, vc_new, sv_new = kv_quantize(scheme, v_new, vs)
     kc_past, sk_past = kv_codes(scheme, past[0], qg.dtype, ks)
@@ -221,16 +231,25 @@ def attend_codes(qg, G, k_new, v_new, past, allowed, scheme, ks, vs):
         qg = qg * (1.0 / (127.0 * math.sqrt(D)))
     else:  # q.(k_int * s_k) = (q * s_k).k_int, per channel
         qg = qg * (ks.to(qg.dtype) * (1.0 / math.sqrt(D)))[None, :, None, :]
-    scores = torch.cat([torch.matmul(qg, kc_past.permute(1, 2, 3, 0)),
-                        torch.matmul(qg, kc_new.permute(1, 2, 3, 0))], -1)  # [B, Hkv, G*S, T]
+    r = torch.arange(H)
+    eye = (r[:, None] == r[None, :]).to(qg.dtype)[:, None, :, None]  # [H, 1, H, 1]
+    qbd = (qg.reshape(H, M, 1, D) * eye).reshape(H * M, H * D)  # block-diagonal queries
+
+    def flat(c):  # [T, B, Hkv, D] -> [T, B*Hkv*D], no copy
+        return c.reshape(c.shape[0], H * D)
+
+    P = kc_past.shape[0]
+    scores = torch.cat([torch.matmul(qbd, flat(kc_past).t()), torch.matmul(qbd, flat(kc_new).t())], -1)
+    scores = scores.reshape(B, Hkv, M, P + kc_new.shape[0])  # [B, Hkv, G*S, T]
     if per_key:
         scores = scores * (torch.cat([sk_past, sk_new], 0).permute(1, 2, 0)[:, :, None] * 127.0)  # [B, Hkv, 1, T]
     probs = masked_softmax(scores, allowed, G)
     if per_key:  # sum_t p_t s_v[t] v_int[t]: the 127 again keeps p * s_v clear of fp16's subnormals
         probs = probs * (torch.cat([sv_past, sv_new], 0).permute(1, 2, 0)[:, :, None] * 127.0)
-    P = kc_past.shape[0]
-    out = (torch.matmul(probs[..., :P], vc_past.permute(1, 2, 0, 3))
-           + torch.matmul(probs[..., P:], vc_new.permute(1, 2, 0, 3)))  # [B, Hkv, G*S, D]
+    probs = probs.reshape(H * M, -1)
+    out = (torch.matmul(probs[:, :P], flat(vc_past))
+           + torch.matmul(probs[:, P:], flat(vc_new)))  # [H*M, H*D]: head h's rows x every head's values
+    out = (out.reshape(H, M, H, D) * eye).sum(2).reshape(B, Hkv, M, D)  # the diagonal blocks
     # per key: undo the 127; per channel: sum_t p_t v_int[t] * s_v = (p . v_int) * s_v
     out = out * (1.0 / 127.0) if per_key else out * vs.to(qg.dtype)[None, :, None, :]
     return out, present_k, present_v
