@@ -36,6 +36,40 @@ def _import_ort():
 MATMUL_ACCURACY = 4
 
 
+def cast_cache_reads(onnx_path) -> bytes:
+    """The bundle's graph with every unit-scale DequantizeLinear of an int8 cache input replaced
+    by the Cast it computes (x * 1.0 - 0: the same values, exactly). The graph is written with
+    DQ because TensorRT's parser takes INT8 only through Q/DQ (docs/graph.md); onnxruntime's
+    DequantizeLinear runs ~2x slower than its Cast, and at long contexts these reads of the
+    whole past are most of a decode step's attention (docs/benchmarks.md)."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    g = model.graph
+    inputs = {i.name: i.type.tensor_type.elem_type for i in g.input}
+    consts = {t.name: t for t in g.initializer if t.data_location != onnx.TensorProto.EXTERNAL}
+
+    def is_value(name: str, value: float) -> bool:
+        t = consts.get(name)
+        return t is not None and numpy_helper.to_array(t).size == 1 and float(numpy_helper.to_array(t)) == value
+
+    for node in g.node:
+        if (node.op_type == "DequantizeLinear" and inputs.get(node.input[0]) == onnx.TensorProto.INT8
+                and len(node.input) >= 2 and is_value(node.input[1], 1.0)
+                and (len(node.input) < 3 or not node.input[2] or is_value(node.input[2], 0.0))
+                and not any(a.name == "axis" and False for a in node.attribute)):
+            to = consts[node.input[1]].data_type  # DQ's output type is its scale's
+            x, y = node.input[0], node.output[0]
+            node.ClearField("input")
+            node.ClearField("attribute")
+            node.op_type, node.domain = "Cast", ""
+            node.input.append(x)
+            node.attribute.append(onnx.helper.make_attribute("to", to))
+            assert node.output[0] == y
+    return model.SerializeToString()
+
+
 class OrtBackend:
     """onnxruntime with IOBinding; the CPU provider (subclassed for CUDA)."""
     name = "ort-cpu"
@@ -64,8 +98,10 @@ class OrtBackend:
         # uint8 zero point, which opset 21 (INT4 weights) refuses at load (docs/weights.md)
         off = ["QDQPropagationTransformer"] if bundle.weights == "int4" else None
         try:
-            self.session = ort.InferenceSession(str(bundle.onnx_path), opts, providers=self.providers(),
-                                                disabled_optimizers=off)
+            graph = cast_cache_reads(bundle.onnx_path)
+            # the rewritten graph comes as bytes: its weights are still found beside model.onnx
+            opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(bundle.path))
+            self.session = ort.InferenceSession(graph, opts, providers=self.providers(), disabled_optimizers=off)
         except Exception as e:  # onnxruntime raises its own exception types for a bad file
             msg = str(e).splitlines()[0][:200]
             raise BundleError(f"{bundle.path}: corrupt bundle (onnxruntime cannot load {bundle.onnx_path.name}: {msg})") from None
