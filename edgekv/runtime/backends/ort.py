@@ -87,9 +87,9 @@ class OrtBackend:
         opts.inter_op_num_threads = 1
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         opts.log_severity_level = 3
-        # onnxruntime caches a memory plan per input shape; past lengths and prompt chunks vary, so
-        # that cache only grows (docs/graph.md)
-        opts.enable_mem_pattern = False
+        # a memory plan per input shape: decode steps repeat a few shapes (the past is bound in
+        # buckets), and one planned block per run is ~10 % faster than a node-by-node arena (docs/graph.md)
+        opts.enable_mem_pattern = True
         # quantized weights: DequantizeLinear -> MatMul runs fused as MatMulNBits
         opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(matmul_accuracy))
         if not bundle.onnx_path.is_file():
