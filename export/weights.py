@@ -249,11 +249,14 @@ def _quantized_matmul(node, name: str, q: QuantWeight, dtype, inits: list) -> li
     if q.mins is not None:
         n, k = q.codes.shape
         nb = k // q.block
-        ones = np.zeros((k, nb), dtype)  # x @ ones = per-block sums of x
-        ones[np.arange(k), np.arange(k) // q.block] = 1
-        inits.append(numpy_helper.from_array(ones, base + "_blocksum"))
+        # per-block sums of x [B, S, K]: a Reshape to [B, S, K/32, 32] and a ReduceSum (measured
+        # ~2x cheaper per step than x @ a [K, K/32] matrix of ones; docs/weights.md)
+        inits.append(numpy_helper.from_array(np.array([0, 0, nb, q.block], np.int64), base + "_blocks"))
+        inits.append(numpy_helper.from_array(np.array([-1], np.int64), base + "_last"))
         inits.append(numpy_helper.from_array(np.ascontiguousarray(q.mins.T.astype(dtype)), base + "_min"))
-        nodes += [helper.make_node("MatMul", [node.input[0], base + "_blocksum"], [base + "_xsum"], name=base + "_xsum"),
+        nodes += [helper.make_node("Reshape", [node.input[0], base + "_blocks"], [base + "_xblocks"], name=base + "_xblocks"),
+                  helper.make_node("ReduceSum", [base + "_xblocks", base + "_last"], [base + "_xsum"], keepdims=0,
+                                   name=base + "_xsum"),
                   helper.make_node("MatMul", [base + "_xsum", base + "_min"], [base + "_xmin"], name=base + "_xmin"),
                   helper.make_node("Add", [mm_out, base + "_xmin"], [out], name=base + "_add_min")]
     return nodes
