@@ -161,11 +161,12 @@ def test_prefix_cache_gives_way_when_cells_are_needed(rt_float):
     a = Request(ids(30, 1), 4)
     engine.submit(a)
     run_until_done(engine, [a])
-    assert engine.pool.used() == engine.pool.cached_only() == 30  # a's prompt is cached
-    b = Request(ids(20, 2), 30)  # needs 49 cells: only 34 are free until the cache gives way
+    # a's prompt and the 3 reply tokens it fed are cached
+    assert engine.pool.used() == engine.pool.cached_only() == 33
+    b = Request(ids(20, 2), 30)  # needs 49 cells: only 31 are free until the cache gives way
     engine.submit(b)
     run_until_done(engine, [b])
-    assert not engine.pool.prefixes.get(tuple(a.prompt))
+    assert not engine.pool.prefixes.get(tuple(a.prompt + a.out[:3]))
     assert b.out == alone(rt_float, b.prompt, 30)[0]
 
 
@@ -203,3 +204,38 @@ def test_a_backend_without_run_cells_is_refused_in_one_line(rt_float):
 
     with pytest.raises(EdgeKVError, match="serving needs the ort-cpu or ort-cuda backend"):
         Engine(Rt())
+
+
+def test_next_turn_reuses_the_reply_and_equals_a_fresh_prefill(rt_float):
+    engine = Engine(rt_float, capacity=256, parallel=4, prefill_chunk=16)
+    first = Request(ids(30, 11), 8)
+    engine.submit(first)
+    run_until_done(engine, [first])
+    assert first.finish_reason == "length" and len(first.out) == 8
+    # the client sends the conversation back: prompt, the reply, its next message
+    turn = first.prompt + first.out + ids(6, 12)
+    second = Request(turn, 5, record_logits=True)
+    before = engine.counters["prefilled_tokens"]
+    engine.submit(second)
+    run_until_done(engine, [second])
+    # every fed token of the first request was reused: its prompt and the first 7 reply tokens
+    # (the 8th was sampled, never fed)
+    assert second.reused == len(first.prompt) + len(first.out) - 1
+    assert engine.counters["prefilled_tokens"] - before == len(turn) - second.reused
+    want_toks, want_rows = alone(rt_float, turn, 5)
+    assert second.out == want_toks
+    np.testing.assert_allclose(np.stack(second.logits), np.stack(want_rows), atol=1e-4, rtol=1e-4)
+
+
+def test_a_cancelled_reply_is_not_cached(rt_float):
+    engine = Engine(rt_float, capacity=256, parallel=4, prefill_chunk=16)
+    req = Request(ids(20, 13), 30)
+    engine.submit(req)
+    for _ in range(6):
+        engine.step()
+    assert len(req.out) >= 3
+    engine.cancel(req)
+    engine.step()
+    assert req.finish_reason == "cancelled"
+    k, _ = engine.pool.lookup(req.prompt + req.out)
+    assert k == len(req.prompt)  # the prompt was cached when it was prefilled; the reply was not

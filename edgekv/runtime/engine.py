@@ -274,6 +274,10 @@ class Engine:
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
+        if reason in ("stop", "length") and len(req.cells) > len(req.prompt):
+            # the whole conversation so far (prompt and the reply tokens that were fed): a client's
+            # next turn sends it back with its new message, and prefills only that
+            self.pool.remember((req.prompt + req.out)[: len(req.cells)], np.asarray(req.cells))
         self.pool.drop(req.cells)
         req.cells, req.budget, req.next_token = [], 0, None
         self.active.remove(req)
