@@ -1,10 +1,11 @@
 """The Jetson self-test: does edgekv work on this board, and how fast? One command, one report.
 
-    bash jetson/selftest.sh BUNDLE [--ctx 1024] [--report FILE] [--skip-bench]
+    bash jetson/selftest.sh BUNDLE [BUNDLE...] [--ctx 1024] [--report FILE] [--skip-bench]
 
 1. versions: JetPack/L4T, TensorRT, CUDA, onnxruntime providers, cuda-python, free memory
-2. builds (or reuses) the TensorRT engine for BUNDLE (a bundle exported on the workstation,
-   best with --dtype float16, copied here)
+2. for each BUNDLE (exported on the workstation, best with --dtype float16, copied here; give
+   the float-weights one and the --weights int4 one to test TensorRT's INT4 weights too):
+   builds (or reuses) its TensorRT engine, then steps 3 and 4
 3. runs the same prompt through ort-cpu (the reference), ort-cuda (if onnxruntime-gpu is
    installed) and trt: ✓/✗ per backend with the max |logit diff| (fed the same tokens) against
    the tolerance the exporter measured for this bundle, and whether free-running greedy tokens
@@ -130,53 +131,25 @@ def compare_backends(bundle, ctx: int, steps: int = 32) -> tuple[list[dict], boo
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="jetson/selftest.sh", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("bundle", help="bundle folder exported on the workstation (best: --dtype float16)")
+    ap.add_argument("bundle", nargs="+", help="bundle folder(s) exported on the workstation (best: --dtype float16; "
+                                              "add the --weights int4 one for TensorRT's INT4 weights)")
     ap.add_argument("--ctx", type=int, default=1024, help="KV capacity for the engine, the checks and the bench")
     ap.add_argument("--report", default="edgekv-selftest.json", help="report file")
     ap.add_argument("--skip-bench", action="store_true", help="only versions, engine and parity")
     args = ap.parse_args(argv)
     from jetson.env_check import report
 
-    rep = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "bundle": args.bundle}
+    rep = {"started": time.strftime("%Y-%m-%d %H:%M:%S"), "bundles": []}
+    ok = True
     try:
-        bundle = load_bundle(args.bundle)
-        ctx = min(args.ctx, bundle.max_context)
         say("== versions")
         rep["env"] = env = report()
         for k in ("l4t", "tensorrt", "cuda", "onnxruntime", "onnxruntime_providers", "mem_available_mib"):
             say(f"  {k:<22} {env.get(k)}")
-        say(f"  bundle                 {bundle.path.name}: kv {bundle.scheme.name}, {bundle.dtype}")
-
-        say("== TensorRT engine")
-        ok = True
-        try:
-            from jetson.build_engine import build_engine
-            rep["engine"] = str(build_engine(args.bundle, ctx))
-        except EdgeKVError as e:
-            rep["engine"] = f"failed: {e}"
-            say(f"  ✗ {e}")
-            ok = False
-
-        say("== backends against ort-cpu (same prompt, fed the same tokens; tolerance from the bundle's export)")
-        rep["parity"], parity_ok = compare_backends(bundle, ctx)
-        ok &= parity_ok
-
-        if not args.skip_bench:
-            say("== benchmark")
-            best = next((r["backend"] for r in reversed(rep["parity"]) if r["status"] == "pass"), "ort-cpu")
-            out = Path(args.report).with_suffix(".bench.json")
-            ts = Tegrastats()
-            cmd = [sys.executable, "-m", "edgekv", "bench", args.bundle, "--backend", best, "--capacities", str(ctx),
-                   "--prompt-lengths", f"64,{min(512, ctx - 80)}", "--fill", "64", "--rss-tokens", "200",
-                   "--json", str(out)]
-            p = subprocess.run(cmd, text=True)
-            rep["power"] = ts.stop()
-            if p.returncode == 0:
-                rep["bench"] = json.loads(out.read_text())
-            else:
-                rep["bench"] = "failed"
-                ok = False
-            say(f"  power/RAM: {rep['power']}")
+        for i, path in enumerate(args.bundle):
+            one = {"bundle": path}
+            rep["bundles"].append(one)
+            ok &= check_bundle(path, args, one, Path(args.report).with_suffix(f".bench{i}.json"))
         rep["passed"] = ok
     except EdgeKVError as e:
         say(f"selftest: error: {e}")
@@ -184,6 +157,45 @@ def main(argv=None) -> int:
     Path(args.report).write_text(json.dumps(rep, indent=1, default=str))
     say(f"== {'PASS' if rep['passed'] else 'FAIL'}; report: {args.report}")
     return 0 if rep["passed"] else 1
+
+
+def check_bundle(path: str, args, rep: dict, bench_json: Path) -> bool:
+    """Engine, parity and (unless --skip-bench) the benchmark of one bundle, into `rep`; True if
+    everything that must pass did."""
+    bundle = load_bundle(path)
+    ctx = min(args.ctx, bundle.max_context)
+    say(f"== {bundle.path.name}: kv {bundle.scheme.name}, weights {bundle.weights}, {bundle.dtype}")
+    rep["weights"] = bundle.weights
+    say("  TensorRT engine")
+    ok = True
+    try:
+        from jetson.build_engine import build_engine
+        rep["engine"] = str(build_engine(path, ctx))
+    except EdgeKVError as e:
+        rep["engine"] = f"failed: {e}"
+        say(f"  ✗ {e}")
+        ok = False
+
+    say("  backends against ort-cpu (same prompt, fed the same tokens; tolerance from the bundle's export)")
+    rep["parity"], parity_ok = compare_backends(bundle, ctx)
+    ok &= parity_ok
+
+    if not args.skip_bench:
+        say("  benchmark")
+        best = next((r["backend"] for r in reversed(rep["parity"]) if r["status"] == "pass"), "ort-cpu")
+        ts = Tegrastats()
+        cmd = [sys.executable, "-m", "edgekv", "bench", path, "--backend", best, "--capacities", str(ctx),
+               "--prompt-lengths", f"64,{min(512, ctx - 80)}", "--fill", "64", "--rss-tokens", "200",
+               "--json", str(bench_json)]
+        p = subprocess.run(cmd, text=True)
+        rep["power"] = ts.stop()
+        if p.returncode == 0:
+            rep["bench"] = json.loads(bench_json.read_text())
+        else:
+            rep["bench"] = "failed"
+            ok = False
+        say(f"  power/RAM: {rep['power']}")
+    return ok
 
 
 if __name__ == "__main__":

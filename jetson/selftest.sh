@@ -2,6 +2,7 @@
 # The Jetson self-test, for the board's owner. Run from a clone of edgekv on the Jetson:
 #
 #   bash jetson/selftest.sh models/bundles/smollm2-135m-instruct-int8-fp16 [--ctx 1024]
+#   bash jetson/selftest.sh BUNDLE-fp16 BUNDLE-fp16-wint4     # + an INT4-weights engine
 #
 # Needs: JetPack 6 (TensorRT 10.3 + its python3-libnvinfer, CUDA), cuda-python, and edgekv's
 # runtime installed without torch:  pip install --no-deps -e . && pip install numpy onnx tokenizers jinja2

@@ -266,6 +266,6 @@ def test_selftest_reports_what_it_could_not_check(tiny_bundle_int8, tmp_path):
     assert r.returncode == 1 and "Traceback" not in r.stdout + r.stderr
     d = json.loads(rep.read_text())
     assert d["passed"] is False and d["env"]["onnxruntime"]
-    trt = next(row for row in d["parity"] if row["backend"] == "trt")
+    trt = next(row for row in d["bundles"][0]["parity"] if row["backend"] == "trt")
     assert trt["status"] == "unavailable" and "TensorRT" in trt["why"]
     assert "== FAIL" in r.stdout

@@ -3,6 +3,7 @@ TensorRT and cuda-python (tests/fake_gpu.py: host memory as "device" memory, the
 onnxruntime at the addresses and shapes the backend set, inside the profile it selected)."""
 import json
 import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -94,7 +95,7 @@ def test_selftest_passes_with_a_working_trt(bundle_copy, monkeypatch, tmp_path, 
     report = tmp_path / "r.json"
     assert main([str(bundle_copy), "--ctx", "96", "--skip-bench", "--report", str(report)]) == 0
     d = json.loads(report.read_text())
-    trt = next(r for r in d["parity"] if r["backend"] == "trt")
+    trt = next(r for r in d["bundles"][0]["parity"] if r["backend"] == "trt")
     # the self-test's ort-cpu reference binds a bucketed past (masked tail keys change the float
     # summation order by ~1e-6); an address or layout bug is off by orders of magnitude more
     assert d["passed"] and trt["status"] == "pass" and trt["max_abs_logit_diff"] < 1e-5
@@ -109,3 +110,22 @@ def test_build_engine_refuses_when_memory_is_short(bundle_copy, monkeypatch):
     with pytest.raises(EdgeKVError, match="MiB free"):
         build_engine(str(bundle_copy), ctx=64)
     assert not (bundle_copy / "engines").exists() or not any((bundle_copy / "engines").iterdir())
+
+
+def test_selftest_checks_every_bundle_it_is_given(bundle_copy, monkeypatch, tmp_path):
+    """The owner passes the float-weights and the int4-weights bundle: each gets its own engine
+    and parity rows, and the run passes only if both do."""
+    fake_gpu.install(monkeypatch)
+    from jetson.selftest import main
+
+    second = tmp_path / "second"
+    shutil.copytree(bundle_copy, second)
+    report = tmp_path / "r.json"
+    assert main([str(bundle_copy), str(second), "--ctx", "96", "--skip-bench", "--report", str(report)]) == 0
+    d = json.loads(report.read_text())
+    assert [b["bundle"] for b in d["bundles"]] == [str(bundle_copy), str(second)]
+    assert [Path(b["engine"]).parent.name for b in d["bundles"]] == ["engines", "engines"]
+    assert [Path(b["engine"]).parents[1] for b in d["bundles"]] == [bundle_copy, second]
+    assert all(any(r["backend"] == "trt" and r["status"] == "pass" for r in b["parity"]) for b in d["bundles"])
+    (second / "edgekv.json").write_text("{}")  # a broken second bundle fails the run
+    assert main([str(bundle_copy), str(second), "--ctx", "96", "--skip-bench", "--report", str(report)]) == 1
