@@ -50,20 +50,26 @@ class Sampler:
 async def stream_one(h, url: str, messages: list[dict], max_tokens: int, seed: int) -> dict:
     body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0.7, "seed": seed,
             "stream": True}
+    import httpx
+
     t0 = time.perf_counter()
     t_first, n, usage = None, 0, None
-    async with h.stream("POST", url + "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            raise EdgeKVError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            ev = json.loads(line[6:])
-            usage = ev.get("usage") or usage
-            ch = ev.get("choices") or []
-            if ch and ch[0].get("delta", {}).get("content"):
-                n += 1
-                t_first = t_first or time.perf_counter()
+    try:
+        async with h.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            if r.status_code != 200:
+                raise EdgeKVError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                usage = ev.get("usage") or usage
+                ch = ev.get("choices") or []
+                if ch and ch[0].get("delta", {}).get("content"):
+                    n += 1
+                    t_first = t_first or time.perf_counter()
+    except (httpx.HTTPError, json.JSONDecodeError) as e:  # the server broke the stream: a failed request
+        return {"t0": t0, "t_first": t_first, "t1": time.perf_counter(), "tokens": n,
+                "error": f"{type(e).__name__}: {str(e)[:120]}"}
     t1 = time.perf_counter()
     if usage and usage.get("completion_tokens"):
         n = usage["completion_tokens"]  # chunks can hold several tokens (a held-back UTF-8 character)
@@ -77,10 +83,16 @@ async def level(url: str, clients: int, tokens: int) -> dict:
         runs = await asyncio.gather(*(stream_one(h, url, [{"role": "user", "content": f"Write a long story about "
                                                           f"{TOPICS[i % len(TOPICS)]}."}], tokens, i)
                                       for i in range(clients)))
+    failed = [r for r in runs if "error" in r]
+    if failed:
+        note(f"  {len(failed)} of {clients} streams broke off: {failed[0]['error']}")
+    runs = [r for r in runs if "error" not in r]
+    if not runs:
+        raise EdgeKVError(f"{url}: every stream broke off ({failed[0]['error']})")
     wall = max(r["t1"] for r in runs) - min(r["t0"] for r in runs)
     ttft = [r["t_first"] - r["t0"] for r in runs]
     per = [(r["tokens"] - 1) / (r["t1"] - r["t_first"]) for r in runs if r["tokens"] > 1 and r["t1"] > r["t_first"]]
-    return {"clients": clients, "tokens": sum(r["tokens"] for r in runs), "wall_s": wall,
+    return {"clients": clients, "failed": len(failed), "tokens": sum(r["tokens"] for r in runs), "wall_s": wall,
             "aggregate_tps": sum(r["tokens"] for r in runs) / wall, "per_client_tps": float(np.mean(per)) if per else 0.0,
             "ttft_p50_ms": float(np.percentile(ttft, 50)) * 1000, "ttft_p95_ms": float(np.percentile(ttft, 95)) * 1000}
 
@@ -100,17 +112,23 @@ async def shared_prefix(url: str, system: str) -> dict:
         out = []
         for q in ("What is rule 3?", "What is rule 7?"):
             r = await stream_one(h, url, [{"role": "system", "content": system}, {"role": "user", "content": q}], 4, 0)
+            if "error" in r:
+                raise EdgeKVError(f"{url}: the stream broke off ({r['error']})")
             out.append((r["t_first"] - r["t0"]) * 1000)
     return {"first_ttft_ms": out[0], "second_ttft_ms": out[1], "speedup": out[0] / out[1]}
 
 
-async def soak(url: str, n: int) -> None:
+async def soak(url: str, n: int) -> int:
+    """n short streamed requests, 8 at a time; returns how many broke off."""
     import httpx
 
+    failed = 0
     async with httpx.AsyncClient(timeout=600) as h:
         for start in range(0, n, 8):
-            await asyncio.gather(*(stream_one(h, url, [{"role": "user", "content": f"Say hi {i}."}], 8, i)
-                                   for i in range(start, min(n, start + 8))))
+            runs = await asyncio.gather(*(stream_one(h, url, [{"role": "user", "content": f"Say hi {i}."}], 8, i)
+                                          for i in range(start, min(n, start + 8))))
+            failed += sum("error" in r for r in runs)
+    return failed
 
 
 def cmd_bench_serve(args) -> int:
@@ -141,9 +159,9 @@ def cmd_bench_serve(args) -> int:
         note(f"shared {args.system_tokens}-token system prompt: first TTFT {p['first_ttft_ms']:.0f} ms, second "
              f"{p['second_ttft_ms']:.0f} ms ({p['speedup']:.1f}x)")
         before = rss_mib(pid)
-        asyncio.run(soak(url, args.soak))
-        res["soak"] = {"requests": args.soak, "rss_before_mib": before, "rss_after_mib": rss_mib(pid)}
-        note(f"soak of {args.soak} requests: RSS {before:.1f} -> {res['soak']['rss_after_mib']:.1f} MiB")
+        failed = asyncio.run(soak(url, args.soak))
+        res["soak"] = {"requests": args.soak, "failed": failed, "rss_before_mib": before, "rss_after_mib": rss_mib(pid)}
+        note(f"soak of {args.soak} requests ({failed} broke off): RSS {before:.1f} -> {res['soak']['rss_after_mib']:.1f} MiB")
     finally:
         if srv:
             srv.close()
