@@ -239,3 +239,25 @@ def test_a_cancelled_reply_is_not_cached(rt_float):
     assert req.finish_reason == "cancelled"
     k, _ = engine.pool.lookup(req.prompt + req.out)
     assert k == len(req.prompt)  # the prompt was cached when it was prefilled; the reply was not
+
+
+def test_a_prompt_gets_a_contiguous_run_when_cached_prefixes_fragment_the_pool(rt_float):
+    engine = Engine(rt_float, capacity=100, parallel=4, prefill_chunk=32)
+    # four requests decoded together: their cells interleave, one token of each per step
+    reqs = [Request(ids(6, 40 + i), 20) for i in range(4)]
+    for r in reqs:
+        engine.submit(r)
+    for _ in range(8):
+        engine.step()
+    engine.cancel(reqs[0])  # two leave early: their cells become one-cell holes between the others'
+    engine.cancel(reqs[2])
+    run_until_done(engine, reqs)
+    assert engine.pool.free_run(32)[1] < 32  # the other two stay cached, scattered
+    calls = engine.counters["calls"]
+    long = Request(ids(32, 31), 4)
+    engine.submit(long)
+    engine.step()  # admitted and its whole prompt prefilled
+    assert long.fed == 32
+    assert engine.counters["calls"] - calls == 1, "the prompt was split over fragmented runs"
+    run_until_done(engine, [long])
+    assert long.out == alone(rt_float, long.prompt, 4)[0]

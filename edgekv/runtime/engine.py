@@ -178,6 +178,11 @@ class Engine:
                 if self.pool.free() - self.reserved() < need:
                     self.pool.drop(cells)
                     return  # it waits until running sequences free their cells
+                # cached prefixes scattered over the pool would cut its prompt into many small
+                # calls (each binding the whole past): give way until one chunk fits in one run
+                run = min(len(req.prompt) - k, self.prefill_chunk)
+                while self.pool.free_run(run)[1] < run and self.pool.evict_one():
+                    pass
                 self.waiting.popleft()
                 req.cells, req.fed, req.reused, req.budget = [int(c) for c in cells], k, k, need
                 self.active.append(req)
