@@ -149,7 +149,11 @@ def main(argv=None) -> int:
         for i, path in enumerate(args.bundle):
             one = {"bundle": path}
             rep["bundles"].append(one)
-            ok &= check_bundle(path, args, one, Path(args.report).with_suffix(f".bench{i}.json"))
+            try:
+                ok &= check_bundle(path, args, one, Path(args.report).with_suffix(f".bench{i}.json"))
+            except EdgeKVError as e:  # this bundle fails; the others are still checked
+                say(f"  ✗ {path}: {e}")
+                one["error"], ok = str(e), False
         rep["passed"] = ok
     except EdgeKVError as e:
         say(f"selftest: error: {e}")

@@ -269,3 +269,31 @@ def test_selftest_reports_what_it_could_not_check(tiny_bundle_int8, tmp_path):
     trt = next(row for row in d["bundles"][0]["parity"] if row["backend"] == "trt")
     assert trt["status"] == "unavailable" and "TensorRT" in trt["why"]
     assert "== FAIL" in r.stdout
+
+
+def test_cache_reads_run_as_cast_with_the_same_logits(tiny_bundle_int8, monkeypatch):
+    """The ort backend runs the graph's unit-scale DequantizeLinear reads of the int8 cache as
+    Cast (docs/graph.md): none is left, every one became a Cast, and the logits are bit-identical
+    to the graph as written."""
+    from edgekv.runtime.backends import ort as ort_mod
+
+    b = load_bundle(tiny_bundle_int8)
+    written = onnx.load(str(b.onnx_path), load_external_data=False).graph
+    int8_inputs = {i.name for i in written.input if i.type.tensor_type.elem_type == onnx.TensorProto.INT8}
+    dq_reads = [n for n in written.node if n.op_type == "DequantizeLinear" and n.input[0] in int8_inputs]
+    assert int8_inputs and len(dq_reads) >= len(int8_inputs)
+    g = onnx.load_from_string(ort_mod.cast_cache_reads(b.onnx_path)).graph
+    assert not [n for n in g.node if n.op_type == "DequantizeLinear" and n.input[0] in int8_inputs]
+    casts = [n for n in g.node if n.op_type == "Cast" and n.input[0] in int8_inputs]
+    assert sorted(n.output[0] for n in casts) == sorted(n.output[0] for n in dq_reads)
+    assert all(a.i == onnx.TensorProto.FLOAT for n in casts for a in n.attribute if a.name == "to")
+
+    def run(backend):
+        gen = Generator(backend, KVCache(b, 64))
+        rows = [gen.prefill(list(range(5, 30))).copy()]
+        return np.stack(rows + [gen.decode_step(t).copy() for t in (7, 8, 9, 10)])
+
+    cast = run(OrtBackend(b, threads=1))
+    monkeypatch.setattr(ort_mod, "cast_cache_reads", lambda path: open(path, "rb").read())
+    as_written = run(OrtBackend(b, threads=1))
+    np.testing.assert_array_equal(cast, as_written)

@@ -261,3 +261,19 @@ def test_a_prompt_gets_a_contiguous_run_when_cached_prefixes_fragment_the_pool(r
     assert engine.counters["calls"] - calls == 1, "the prompt was split over fragmented runs"
     run_until_done(engine, [long])
     assert long.out == alone(rt_float, long.prompt, 4)[0]
+
+
+def test_the_cache_gives_way_for_a_run_only_where_that_makes_one(rt_float):
+    engine = Engine(rt_float, capacity=64, parallel=4, prefill_chunk=16)
+    pool = engine.pool
+    pool.take(np.arange(0, 64, 4))  # running sequences' cells: every 4th, free runs of 3 at most
+    pool.remember([5, 6, 7], np.array([1, 2, 3]))
+    engine._make_run(8)
+    assert list(pool.prefixes) == [(5, 6, 7)]  # evicting it would not make a run of 8: kept
+    pool.drop(np.arange(32, 64, 4))  # the upper half freed of running sequences...
+    pool.remember([9, 9], np.array([40, 50]))  # ...but two cached cells cut it into short runs
+    pool.lookup([5, 6, 7])  # used again: (9, 9) is now the least recently used
+    assert pool.free_run(16)[1] < 16 <= pool.run_without_cache(16)
+    engine._make_run(16)
+    assert pool.free_run(16)[1] == 16 and (9, 9) not in pool.prefixes
+    assert (5, 6, 7) in pool.prefixes  # evicting the least recently used entry was enough

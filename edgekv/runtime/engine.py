@@ -179,10 +179,9 @@ class Engine:
                     self.pool.drop(cells)
                     return  # it waits until running sequences free their cells
                 # cached prefixes scattered over the pool would cut its prompt into many small
-                # calls (each binding the whole past): give way until one chunk fits in one run
-                run = min(len(req.prompt) - k, self.prefill_chunk)
-                while self.pool.free_run(run)[1] < run and self.pool.evict_one():
-                    pass
+                # calls (each binding the whole past): give way until one chunk (with the running
+                # sequences' next tokens, placed first) fits in one run, while that helps
+                self._make_run(min(len(req.prompt) - k, self.prefill_chunk) + len(self.active))
                 self.waiting.popleft()
                 req.cells, req.fed, req.reused, req.budget = [int(c) for c in cells], k, k, need
                 self.active.append(req)
@@ -190,6 +189,15 @@ class Engine:
                 c["requests"] += 1
                 c["prompt_tokens"] += len(req.prompt)
                 c["reused_tokens"] += k
+
+    def _make_run(self, want: int) -> None:
+        """Evict cached prefixes, least recently used first, until `want` free cells lie in one
+        run; none at all when even an empty cache would leave no such run (running sequences'
+        cells fragment the pool: evicting would empty the cache for nothing)."""
+        if self.pool.free_run(want)[1] >= want or self.pool.run_without_cache(want) < want:
+            return
+        while self.pool.free_run(want)[1] < want and self.pool.evict_one():
+            pass
 
     def _place(self, pieces: deque) -> None:
         """Run the step's pieces in as few calls as the free runs of cells allow (one, unless

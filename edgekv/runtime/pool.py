@@ -34,10 +34,18 @@ class CellPool:
 
     def cached_only(self) -> int:
         """Cells held by nothing but the prefix cache (freed by evicting it)."""
+        held = self._cache_holds()
+        return int(np.count_nonzero((held > 0) & (held == self.refs)))
+
+    def run_without_cache(self, want: int) -> int:
+        """The free run free_run(want) would find if the whole prefix cache were evicted."""
+        return self.free_run(want, self.refs - self._cache_holds())[1]
+
+    def _cache_holds(self) -> np.ndarray:
         held = np.zeros(self.capacity, np.int32)
         for cells in self.prefixes.values():
             held[cells] += 1
-        return int(np.count_nonzero((held > 0) & (held == self.refs)))
+        return held
 
     # -- ownership
     def take(self, cells) -> None:
@@ -47,10 +55,11 @@ class CellPool:
         np.add.at(self.refs, np.asarray(cells, np.int64), -1)
         assert self.refs.min() >= 0, "a cell was dropped more often than taken"
 
-    def free_run(self, want: int) -> tuple[int, int]:
+    def free_run(self, want: int, refs: np.ndarray | None = None) -> tuple[int, int]:
         """(start, length) of the lowest run of free cells at least `want` long (low cells keep
-        the bound past short), else the longest run; length 0 when the pool is full."""
-        free = np.concatenate([[False], self.refs == 0, [False]])
+        the bound past short), else the longest run; length 0 when the pool is full. `refs`:
+        other reference counts to read instead of the pool's own."""
+        free = np.concatenate([[False], (self.refs if refs is None else refs) == 0, [False]])
         edges = np.flatnonzero(free[1:] != free[:-1])
         starts, ends = edges[::2], edges[1::2]
         if starts.size == 0:

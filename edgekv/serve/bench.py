@@ -153,7 +153,8 @@ def cmd_bench_serve(args) -> int:
             r.update(peak_rss_mib=s.rss, peak_kv_cells=s.cells if engine else None)
             res["levels"].append(r)
             note(f"{c} clients: aggregate {r['aggregate_tps']:.1f} tok/s, per client {r['per_client_tps']:.1f} tok/s, "
-                 f"TTFT p50 {r['ttft_p50_ms']:.0f} ms p95 {r['ttft_p95_ms']:.0f} ms, {r['tokens']} tokens, "
+                 f"TTFT p50 {r['ttft_p50_ms']:.0f} ms p95 {r['ttft_p95_ms']:.0f} ms, {r['tokens']} tokens"
+                 + (f" ({r['failed']} streams broke off, left out)" if r["failed"] else "") + ", "
                  f"peak RSS {s.rss:.0f} MiB" + (f", peak KV cells {s.cells:.0f}" if engine else ""))
         res["shared_prefix"] = p = asyncio.run(shared_prefix(url, system_prompt(rt.codec, args.system_tokens)))
         note(f"shared {args.system_tokens}-token system prompt: first TTFT {p['first_ttft_ms']:.0f} ms, second "

@@ -182,6 +182,8 @@ def cmd_bench(args) -> int:
     bundles = [load_bundle(b) for b in args.bundle]  # every one refused before any timing
     gguf = llama_cpp_gguf(args.llama_cpp) if args.llama_cpp is not None else None
     if len(bundles) > 1:
+        if args.transformers:
+            raise EdgeKVError("--transformers times one bundle's weights: give it one bundle")
         return compare(args, bundles, gguf)
     bundle = bundles[0]
     threads = args.threads or default_threads()
@@ -234,6 +236,7 @@ def compare(args, bundles: list, gguf: Path | None) -> int:
                 r["vs_llama_cpp"] = llama_cpp_ratios(r["runs"], lc["runs"], r["peak_rss_mib"], lc["peak_rss_mib"])
     print_comparison(res, sorted(set(args.prompt_lengths) | set(args.fill)))
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         write_text(args.json, json.dumps(res, indent=1))
         note(f"  wrote {args.json}")
     return 0
@@ -254,8 +257,7 @@ def print_comparison(res: dict, lens: list[int]) -> None:
     print(f"\n{'':34}{'weights':>8}{head}{'peak RSS':>10}")
     rows = [(Path(r["bundle"]).name, r.get("weights", "?"), r) for r in res["bundles"]]
     if lc:
-        rows.append((f"llama.cpp {lc['llama_cpp_version']}", Path(lc["gguf"]).suffixes[-2].lstrip(".")
-                     if len(Path(lc["gguf"]).suffixes) > 1 else "gguf", lc))
+        rows.append((f"llama.cpp {lc['llama_cpp_version']}", "gguf", lc))
     theirs = by_len(lc["runs"]) if lc else {}
     for name, weights, r in rows:
         mine = by_len(r["runs"])

@@ -50,15 +50,15 @@ def cast_cache_reads(onnx_path) -> bytes:
     inputs = {i.name: i.type.tensor_type.elem_type for i in g.input}
     consts = {t.name: t for t in g.initializer if t.data_location != onnx.TensorProto.EXTERNAL}
 
-    def is_value(name: str, value: float) -> bool:
+    def is_scalar(name: str, value: float) -> bool:  # a rank-0 constant equal to value
         t = consts.get(name)
-        return t is not None and numpy_helper.to_array(t).size == 1 and float(numpy_helper.to_array(t)) == value
+        return t is not None and len(t.dims) == 0 and float(numpy_helper.to_array(t)) == value
 
     for node in g.node:
         if (node.op_type == "DequantizeLinear" and inputs.get(node.input[0]) == onnx.TensorProto.INT8
-                and len(node.input) >= 2 and is_value(node.input[1], 1.0)
-                and (len(node.input) < 3 or not node.input[2] or is_value(node.input[2], 0.0))
-                and not any(a.name == "axis" and False for a in node.attribute)):
+                and len(node.input) >= 2 and is_scalar(node.input[1], 1.0)
+                and (len(node.input) < 3 or not node.input[2] or is_scalar(node.input[2], 0.0))
+                and not any(a.name in ("block_size", "output_dtype") and a.i for a in node.attribute)):
             to = consts[node.input[1]].data_type  # DQ's output type is its scale's
             x, y = node.input[0], node.output[0]
             node.ClearField("input")
@@ -100,7 +100,8 @@ class OrtBackend:
         try:
             graph = cast_cache_reads(bundle.onnx_path)
             # the rewritten graph comes as bytes: its weights are still found beside model.onnx
-            opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(bundle.path))
+            opts.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                          str(bundle.onnx_path.parent))
             self.session = ort.InferenceSession(graph, opts, providers=self.providers(), disabled_optimizers=off)
         except Exception as e:  # onnxruntime raises its own exception types for a bad file
             msg = str(e).splitlines()[0][:200]
