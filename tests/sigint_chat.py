@@ -3,6 +3,7 @@ SIGINT in the middle of a multi-chunk prefill or of a decode (tests/test_hardeni
 
 Each graph call prints `CALL <kind> <n>` on stderr before it runs (kind: prefill or decode, n:
 its number in this turn), then sleeps SLOW seconds for turns whose message starts with "SLOW"."""
+import signal
 import sys
 import time
 
@@ -37,6 +38,9 @@ def read_line(prompt=""):
     return line
 
 
+# a shell starts background jobs with SIGINT ignored, and Python keeps an ignored SIGINT ignored:
+# take Ctrl-C as KeyboardInterrupt whatever the test runner was started from
+signal.signal(signal.SIGINT, signal.default_int_handler)
 assemble.Runtime.generator = generator
 OrtBackend.run = run
 import builtins  # noqa: E402
