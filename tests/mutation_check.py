@@ -53,6 +53,9 @@ GUARDS = ("tests/test_guards.py", "tests/test_runtime.py", "tests/test_backends.
 BENCH = ("tests/test_bench.py", "tests/test_stream.py", "tests/test_runtime.py")
 
 M = Mutation
+SERVE_ENGINE = ("tests/test_serve_engine.py", "-k", "not real")
+CAST_READS = ("tests/test_backends.py", "-k", "cast_with_the_same_logits or unit_scalar")
+
 MUTATIONS = [
     # -- evaluation
     M("eval KLD direction", "eval", "edgekv/tools/evaluate.py",
@@ -227,6 +230,26 @@ MUTATIONS = [
       "return self.decode_steps / self.decode_s", "return (self.new_tokens - 1) / self.decode_s", BENCH),
     M("bench decode rate counts one token more", "bench", "edgekv/tools/bench.py",
       "return t1 - t0, decode_tokens / (t2 - t1)", "return t1 - t0, (decode_tokens + 1) / (t2 - t1)", BENCH),
+    M("bench comparison ratio against the wrong bundle's runs", "bench", "edgekv/tools/bench.py",
+      'r["vs_llama_cpp"] = llama_cpp_ratios(r["runs"], lc["runs"]', 'r["vs_llama_cpp"] = llama_cpp_ratios(results[0]["runs"], lc["runs"]',
+      ("tests/test_bench_llama_cpp.py", "-k", "several_bundles")),
+    # -- serving engine (issue 13)
+    M("a finished reply is not cached", "serve", "edgekv/runtime/engine.py",
+      'if reason in ("stop", "length") and len(req.cells) > len(req.prompt):', 'if False:', SERVE_ENGINE),
+    M("a cancelled reply is cached too", "serve", "edgekv/runtime/engine.py",
+      'if reason in ("stop", "length") and len(req.cells) > len(req.prompt):',
+      'if reason in ("stop", "length", "cancelled") and len(req.cells) > len(req.prompt):', SERVE_ENGINE),
+    M("the cache emptied for a run it cannot make", "serve", "edgekv/runtime/engine.py",
+      "or self.pool.run_without_cache(want) < want:", ":", SERVE_ENGINE),
+    M("no eviction for a contiguous run", "serve", "edgekv/runtime/engine.py",
+      "while self.pool.free_run(want)[1] < want and self.pool.evict_one():", "while False:", SERVE_ENGINE),
+    # -- the ort backend's Cast for the cache reads (issue 11)
+    M("cache reads cast to the wrong type", "perf", "edgekv/runtime/backends/ort.py",
+      "to = consts[node.input[1]].data_type", "to = onnx.TensorProto.FLOAT16", CAST_READS),
+    M("a non-unit DQ read rewritten as Cast", "perf", "edgekv/runtime/backends/ort.py",
+      "and len(node.input) >= 2 and is_scalar(node.input[1], 1.0)", "and len(node.input) >= 2", CAST_READS),
+    M("a DQ read with a zero point rewritten as Cast", "perf", "edgekv/runtime/backends/ort.py",
+      "or is_scalar(node.input[2], 0.0))", "or True)", CAST_READS),
 ]
 
 _IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", "bundles", "*.egg-info",

@@ -297,3 +297,27 @@ def test_cache_reads_run_as_cast_with_the_same_logits(tiny_bundle_int8, monkeypa
     monkeypatch.setattr(ort_mod, "cast_cache_reads", lambda path: open(path, "rb").read())
     as_written = run(OrtBackend(b, threads=1))
     np.testing.assert_array_equal(cast, as_written)
+
+
+def test_only_unit_scalar_dq_reads_of_int8_inputs_become_casts(tmp_path):
+    from onnx import TensorProto, helper, numpy_helper
+
+    from edgekv.runtime.backends.ort import cast_cache_reads
+
+    inits = [numpy_helper.from_array(np.array(1.0, np.float32), "one"),
+             numpy_helper.from_array(np.array(0.5, np.float32), "half"),
+             numpy_helper.from_array(np.array([1.0, 1.0], np.float32), "ones_axis"),
+             numpy_helper.from_array(np.array(3, np.int8), "zp3"),
+             numpy_helper.from_array(np.array([[1, 2], [3, 4]], np.int8), "w8")]
+    nodes = [helper.make_node("DequantizeLinear", ["x", "one"], ["unit"]),
+             helper.make_node("DequantizeLinear", ["x", "half"], ["scaled"]),
+             helper.make_node("DequantizeLinear", ["x", "ones_axis"], ["per_axis"], axis=1),
+             helper.make_node("DequantizeLinear", ["x", "one", "zp3"], ["shifted"]),
+             helper.make_node("DequantizeLinear", ["w8", "one"], ["weight"])]  # not a graph input
+    outs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("unit", "scaled", "per_axis", "shifted", "weight")]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.INT8, [2, 2])], outs, inits)
+    path = tmp_path / "m.onnx"
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 18)]), str(path))
+    got = {n.output[0]: n.op_type for n in onnx.load_from_string(cast_cache_reads(path)).graph.node}
+    assert got == {"unit": "Cast", "scaled": "DequantizeLinear", "per_axis": "DequantizeLinear",
+                   "shifted": "DequantizeLinear", "weight": "DequantizeLinear"}
