@@ -152,15 +152,22 @@ def run_llama_cpp(gguf: Path, threads: int, n_ctx: int, lengths: list[int], voca
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+def by_prompt(runs: list[dict]) -> dict[int, dict]:
+    """prompt length -> its run at the largest capacity (a bench's rows; llama.cpp has one each)."""
+    best = {}
+    for r in sorted(runs, key=lambda r: r.get("capacity", 0)):
+        best[r["prompt_tokens"]] = r
+    return best
+
+
 def llama_cpp_ratios(ours: list[dict], theirs: list[dict], our_peak_mib: float, their_peak_mib: float) -> dict:
     """edgekv / llama.cpp, per prompt length (edgekv's row at its largest capacity): decode tok/s
     (> 1: edgekv faster), TTFT (< 1: edgekv faster), and peak RSS."""
-    rows = []
+    rows, mine = [], by_prompt(ours)
     for t in sorted(theirs, key=lambda r: r["prompt_tokens"]):
-        mine = [r for r in ours if r["prompt_tokens"] == t["prompt_tokens"]]
-        if not mine:
+        o = mine.get(t["prompt_tokens"])
+        if o is None:
             continue
-        o = max(mine, key=lambda r: r["capacity"])
         rows.append({"prompt_tokens": t["prompt_tokens"], "decode_tps": o["decode_tps"],
                      "llama_cpp_decode_tps": t["decode_tps"], "decode_ratio": o["decode_tps"] / t["decode_tps"],
                      "ttft_ms": o["ttft_ms"], "llama_cpp_ttft_ms": t["ttft_ms"], "ttft_ratio": o["ttft_ms"] / t["ttft_ms"]})
@@ -246,30 +253,22 @@ def print_comparison(res: dict, lens: list[int]) -> None:
     """One row per bundle (and llama.cpp): decode tok/s and TTFT per context, peak RSS; under
     each edgekv row its ratios to llama.cpp (decode > 1 and TTFT, RSS < 1: edgekv better)."""
     lc = res.get("llama_cpp")
-
-    def by_len(runs):
-        best = {}
-        for r in sorted(runs, key=lambda r: r["capacity"]):
-            best[r["prompt_tokens"]] = r  # the largest capacity's row, as llama_cpp_ratios takes it
-        return best
-
     head = "".join(f"{'tok/s@' + str(L):>12}" for L in lens) + "".join(f"{'TTFT@' + str(L):>12}" for L in lens)
     print(f"\n{'':34}{'weights':>8}{head}{'peak RSS':>10}")
     rows = [(Path(r["bundle"]).name, r.get("weights", "?"), r) for r in res["bundles"]]
     if lc:
         rows.append((f"llama.cpp {lc['llama_cpp_version']}", "gguf", lc))
-    theirs = by_len(lc["runs"]) if lc else {}
     for name, weights, r in rows:
-        mine = by_len(r["runs"])
+        mine = by_prompt(r["runs"])
         cells = "".join(f"{mine[L]['decode_tps']:>12.1f}" if L in mine else f"{'':>12}" for L in lens)
         cells += "".join(f"{mine[L]['ttft_ms']:>10.0f}ms" if L in mine else f"{'':>12}" for L in lens)
         print(f"{name[:34]:34}{weights:>8}{cells}{r['peak_rss_mib']:>7.0f}MiB")
-        if lc and r is not lc:
-            ratio = "".join(f"{mine[L]['decode_tps'] / theirs[L]['decode_tps']:>11.2f}x" if L in mine and L in theirs
-                            else f"{'':>12}" for L in lens)
-            ratio += "".join(f"{mine[L]['ttft_ms'] / theirs[L]['ttft_ms']:>11.2f}x" if L in mine and L in theirs
-                             else f"{'':>12}" for L in lens)
-            print(f"{'  / llama.cpp':34}{'':>8}{ratio}{r['peak_rss_mib'] / lc['peak_rss_mib']:>9.2f}x")
+        if "vs_llama_cpp" in r:  # the ratios llama_cpp_ratios computed, as the JSON holds them
+            vs = r["vs_llama_cpp"]
+            ratio = {x["prompt_tokens"]: x for x in vs["by_prompt"]}
+            cells = "".join(f"{ratio[L]['decode_ratio']:>11.2f}x" if L in ratio else f"{'':>12}" for L in lens)
+            cells += "".join(f"{ratio[L]['ttft_ratio']:>11.2f}x" if L in ratio else f"{'':>12}" for L in lens)
+            print(f"{'  / llama.cpp':34}{'':>8}{cells}{vs['peak_rss_ratio']:>9.2f}x")
     if lc and not lc.get("extra_bufts", True):
         print("llama.cpp ran without its extra buffer types (its AMX kernels crashed): a lower bound for it")
 
