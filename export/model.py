@@ -216,8 +216,8 @@ def attend_codes(qg, G, k_new, v_new, past, allowed, scheme, ks, vs):
     MatMul serves every head, the queries laid out block-diagonally (row block h: head h's
     queries in column block h, zeros elsewhere), the values' products taken back off the
     diagonal blocks. A per-head [Hkv, D, T] view would need a Transpose of the whole cache per
-    layer per step; the block-diagonal form pays B*Hkv x the multiply-adds of the (tiny) query
-    side instead. Returns (out [B, Hkv, G*S, D], present K tensors, present V)."""
+    layer per step; the block-diagonal form pays B*Hkv x the attention products' multiply-adds
+    instead: little for decode (a few query rows), visible in prefill (docs/benchmarks.md). Returns (out [B, Hkv, G*S, D], present K tensors, present V)."""
     B, Hkv, M, D = qg.shape  # M = G*S query rows per KV head
     H = B * Hkv
     present_k, kc_new, sk_new = kv_quantize(scheme, k_new, ks)

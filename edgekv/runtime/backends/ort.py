@@ -60,13 +60,7 @@ def cast_cache_reads(onnx_path) -> bytes:
                 and (len(node.input) < 3 or not node.input[2] or is_scalar(node.input[2], 0.0))
                 and not any(a.name in ("block_size", "output_dtype") and a.i for a in node.attribute)):
             to = consts[node.input[1]].data_type  # DQ's output type is its scale's
-            x, y = node.input[0], node.output[0]
-            node.ClearField("input")
-            node.ClearField("attribute")
-            node.op_type, node.domain = "Cast", ""
-            node.input.append(x)
-            node.attribute.append(onnx.helper.make_attribute("to", to))
-            assert node.output[0] == y
+            node.CopyFrom(onnx.helper.make_node("Cast", [node.input[0]], list(node.output), name=node.name, to=to))
     return model.SerializeToString()
 
 
