@@ -128,3 +128,11 @@ def real_bundle(tmp_path_factory) -> Path:
             if old.name != key:
                 shutil.rmtree(old, ignore_errors=True)
     return export_bundle(None, kv="int8", out=str(kept))
+
+
+@pytest.fixture
+def bundle_copy(tiny_bundle_int8, tmp_path) -> Path:
+    """A copy of the tiny int8 bundle a test may damage."""
+    dst = tmp_path / "b"
+    shutil.copytree(tiny_bundle_int8, dst)
+    return dst

@@ -1,6 +1,5 @@
 """Bad input: one line on stderr, non-zero exit, no traceback, nothing half-written."""
 import json
-import shutil
 
 import pytest
 
@@ -13,13 +12,6 @@ def assert_clean_error(r, pattern):
     lines = [l for l in r.stderr.strip().splitlines() if l.strip()]
     assert lines and "error:" in lines[-1] and pattern in lines[-1], r.stderr
     assert len([l for l in lines if "error" in l]) == 1
-
-
-@pytest.fixture
-def bundle_copy(tiny_bundle_int8, tmp_path):
-    dst = tmp_path / "b"
-    shutil.copytree(tiny_bundle_int8, dst)
-    return dst
 
 
 def test_missing_bundle(tmp_path):

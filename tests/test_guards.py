@@ -1,7 +1,6 @@
 """Guards, each at its boundary so that removing or loosening it fails a test: the engine chooser,
 the bundle's file sizes, free memory before the KV cache is allocated, the context limits."""
 import json
-import shutil
 
 import numpy as np
 import pytest
@@ -13,13 +12,6 @@ from edgekv.runtime.cache import KVCache
 from edgekv.runtime.memory import HostMemory
 from edgekv.runtime.text import TextCodec
 from tests.conftest import run_edgekv
-
-
-@pytest.fixture
-def bundle_copy(tiny_bundle_int8, tmp_path):
-    dst = tmp_path / "b"
-    shutil.copytree(tiny_bundle_int8, dst)
-    return dst
 
 
 # -- the engine chooser: the smallest fresh engine that covers the cache -----------------------

@@ -40,13 +40,6 @@ def state(s: ChatSession):
     return seq.checkpoint(), slots, json.dumps(s.messages), s.dropped_turns
 
 
-@pytest.fixture
-def bundle_copy(tiny_bundle_int8, tmp_path):
-    dst = tmp_path / "b"
-    shutil.copytree(tiny_bundle_int8, dst)
-    return dst
-
-
 # -- safe writes -----------------------------------------------------------------------------
 
 def test_save_refuses_to_replace_anything_but_a_regular_file(tiny_bundle_int8, tmp_path):

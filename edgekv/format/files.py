@@ -8,6 +8,7 @@ with lstat (a symlink is never followed)."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import stat
@@ -79,6 +80,12 @@ def write_bytes(path: str | os.PathLike, data: bytes) -> None:
 def write_text(path: str | os.PathLike, text: str) -> None:
     with atomic_open(path, "w", encoding="utf-8", newline="") as f:
         f.write(text)
+
+
+def write_json(path: str | os.PathLike, obj) -> None:
+    """A tool's --json output: its folder made if missing, the file written like write_text."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    write_text(path, json.dumps(obj, indent=1))
 
 
 def _umask() -> int:

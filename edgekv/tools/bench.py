@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from edgekv.errors import EdgeKVError, note
-from edgekv.format.files import write_text
+from edgekv.format.files import write_json
 from edgekv.format.bundle import load_bundle
 from edgekv.runtime.assemble import Runtime, open_runtime
 from edgekv.runtime.backends import default_threads
@@ -243,8 +243,7 @@ def compare(args, bundles: list, gguf: Path | None) -> int:
                 r["vs_llama_cpp"] = llama_cpp_ratios(r["runs"], lc["runs"], r["peak_rss_mib"], lc["peak_rss_mib"])
     print_comparison(res, sorted(set(args.prompt_lengths) | set(args.fill)))
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        write_text(args.json, json.dumps(res, indent=1))
+        write_json(args.json, res)
         note(f"  wrote {args.json}")
     return 0
 
@@ -338,7 +337,6 @@ def bench(args, rt: Runtime, res: dict, configs: list, caps: list[int], fills: l
     print(f"RSS over {r['tokens']} decoded tokens: {r['rss_start_mib']:.1f} -> {r['rss_end_mib']:.1f} MiB "
           f"({r['rss_growth_mib']:+.2f} MiB); peak RSS {res['peak_rss_mib']:.0f} MiB")
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        write_text(args.json, json.dumps(res, indent=1))
+        write_json(args.json, res)
         note(f"  wrote {args.json}")
     return 0

@@ -13,11 +13,9 @@ where the history no longer fits. Also the tokens each policy prefills per turn 
 """
 from __future__ import annotations
 
-import json
 import math
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 
@@ -25,7 +23,7 @@ from edgekv.chat.conversation import Conversation, common_prefix, sink_count
 from edgekv.chat.policies import DropTurns
 from edgekv.chat.session import ChatSession
 from edgekv.errors import EdgeKVError, note
-from edgekv.format.files import write_text
+from edgekv.format.files import write_json
 from edgekv.format.bundle import load_bundle
 from edgekv.runtime.assemble import open_runtime
 from edgekv.runtime.generate import Generator
@@ -182,7 +180,6 @@ def compare_policies(rt, ctx: int, turns: int, reply_tokens: int, system: str | 
 def cmd_eval_context(args) -> int:
     res = evaluate_context(args.bundle, args.ctx, args.turns, args.reply_tokens, args.system, args.sinks, args.threads)
     if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        write_text(args.json, json.dumps(res, indent=1))
+        write_json(args.json, res)
         note(f"wrote {args.json}")
     return 0
