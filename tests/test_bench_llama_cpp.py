@@ -155,3 +155,10 @@ def test_a_bad_second_bundle_is_refused_before_any_timing(tiny_bundle_int8, tmp_
                        capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode != 0 and r.stderr.count("\n") == 1 and "nope" in r.stderr
     assert "configurations" not in r.stderr
+
+
+def test_transformers_with_several_bundles_is_one_line(tiny_bundle_int8, tiny_bundle_float):
+    r = subprocess.run([sys.executable, "-m", "edgekv", "bench", str(tiny_bundle_int8), str(tiny_bundle_float),
+                        "--transformers", "smollm2-135m-instruct"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode != 0 and r.stderr.count("\n") == 1 and "give it one bundle" in r.stderr
+    assert "configurations" not in r.stderr and not r.stdout
