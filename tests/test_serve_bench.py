@@ -52,3 +52,21 @@ def test_every_stream_broken_is_one_error():
             asyncio.run(level(srv.url, 2, 5))
     finally:
         srv.close()
+
+
+def test_bench_serve_end_to_end_writes_json_into_a_new_folder(tiny_bundle_int8, tmp_path):
+    """The whole command on a tiny bundle: every level, the shared prefix and the soak reported,
+    the JSON written into a folder that did not exist."""
+    from tests.conftest import run_edgekv
+
+    out = tmp_path / "new" / "dir" / "serve.json"
+    r = run_edgekv("bench-serve", tiny_bundle_int8, "--clients", "1,3", "--tokens", "4", "--system-tokens", "24",
+                   "--soak", "6", "--json", out, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert [lv["clients"] for lv in res["levels"]] == [1, 3]
+    assert all(lv["failed"] == 0 and 0 < lv["tokens"] <= 4 * lv["clients"] for lv in res["levels"])
+    assert res["levels"][0]["vs_one_client"] == 1.0
+    assert res["levels"][1]["peak_kv_cells"] > 0
+    assert res["soak"] == {**res["soak"], "requests": 6, "failed": 0}
+    assert res["shared_prefix"]["first_ttft_ms"] > 0 and res["shared_prefix"]["second_ttft_ms"] > 0

@@ -7,7 +7,7 @@ from functools import cached_property
 from edgekv.errors import note
 from edgekv.format.bundle import Bundle, load_bundle
 from edgekv.runtime.backends import MATMUL_ACCURACY, make_backend
-from edgekv.runtime.backends.base import Backend
+from edgekv.runtime.backends.base import PREFILL_CHUNK, Backend
 from edgekv.runtime.cache import KVCache, default_capacity
 from edgekv.runtime.generate import Generator
 from edgekv.runtime.text import TextCodec
@@ -28,7 +28,7 @@ class Runtime:
     def cache(self, capacity: int | None = None) -> KVCache:
         return KVCache(self.bundle, capacity or self.capacity, memory=self.backend.memory)
 
-    def generator(self, capacity: int | None = None, prefill_chunk: int = 256, cache: KVCache | None = None) -> Generator:
+    def generator(self, capacity: int | None = None, prefill_chunk: int = PREFILL_CHUNK, cache: KVCache | None = None) -> Generator:
         """A generator over a new sequence: in `cache`, or in a new cache of `capacity` slots."""
         return Generator(self.backend, cache or self.cache(capacity), prefill_chunk=prefill_chunk)
 

@@ -25,7 +25,7 @@ from typing import Callable
 import numpy as np
 
 from edgekv.errors import ContextOverflow, EdgeKVError, QueueFull, note
-from edgekv.runtime.backends.base import BatchBackend
+from edgekv.runtime.backends.base import PREFILL_CHUNK, BatchBackend
 from edgekv.runtime.pool import CellPool
 from edgekv.runtime.sampling import SamplingParams, sample
 
@@ -57,7 +57,7 @@ class Request:
 
 class Engine:
     def __init__(self, runtime, capacity: int | None = None, parallel: int = 4, max_queue: int = 64,
-                 prefill_chunk: int = 256, max_prefixes: int = 32):
+                 prefill_chunk: int = PREFILL_CHUNK, max_prefixes: int = 32):
         self.backend = runtime.backend
         if not isinstance(self.backend, BatchBackend):
             raise EdgeKVError(f"serving needs the ort-cpu or ort-cuda backend ({self.backend.name} runs one "

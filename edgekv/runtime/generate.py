@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from edgekv.errors import EdgeKVError
-from edgekv.runtime.backends.base import Backend
+from edgekv.runtime.backends.base import PREFILL_CHUNK, Backend
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.sampling import SamplingParams, sample
 from edgekv.runtime.sequence import Sequence
@@ -54,7 +54,7 @@ class Generator:
     sequence before it runs and recorded in it after (`_call`), so an interrupted call leaves
     the sequence as it was."""
 
-    def __init__(self, backend: Backend, cache: KVCache, seq: Sequence | None = None, prefill_chunk: int = 256):
+    def __init__(self, backend: Backend, cache: KVCache, seq: Sequence | None = None, prefill_chunk: int = PREFILL_CHUNK):
         self.backend, self.cache = backend, cache
         self.seq = seq if seq is not None else cache.new_sequence()
         self.prefill_chunk = min(prefill_chunk, backend.max_tokens_per_call)

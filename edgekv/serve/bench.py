@@ -14,7 +14,7 @@ import uuid
 import numpy as np
 
 from edgekv.errors import EdgeKVError, note
-from edgekv.format.files import write_text
+from edgekv.format.files import write_json
 
 TOPICS = ["a robot that learns to paint", "a train crossing the desert", "a lighthouse keeper", "tea in Kyoto",
           "a city under the sea", "the first moon base", "a lost violin", "a clockmaker's apprentice"]
@@ -173,5 +173,5 @@ def cmd_bench_serve(args) -> int:
         r["vs_one_client"] = r["aggregate_tps"] / base if base else 0.0
     print(json.dumps(res, indent=1))
     if args.json:
-        write_text(args.json, json.dumps(res, indent=1))  # atomic, regular files only (format/files.py)
+        write_json(args.json, res)  # its folder made, the file atomic (format/files.py)
     return 0

@@ -5,6 +5,7 @@ import threading
 
 from edgekv.errors import BackendUnavailable, EdgeKVError, note
 from edgekv.runtime.assemble import Runtime, open_runtime
+from edgekv.runtime.backends.base import PREFILL_CHUNK
 from edgekv.runtime.engine import Engine
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
@@ -21,7 +22,7 @@ def _import_serving():
 
 
 def build(rt: Runtime, ctx: int | None = None, parallel: int = 4, max_queue: int = 64, api_key: str | None = None,
-          prefill_chunk: int = 256):
+          prefill_chunk: int = PREFILL_CHUNK):
     """(engine, ASGI app) over a runtime; the engine's thread is started."""
     from edgekv.serve.app import Server
 

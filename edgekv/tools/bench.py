@@ -72,7 +72,7 @@ def time_once(g: Generator, prompt: list[int], decode_tokens: int) -> tuple[floa
 def measure(rt: Runtime, configs: list[tuple[int, int]], decode_tokens: int, repeat: int) -> dict:
     """Time every (capacity, prompt length) configuration; one backend (one session) serves all."""
     caches = {C: rt.cache(C) for C in sorted({c for c, _ in configs})}
-    gens = {key: rt.generator(prefill_chunk=512, cache=caches[key[0]]) for key in configs}
+    gens = {key: rt.generator(cache=caches[key[0]]) for key in configs}
     return measure_runs(gens, rt.bundle.model["vocab_size"], decode_tokens, repeat)
 
 

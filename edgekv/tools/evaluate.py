@@ -24,6 +24,7 @@ from edgekv.format.files import atomic_open, write_bytes, write_text
 from edgekv.format.bundle import Bundle, load_bundle
 from edgekv.format.kvschemes import float16_bytes_per_token
 from edgekv.runtime.assemble import open_runtime
+from edgekv.runtime.backends.base import PREFILL_CHUNK
 from edgekv.runtime.generate import Generator
 from edgekv.runtime.text import TextCodec
 
@@ -73,7 +74,7 @@ def run_window(gen: Generator, ids: list[int], first_scored: int) -> np.ndarray:
 
 
 def evaluate(paths: list[str], text: str | None = None, ctx: int = 1024, chunks: int | None = None,
-             threads: int | None = None, prefill_chunk: int = 256, out=sys.stdout, stride: int | None = None) -> dict:
+             threads: int | None = None, prefill_chunk: int = PREFILL_CHUNK, out=sys.stdout, stride: int | None = None) -> dict:
     bundles = [load_bundle(p) for p in paths]
     _check_same_model(bundles)
     codec = TextCodec(bundles[0])

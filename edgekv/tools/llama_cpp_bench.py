@@ -63,7 +63,7 @@ def main(argv=None) -> None:
     ap.add_argument("--vocab", type=int, required=True, help="the bundle's vocabulary (sample_tokens draws from it)")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--n-batch", type=int, default=512, help="prompt tokens per call (edgekv bench's prefill chunk)")
+    ap.add_argument("--n-batch", type=int, default=512, help="prompt tokens per call (llama.cpp's own default)")
     ap.add_argument("--no-extra-bufts", action="store_true",
                     help="load the weights without ggml's extra buffer types (repacked / AMX layouts)")
     a = ap.parse_args(argv)

@@ -25,6 +25,9 @@ from edgekv.runtime.memory import KVMemory
 from edgekv.runtime.sequence import Sequence
 
 UNLIMITED = 1 << 30  # tokens per call for a backend without a limit of its own
+# prompt tokens per graph call: a call's attention scratch grows with its tokens x the past, and
+# at 128 an 1800-token prompt peaks ~100 MiB lower than at 512 and prefills no slower (docs/benchmarks.md)
+PREFILL_CHUNK = 128
 
 
 @runtime_checkable  # isinstance() checks that every member is there (tests)
