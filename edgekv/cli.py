@@ -169,6 +169,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stride", type=int_range(1, TOKENS), default=None,
                    help="window start step in tokens (default: ctx + 1, no overlap)")
     p.add_argument("--chunks", type=int_range(1, 1 << 30), default=None, help="evaluate at most this many windows (default: all)")
+    p.add_argument("--llama-cpp", nargs="?", const="", default=None, metavar="GGUF",
+                   help="also score llama.cpp (llama-cpp-python, the `bench` extra) on GGUF (default: the default "
+                        "model's) on the same windows and token ids, against the same reference")
     p.add_argument("--threads", type=THREADS, default=None, help="CPU threads (default: all available)")
     p.add_argument("--json", default=None, metavar="OUT", help="write OUT (.json) plus .csv and .md beside it")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="write the accuracy-vs-memory plot")

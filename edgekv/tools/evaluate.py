@@ -9,6 +9,7 @@ scheme is compared with them: KL divergence, top-1 agreement, ΔPPL."""
 from __future__ import annotations
 
 import csv
+import functools
 import io
 import json
 import math
@@ -27,6 +28,7 @@ from edgekv.runtime.assemble import open_runtime
 from edgekv.runtime.backends.base import PREFILL_CHUNK
 from edgekv.runtime.generate import Generator
 from edgekv.runtime.text import TextCodec
+from edgekv.tools.bench import llama_cpp_gguf
 
 
 def default_text() -> tuple[str, str]:
@@ -52,10 +54,11 @@ class SchemeResult:
     nll: list = field(default_factory=list)  # per scored token
     kld: list = field(default_factory=list)
     top1: list = field(default_factory=list)
+    tag: str = ""  # what tables and the plot call it, when not its weights/scheme (llama.cpp)
 
     @property
     def label(self) -> str:
-        return self.scheme if self.weights == "float" else f"w{self.weights}/{self.scheme}"
+        return self.tag or (self.scheme if self.weights == "float" else f"w{self.weights}/{self.scheme}")
 
     def ppl(self) -> tuple[float, float]:
         """PPL and its standard error (delta method on the mean NLL, as llama-perplexity)."""
@@ -66,6 +69,29 @@ class SchemeResult:
         return p, p * err
 
 
+class LlamaCppWindows:
+    """llama.cpp (llama-cpp-python, the bench extra) scoring a window like run_window: the same
+    token ids, its own weights, activations and f16 KV cache. A reference point, never the
+    reference: it is not a bundle of the model, only the model's GGUF."""
+
+    def __init__(self, gguf: Path, ctx: int, threads: int | None, vocab: int):
+        import llama_cpp
+
+        from edgekv.tools.llama_cpp_bench import without_extra_bufts
+
+        without_extra_bufts(llama_cpp)
+        self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=ctx, n_batch=512, n_threads=threads or None,
+                                   logits_all=True, verbose=False)
+        if self.llm.n_vocab() != vocab:
+            raise EdgeKVError(f"--llama-cpp: {gguf.name} has a vocabulary of {self.llm.n_vocab()}, the bundles {vocab}: "
+                              "not the same model")
+
+    def __call__(self, ids: list[int], first_scored: int) -> np.ndarray:
+        self.llm.reset()
+        self.llm.eval(ids[:-1])
+        return log_softmax(np.asarray(self.llm.scores[first_scored: len(ids) - 1], np.float32))
+
+
 def run_window(gen: Generator, ids: list[int], first_scored: int) -> np.ndarray:
     """Log-probs [n_scored, V] for predicting ids[first_scored+1:] from the window's prefix."""
     gen.reset()
@@ -74,7 +100,8 @@ def run_window(gen: Generator, ids: list[int], first_scored: int) -> np.ndarray:
 
 
 def evaluate(paths: list[str], text: str | None = None, ctx: int = 1024, chunks: int | None = None,
-             threads: int | None = None, prefill_chunk: int = PREFILL_CHUNK, out=sys.stdout, stride: int | None = None) -> dict:
+             threads: int | None = None, prefill_chunk: int = PREFILL_CHUNK, out=sys.stdout, stride: int | None = None,
+             llama_cpp: Path | None = None) -> dict:
     bundles = [load_bundle(p) for p in paths]
     _check_same_model(bundles)
     codec = TextCodec(bundles[0])
@@ -100,8 +127,14 @@ def evaluate(paths: list[str], text: str | None = None, ctx: int = 1024, chunks:
                                   setting="capacity", fix="use a smaller {}")
             rt = open_runtime(b, ctx, "auto", threads, max_logits_rows=prefill_chunk, log=None)
             runtimes.append(rt)
-            runners.append(rt.generator(prefill_chunk=prefill_chunk))
+            runners.append(functools.partial(run_window, rt.generator(prefill_chunk=prefill_chunk)))
             results.append(SchemeResult(b.path.name, b.scheme.name, b.kv_bytes_per_token(), b.weights, b.graph_bytes()))
+        if llama_cpp is not None:  # scored after every bundle, compared with the same reference
+            m = bundles[0].model
+            runners.append(LlamaCppWindows(llama_cpp, ctx, threads, m["vocab_size"]))
+            results.append(SchemeResult(f"llama.cpp ({llama_cpp.name})", "f16", float16_bytes_per_token(
+                m["n_layers"], m["n_kv_heads"], m["head_dim"]), "gguf", llama_cpp.stat().st_size, tag="llama.cpp"))
+            order.append(len(runners) - 1)
         return score_windows(bundles, runners, results, ids, starts, order, ctx, text_desc, out)
     finally:
         for rt in runtimes:
@@ -118,7 +151,7 @@ def score_windows(bundles, runners, results, ids, starts, order, ctx, text_desc,
         targets = np.asarray(win[first + 1:])
         ref_lp = None
         for i in order:
-            lp = run_window(runners[i], win, first)
+            lp = runners[i](win, first)
             r = results[i]
             r.nll.extend((-lp[np.arange(len(targets)), targets]).tolist())
             if i == ref_i:
@@ -150,7 +183,7 @@ def summarize(bundles, results, ref_i, ctx, text_desc, n_windows, out) -> dict:
     for r in results:
         p, e = r.ppl()
         kld = np.asarray(r.kld)
-        row = {"bundle": r.name, "scheme": r.scheme, "ppl": p, "ppl_err": e, "dppl": p - ref_ppl,
+        row = {"bundle": r.name, "label": r.label, "scheme": r.scheme, "ppl": p, "ppl_err": e, "dppl": p - ref_ppl,
                "dppl_pct": 100 * (p - ref_ppl) / ref_ppl, "kld_mean": float(kld.mean()),
                "kld_err": float(kld.std(ddof=1) / math.sqrt(len(kld))) if len(kld) > 1 else 0.0,
                "kld_p99": float(np.percentile(kld, 99)), "top1_pct": 100 * float(np.mean(r.top1)),
@@ -219,7 +252,7 @@ def plot(res: dict, path: str) -> None:
         x = r["total_mib_at_ctx"]
         y = r["kld_mean"] if r["kld_mean"] > 0 else floor  # the reference has KLD 0: drawn on the floor
         ax.scatter(x, y, s=60, zorder=3)
-        name = r["scheme"] if r["weights"] == "float" else f"w{r['weights']}/{r['scheme']}"
+        name = r["label"]
         label = (f"{name} (reference)" if r["kld_mean"] == 0
                  else f"{name}  ΔPPL {r['dppl_pct']:+.2f}%  top-1 {r['top1_pct']:.1f}%")
         near = [q["kld_mean"] for q in rows if abs(q["total_mib_at_ctx"] - x) < 0.03 * x]
@@ -248,7 +281,8 @@ def cmd_eval(args) -> int:
         text = p.read_text(encoding="utf-8", errors="replace")
         if not text.strip():
             raise EdgeKVError(f"{p}: the text file is empty")
-    res = evaluate(args.bundles, text, args.ctx, args.chunks, args.threads, stride=args.stride)
+    gguf = llama_cpp_gguf(args.llama_cpp) if args.llama_cpp is not None else None
+    res = evaluate(args.bundles, text, args.ctx, args.chunks, args.threads, stride=args.stride, llama_cpp=gguf)
     for f in write_outputs(res, args.json, args.plot):
         note(f"wrote {f}")
     return 0

@@ -1,0 +1,98 @@
+"""`edgekv eval --llama-cpp`: llama.cpp is scored on the same windows and token ids as the
+bundles, against the same reference. A fake llama_cpp module records what it was fed, and its
+row j puts logit 5 on the token it was fed at j + 1 (the last row of a call, which has no next
+token, is uniform): scored on the right rows, its perplexity follows in closed form."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from edgekv.format.bundle import load_bundle
+from edgekv.runtime.text import TextCodec
+from tests.conftest import ROOT
+
+FAKE = '''
+import json, os
+from . import llama_cpp  # the ctypes module, as in the real package
+import numpy as np
+LOG = os.environ["FAKE_LLAMA_LOG"]
+VOCAB = int(os.environ["FAKE_LLAMA_VOCAB"])
+PEAK = 5.0
+
+class Llama:
+    def __init__(self, model_path, n_ctx, n_batch, n_threads, logits_all, verbose):
+        assert logits_all
+        self.scores = np.zeros((n_ctx, VOCAB), np.float32)
+        self.n_ctx = n_ctx
+
+    def n_vocab(self):
+        return VOCAB
+
+    def reset(self):
+        self.n = 0
+        self.scores[:] = 0.0
+
+    def eval(self, tokens):
+        assert self.n + len(tokens) <= self.n_ctx
+        with open(LOG, "a") as f:
+            f.write(json.dumps([self.n, [int(t) for t in tokens]]) + "\\n")
+        for j in range(len(tokens) - 1):
+            self.scores[self.n + j, tokens[j + 1]] = PEAK
+        self.n += len(tokens)
+'''
+
+
+@pytest.fixture()
+def fake_llama(tmp_path):
+    pkg = tmp_path / "fake" / "llama_cpp"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(FAKE)
+    (pkg / "llama_cpp.py").write_text("def llama_model_default_params():\n    return None\n")
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    return tmp_path / "fake", gguf, tmp_path / "llama.log"
+
+
+def run_eval(bundle, text, gguf, fake, log, vocab, out):
+    env = dict(os.environ, PYTHONPATH=f"{fake}{os.pathsep}{ROOT}", FAKE_LLAMA_LOG=str(log), FAKE_LLAMA_VOCAB=str(vocab))
+    return subprocess.run([sys.executable, "-m", "edgekv", "eval", str(bundle), "--text", str(text), "--ctx", "32",
+                           "--chunks", "3", "--threads", "1", "--json", str(out), "--llama-cpp", str(gguf)],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+
+
+def test_llama_cpp_scored_on_the_same_windows(tiny_bundle_float, fake_llama, tmp_path):
+    fake, gguf, log = fake_llama
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40 + "Pack my box with five dozen jugs. " * 40)
+    b = load_bundle(tiny_bundle_float)
+    vocab = b.model["vocab_size"]
+    r = run_eval(tiny_bundle_float, text, gguf, fake, log, vocab, tmp_path / "out" / "eval.json")
+    assert r.returncode == 0, r.stderr[-2000:]
+    ids = TextCodec(b).encode(text.read_text())
+    fed = [json.loads(line) for line in log.read_text().splitlines()]
+    # three windows of 33 tokens from the start, no overlap; each fed whole but its last token, from position 0
+    assert fed == [[0, ids[s: s + 32]] for s in (0, 33, 66)]
+    res = json.loads((tmp_path / "out" / "eval.json").read_text())
+    ref, lc = res["results"]
+    assert ref["kld_mean"] == 0 and lc["label"] == "llama.cpp" and lc["weights"] == "gguf"
+    # per window 16 scored tokens: 15 rows peak on their target, the call's last row is uniform
+    hit = -math.log(math.exp(5.0) / (math.exp(5.0) + vocab - 1))
+    assert lc["ppl"] == pytest.approx(math.exp((15 * hit + math.log(vocab)) / 16), rel=1e-5)
+    assert lc["tokens_scored"] == ref["tokens_scored"] == 3 * 16
+    assert lc["dppl_pct"] == pytest.approx(100 * (lc["ppl"] - ref["ppl"]) / ref["ppl"])
+    assert lc["weights_mib"] == pytest.approx(4 / 2**20)  # the GGUF file's size
+    assert "llama.cpp (model.gguf)" in r.stdout and math.isfinite(lc["kld_mean"]) and lc["kld_mean"] > 0
+
+
+def test_another_models_gguf_is_one_line(tiny_bundle_float, fake_llama, tmp_path):
+    fake, gguf, log = fake_llama
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 80)
+    vocab = load_bundle(tiny_bundle_float).model["vocab_size"]
+    r = run_eval(tiny_bundle_float, text, gguf, fake, log, vocab + 1, tmp_path / "eval.json")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "not the same model" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "eval.json").exists()
