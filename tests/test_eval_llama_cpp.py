@@ -25,6 +25,9 @@ PEAK = 5.0
 class Llama:
     def __init__(self, model_path, n_ctx, n_batch, n_threads, logits_all, verbose):
         assert logits_all
+        with open(model_path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise ValueError(f"Failed to load model from file: {model_path}")
         self.scores = np.zeros((n_ctx, VOCAB), np.float32)
         self.n_ctx = n_ctx
 
@@ -96,3 +99,14 @@ def test_another_models_gguf_is_one_line(tiny_bundle_float, fake_llama, tmp_path
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "not the same model" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "eval.json").exists()
+
+
+def test_a_gguf_llama_cpp_cannot_load_is_one_line(tiny_bundle_float, fake_llama, tmp_path):
+    fake, gguf, log = fake_llama
+    gguf.write_bytes(b"not a model")
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 80)
+    vocab = load_bundle(tiny_bundle_float).model["vocab_size"]
+    r = run_eval(tiny_bundle_float, text, gguf, fake, log, vocab, tmp_path / "eval.json")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert "cannot load model.gguf" in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -80,8 +80,11 @@ class LlamaCppWindows:
         from edgekv.tools.llama_cpp_bench import without_extra_bufts
 
         without_extra_bufts(llama_cpp)
-        self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=ctx, n_batch=512, n_threads=threads or None,
-                                   logits_all=True, verbose=False)
+        try:
+            self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=ctx, n_batch=512, n_threads=threads or None,
+                                       logits_all=True, verbose=False)
+        except (ValueError, RuntimeError, OSError) as e:  # what llama-cpp-python raises for a file it cannot load
+            raise EdgeKVError(f"--llama-cpp: llama.cpp cannot load {gguf.name} ({str(e).splitlines()[0][:200]})") from None
         if self.llm.n_vocab() != vocab:
             raise EdgeKVError(f"--llama-cpp: {gguf.name} has a vocabulary of {self.llm.n_vocab()}, the bundles {vocab}: "
                               "not the same model")
