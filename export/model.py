@@ -159,14 +159,15 @@ class Attention(nn.Module):
         B, S, _ = x.shape
         H, Hkv, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         G = H // Hkv
-        qkv = self.wqkv(x).view(B, S, H + 2 * Hkv, D)
-        qk, v = qkv[:, :, : H + Hkv], qkv[:, :, H + Hkv:]  # [B, S, H+Hkv, D], [B, S, Hkv, D]
-        qk = qk * cos[:, :, None] + torch.matmul(qk, rot) * sin[:, :, None]  # RoPE on q and k at once
-        q, k = qk[:, :, :H], qk[:, :, H:]  # keys cached after RoPE
+        # slot-major from the start: one Transpose per layer instead of one per K, V and their scales
+        qkv = self.wqkv(x).view(B, S, H + 2 * Hkv, D).transpose(0, 1)  # [S, B, H+2Hkv, D]
+        qk, v = torch.split(qkv, [H + Hkv, Hkv], dim=2)  # [S, B, H+Hkv, D], [S, B, Hkv, D]
+        qk = qk * cos + torch.matmul(qk, rot) * sin  # RoPE on q and k at once; cos, sin [S, B, 1, D]
+        q, k = torch.split(qk, [H, Hkv], dim=2)  # keys cached after RoPE
         if scheme.rotate:  # (qR)(kR)^T = qk^T; v is rotated back after attention
             q, k, v = q @ self.had, k @ self.had, v @ self.had
 
-        k_new, v_new = k.transpose(0, 1), v.transpose(0, 1)  # [S, B, Hkv, D] slot-major
+        k_new, v_new = k, v  # [S, B, Hkv, D] slot-major
         if self.observer is not None:
             self.observer(k_new, v_new)
         if scheme.center_keys:
@@ -176,7 +177,7 @@ class Attention(nn.Module):
             k_new = k_new - self.k_offset.to(x.dtype)
         ks, vs = self.scales()
         # Group the G query heads that share a KV head: no repeat of K/V is materialized.
-        qg = q.view(B, S, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * S, D)
+        qg = q.reshape(S, B, Hkv, G, D).permute(1, 2, 3, 0, 4).reshape(B, Hkv, G * S, D)
         if self.factored and scheme.kind in FACTORED_KINDS:
             out, present_k, present_v = attend_codes(qg, G, k_new, v_new, past, allowed, scheme, ks, vs)
         else:
@@ -199,10 +200,10 @@ FACTORED_KINDS = ("dynamic", "static")
 
 def masked_softmax(scores, allowed, G):
     """scores [B, Hkv, G*S, T] -> probabilities, keys outside `allowed` [B, S, T] at exactly 0."""
-    B, Hkv, GS, T = scores.shape
-    s = scores.view(B, Hkv, G, GS // G, T)
+    B, Hkv, GS, _ = scores.shape
+    s = scores.view(B, Hkv, G, GS // G, -1)
     s = torch.where(allowed[:, None, None], s, torch.finfo(s.dtype).min)
-    return torch.softmax(s.float(), dim=-1).to(scores.dtype).view(B, Hkv, GS, T)
+    return torch.softmax(s.float(), dim=-1).to(scores.dtype).view(B, Hkv, GS, -1)
 
 
 def attend_codes(qg, G, k_new, v_new, past, allowed, scheme, ks, vs):
@@ -236,11 +237,13 @@ def attend_codes(qg, G, k_new, v_new, past, allowed, scheme, ks, vs):
     qbd = (qg.reshape(H, M, 1, D) * eye).reshape(H * M, H * D)  # block-diagonal queries
 
     def flat(c):  # [T, B, Hkv, D] -> [T, B*Hkv*D], no copy
-        return c.reshape(c.shape[0], H * D)
+        return c.reshape(-1, H * D)
 
-    P = kc_past.shape[0]
+    # P from the key mask [B, S, P+S], the one input every layer shares, not from this layer's
+    # past: the graph's shape arithmetic is then the same in every layer and computed once
+    P = allowed.shape[-1] - kc_new.shape[0]
     scores = torch.cat([torch.matmul(qbd, flat(kc_past).t()), torch.matmul(qbd, flat(kc_new).t())], -1)
-    scores = scores.reshape(B, Hkv, M, P + kc_new.shape[0])  # [B, Hkv, G*S, T]
+    scores = scores.reshape(B, Hkv, M, -1)  # [B, Hkv, G*S, T]
     if per_key:
         scores = scores * (torch.cat([sk_past, sk_new], 0).permute(1, 2, 0)[:, :, None] * 127.0)  # [B, Hkv, 1, T]
     probs = masked_softmax(scores, allowed, G)
@@ -303,7 +306,8 @@ class Transformer(nn.Module):
         x = self.embed(input_ids)  # [B, S, E]
         freqs = position_ids.float()[..., None] * self.inv_freq  # [B, S, D/2]
         emb = torch.cat([freqs, freqs], -1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)  # [B, S, D]
+        # [S, B, 1, D]: the layers work slot-major, every head rotated alike
+        cos, sin = (t.to(x.dtype).transpose(0, 1)[:, :, None] for t in (emb.cos(), emb.sin()))
         # which keys each new token sees, causal rule included, comes whole from the runtime: a
         # batch may mix tokens of several sequences over one pool of cells (docs/graph.md)
         allowed = key_mask  # [B, S, P+S]
