@@ -58,6 +58,13 @@ CAST_READS = ("tests/test_backends.py", "-k", "cast_with_the_same_logits or unit
 
 MUTATIONS = [
     # -- evaluation
+    M("eval --llama-cpp scores the rows one position late", "eval", "edgekv/tools/evaluate.py",
+      "self.llm.scores[first_scored: len(ids) - 1]", "self.llm.scores[first_scored + 1: len(ids)]",
+      ("tests/test_eval_llama_cpp.py",)),
+    M("eval --llama-cpp takes another model's GGUF", "eval", "edgekv/tools/evaluate.py",
+      "if self.llm.n_vocab() != vocab:", "if self.llm.n_vocab() < vocab:", ("tests/test_eval_llama_cpp.py",)),
+    M("bench-serve --json without its folder", "serve", "edgekv/serve/bench.py",
+      "write_json(args.json, res)", "open(args.json, \"w\").write(json.dumps(res))", ("tests/test_serve_bench.py",)),
     M("eval KLD direction", "eval", "edgekv/tools/evaluate.py",
       "r.kld.extend((p * (ref_lp - lp)).sum(-1).tolist())",
       "r.kld.extend((np.exp(lp) * (lp - ref_lp)).sum(-1).tolist())", EVAL),
