@@ -135,7 +135,7 @@ def evaluate(paths: list[str], text: str | None = None, ctx: int = 1024, chunks:
         if llama_cpp is not None:  # scored after every bundle, compared with the same reference
             m = bundles[0].model
             runners.append(LlamaCppWindows(llama_cpp, ctx, threads, m["vocab_size"]))
-            results.append(SchemeResult(f"llama.cpp ({llama_cpp.name})", "f16", float16_bytes_per_token(
+            results.append(SchemeResult(llama_cpp.name, "f16", float16_bytes_per_token(
                 m["n_layers"], m["n_kv_heads"], m["head_dim"]), "gguf", llama_cpp.stat().st_size, tag="llama.cpp"))
             order.append(len(runners) - 1)
         return score_windows(bundles, runners, results, ids, starts, order, ctx, text_desc, out)
