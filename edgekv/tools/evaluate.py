@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from edgekv.errors import EdgeKVError, note
-from edgekv.format.files import atomic_open, write_bytes, write_text
+from edgekv.format.files import atomic_open, write_bytes, write_json, write_text
 from edgekv.format.bundle import Bundle, load_bundle
 from edgekv.format.kvschemes import float16_bytes_per_token
 from edgekv.runtime.assemble import open_runtime
@@ -211,8 +211,7 @@ def write_outputs(res: dict, json_path: str | None, plot_path: str | None) -> li
     written = []
     if json_path:
         base = Path(json_path)
-        base.parent.mkdir(parents=True, exist_ok=True)
-        write_text(base, json.dumps(res, indent=1))
+        write_json(base, res)  # its folder made; the .csv and .md go beside it
         stem = base.with_suffix("")
         with atomic_open(stem.with_suffix(".csv"), "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(res["results"][0]))
