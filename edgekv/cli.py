@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weights and compute dtype: float32 for CPU bundles, float16 for GPU (TensorRT) bundles")
     p.add_argument("--weights", default=WEIGHT_FORMATS[0], choices=WEIGHT_FORMATS,
                    help="stored weights: int4 keeps a GGUF's own Q4_0/Q4_1 blocks exactly (else symmetric groups with "
-                        "a clip search); int8 per output channel; the embedding/head at 8 bits (docs/weights.md)")
+                        "a clip search); int8 per block of 32 (a GGUF's Q8_0 exactly); the embedding/head at 8 bits (docs/weights.md)")
     p.add_argument("--group", type=int, default=32, choices=[32, 64, 128],
                    help="int4 group size along the input dimension, for weights requantized from float")
     p.add_argument("--rtn", action="store_true",

@@ -293,14 +293,15 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
         save_onnx(proto, tmp / "model.onnx")
         del proto
         onnx.checker.check_model(str(tmp / "model.onnx"), full_check=True)
-        from edgekv.tools.trt_check import check_model
+        from edgekv.tools.trt_check import check_for_engine
 
-        violations = check_model(tmp / "model.onnx", TRT_TARGET)
+        violations, converted = check_for_engine(tmp / "model.onnx", TRT_TARGET)
         if violations:
             for v in violations[:10]:
                 note(f"  ✗ TensorRT {TRT_TARGET}: {v}")
             raise ExportError(f"the graph breaks {len(violations)} TensorRT {TRT_TARGET} parser rule(s); nothing written")
-        note(f"  ✓ TensorRT {TRT_TARGET} parser rules (edgekv check-trt)")
+        note(f"  ✓ TensorRT {TRT_TARGET} parser rules (edgekv check-trt)"
+             + (f"; {len(converted)} 8-bit block-wise weight(s) go per channel at engine build" if converted else ""))
         (tmp / "tokenizer.json").write_text(src.tokenizer_json)
         manifest = build_manifest(src, recipe, kv, dtype, max_context, tmp)
         manifest["weights"] = weights_manifest(weights, plan, group, search)
@@ -365,7 +366,7 @@ def quantize_model(model: Transformer, src: Source, weights: str, group: int, se
     if weights == "float":
         return {}
     state = {k: v.float().numpy() for k, v in src.state_dict.items() if v.dim() == 2}
-    if src.config.tie_word_embeddings:  # the head is stored apart from the table (8-bit per channel vs blocks)
+    if src.config.tie_word_embeddings:  # the head is stored apart from the table (8-bit blocks for the MatMul, the table's own for the Gather)
         state["lm_head.weight"] = state["embed.weight"]
     note(f"quantizing weights to {weights}" + (f" (groups of {group} where requantized)" if weights == "int4" else "") + " ...")
     try:
@@ -390,7 +391,7 @@ def weights_manifest(weights: str, plan: dict, group: int, search: bool) -> dict
             "requantize": ("clip-ratio search" if search else "round-to-nearest") if weights != "float" else None,
             "stored": summary(plan), "quantized_bytes": total,
             "embedding": "Gather on the INT8 table, rows scaled after the lookup" if plan else None,
-            "head": "INT8 per output channel" if plan else None}
+            "head": "INT8 per block of 32 (per output channel in a TensorRT engine)" if plan else None}
 
 
 def weight_cost(model: Transformer, src: Source, prompt: list[int]) -> dict:

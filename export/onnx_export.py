@@ -61,7 +61,7 @@ def store_quantized_weights(m: onnx.ModelProto, model: Transformer, weights: dic
     params = dict(model.named_parameters(remove_duplicate=False))
     targets = {name: (params[name].detach().cpu().numpy(), q) for name, q in weights.items()}
     m = quantize_initializers(m, targets, embed="embed.weight")
-    if needs_opset_21(weights):
+    if needs_opset_21(weights, "embed.weight"):
         # ops change between 18 and 21 only by added types/attributes (docs/graph.md), so the
         # graph torch wrote at 18 means the same at 21; onnx.checker verifies it after saving
         for o in m.opset_import:

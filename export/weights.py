@@ -11,8 +11,10 @@ Formats (docs/weights.md):
   block_size B, no zero point) -> MatMul. Opset 21. GGUF Q4_0 is this as it stands.
 - GGUF Q4_1 (w = d*q + m per block of 32): codes shifted to signed (q - 8) with M = m + 8d as
   its own term: W.x = DQ(q - 8, d).x + blocksum(x).M, a second MatMul 32x smaller.
-- INT8 per output channel: DequantizeLinear(INT8 [K, N], scales [N], axis 1) -> MatMul
-  (TensorRT takes block-wise DQ only for INT4, so GGUF Q8_0 matrices are requantized per channel).
+- INT8 block-wise along K, blocks of 32 (GGUF Q8_0 as it stands): the same DequantizeLinear with
+  INT8 codes. onnxruntime runs it as fast as per channel (its fused kernel is block-wise either
+  way); TensorRT takes block-wise DQ only for INT4, so the engine build requantizes these per
+  output channel (edgekv/runtime/backends/engines.py: tensorrt_graph).
 - The embedding: Gather on the INT8 table, DequantizeLinear with a unit scale, then the gathered
   rows times their (block) scales; no float copy of the table exists.
 """
@@ -102,6 +104,15 @@ def int8_per_channel(w: np.ndarray, origin: str = "int8 per output channel, absm
     return QuantWeight(8, q, s.astype(np.float32), None, origin)
 
 
+def int8_blocks(w: np.ndarray, block: int = 32, origin: str = "int8 per block of 32, absmax") -> QuantWeight:
+    """Symmetric INT8 per block of `block` inputs (Q8_0's layout, float32 scales)."""
+    n, k = w.shape
+    wb = w.astype(np.float32).reshape(n, k // block, block)
+    s = np.maximum(np.abs(wb).max(-1), 1e-12) / 127.0
+    q = np.clip(np.rint(wb / s[..., None]), -127, 127).astype(np.int8).reshape(n, k)
+    return QuantWeight(8, q, s.astype(np.float32), block, origin)
+
+
 def int4_groups(w: np.ndarray, group: int, search: bool = True) -> QuantWeight:
     """Symmetric INT4 per group of `group` inputs. search: for each group the clip ratio (of the
     absmax) whose codes reconstruct the group with the least squared error; else round-to-nearest."""
@@ -130,11 +141,19 @@ def int4_groups(w: np.ndarray, group: int, search: bool = True) -> QuantWeight:
 def plan_weights(state: dict, kept: dict[str, QuantWeight], fmt: str, group: int, embed: str, head: str,
                  search: bool = True) -> dict[str, QuantWeight]:
     """state: name -> float [N, K] (numpy). kept: the source's own blocks by name (GGUF).
-    Every 2-D projection gets fmt; the head 8 bits per output channel; the embedding keeps the
-    source's 8-bit blocks when it has them (a Gather takes any block size), else per row."""
+    Every 2-D projection gets fmt; 8-bit matrices (int8, the head, an 8-bit source matrix under
+    int4) are 8-bit blocks of 32, the source's own Q8_0 blocks exactly when it has them; the
+    embedding keeps the source's 8-bit blocks, else per row (a Gather takes any block size)."""
     if fmt == "float":
         return {}
     plan = {}
+
+    def eight_bit(name):
+        src = kept.get(name)
+        if src is not None and src.bits == 8 and src.block == 32:
+            return src  # the source's own 8-bit blocks, exactly
+        return int8_blocks(state[name], 32, "int8 per block of 32" + (f", from {src.origin}" if src else ""))
+
     for name, w in state.items():
         if w.ndim != 2 or name in (embed, head):
             continue
@@ -143,12 +162,11 @@ def plan_weights(state: dict, kept: dict[str, QuantWeight], fmt: str, group: int
             plan[name] = src  # the source's own 4-bit blocks, exactly
         elif fmt == "int4" and (src is None or src.bits != 8):
             plan[name] = int4_groups(w, group, search)
-        else:  # int8, or an 8-bit source matrix under int4: 8 bits per channel (TensorRT: no INT8 blocks)
-            plan[name] = int8_per_channel(w, "int8 per output channel" + (f", from {src.origin}" if src else ""))
+        else:  # int8, or an 8-bit source matrix under int4
+            plan[name] = eight_bit(name)
     src = kept.get(embed)
     plan[embed] = src if src is not None and src.bits == 8 else int8_per_channel(state[embed], "int8 per row")
-    plan[head] = int8_per_channel(state[head], "int8 per output channel"
-                                  + (f", from {kept[head].origin}" if head in kept else ""))
+    plan[head] = eight_bit(head)
     return plan
 
 
@@ -289,10 +307,10 @@ def _quantized_gather(node, name: str, q: QuantWeight, dtype, inits: list) -> li
     return nodes
 
 
-def needs_opset_21(plan: dict[str, QuantWeight]) -> bool:
-    """INT4 and DequantizeLinear's block_size exist from opset 21 (docs/graph.md); block-wise DQ is
-    written only for INT4 (8-bit matrices are per channel; an 8-bit block table is only gathered)."""
-    return any(q.bits == 4 for q in plan.values())
+def needs_opset_21(plan: dict[str, QuantWeight], embed: str) -> bool:
+    """INT4 and DequantizeLinear's block_size exist from opset 21 (docs/graph.md): any block-wise
+    matrix needs it (the embedding's blocks are only gathered: a unit-scale DQ and a Mul)."""
+    return any(q.bits == 4 or (q.block is not None and name != embed) for name, q in plan.items())
 
 
 def summary(plan: dict[str, QuantWeight]) -> dict:

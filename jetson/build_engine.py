@@ -23,7 +23,8 @@ from pathlib import Path
 from edgekv.errors import EdgeKVError, note
 from edgekv.format.bundle import load_bundle
 from edgekv.format.files import replace_dir
-from edgekv.runtime.backends.engines import META, PLAN, bundle_fingerprint, engine_dir, engine_key, is_fresh, profile_shapes
+from edgekv.runtime.backends.engines import (META, PLAN, bundle_fingerprint, engine_dir, engine_key, is_fresh,
+                                             profile_shapes, tensorrt_graph)
 from edgekv.runtime.backends.gpu import check, cudart
 from edgekv.runtime.backends.trt import gpu_name, import_tensorrt
 from edgekv.runtime.cache import default_capacity
@@ -42,39 +43,35 @@ def free_memory(rt) -> int:
     return min(int(free_gpu), host) if host is not None else int(free_gpu)
 
 
-def build_engine(bundle_path: str, ctx: int | None = None, max_prefill: int = 256, workspace_mib: int = 1024,
-                 force: bool = False) -> Path:
-    bundle = load_bundle(bundle_path)
-    trt = import_tensorrt()
-    rt = cudart()
-    ctx = ctx or default_capacity(bundle)
-    if ctx > bundle.max_context:
-        raise EdgeKVError(f"a {ctx}-slot cache exceeds the {bundle.max_context} tokens this bundle was verified for",
-                          setting="capacity", fix="use a smaller {}")
-    max_prefill = min(max_prefill, ctx)
-    gpu = gpu_name(rt)
-    key = engine_key(gpu, trt.__version__, ctx, max_prefill)
-    folder = engine_dir(bundle, key)
-    if not force and is_fresh(folder, bundle):
-        note(f"engine up to date: {folder}")
-        return folder
-    workspace = workspace_mib * 2**20
-    need, free = memory_needed(bundle, ctx, workspace), free_memory(rt)
-    if need > free:
-        raise EdgeKVError(f"building the engine needs about {need / 2**20:.0f} MiB, only {free / 2**20:.0f} MiB free "
-                          f"(the GPU shares memory with the CPU on a Jetson): close other programs, or use a "
-                          f"smaller --ctx / --workspace-mib")
+def parse(trt, parser, bundle, scratch: Path) -> None:
+    """Parse the bundle's graph as TensorRT takes it: the file itself, or, when it holds 8-bit
+    block-wise weights, its per-channel rewrite (engines.tensorrt_graph) written to `scratch`."""
+    import onnx
 
+    path = bundle.onnx_path
+    model = onnx.load(str(path), load_external_data=False)
+    converted = tensorrt_graph(model, path.parent)
+    if converted:
+        note(f"  {len(converted)} 8-bit block-wise weight(s) requantized per output channel for TensorRT")
+        path = scratch / "model.onnx"
+        onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location="model.onnx.data", size_threshold=1024)
+    del model
+    if not parser.parse_from_file(str(path)):  # reads the external weights beside it
+        errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
+        raise EdgeKVError("TensorRT could not parse the graph: " + (errors[0] if errors else "unknown error")
+                          + ("" if len(errors) < 2 else f" (+{len(errors) - 1} more)")
+                          + f"; `edgekv check-trt {bundle.path} --trt {trt.__version__[:4]}` names the nodes")
+
+
+def _build(trt, bundle, gpu: str, key: str, ctx: int, max_prefill: int, workspace: int, scratch: Path):
+    """Parse, set the two profiles, build: (the serialized plan, the profiles, seconds)."""
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     network = builder.create_network(1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED))
     parser = trt.OnnxParser(network, logger)
     note(f"parsing {bundle.onnx_path} ({bundle.scheme.name}, {bundle.dtype}) with TensorRT {trt.__version__} on {gpu}")
-    if not parser.parse_from_file(str(bundle.onnx_path)):  # reads the external weights beside it
-        errors = [str(parser.get_error(i)) for i in range(parser.num_errors)]
-        raise EdgeKVError("TensorRT could not parse the graph: " + (errors[0] if errors else "unknown error")
-                          + ("" if len(errors) < 2 else f" (+{len(errors) - 1} more)")
-                          + f"; `edgekv check-trt {bundle.path} --trt {trt.__version__[:4]}` names the nodes")
+    parse(trt, parser, bundle, scratch)
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, workspace)
     profiles = profile_shapes(bundle, ctx, max_prefill)
@@ -100,8 +97,36 @@ def build_engine(bundle_path: str, ctx: int | None = None, max_prefill: int = 25
     if plan is None:
         raise EdgeKVError("TensorRT failed to build the engine (its messages are above); if it ran out of memory, "
                           "use a smaller --ctx / --max-prefill / --workspace-mib")
-    took = time.time() - t0
+    return plan, profiles, time.time() - t0
+
+
+def build_engine(bundle_path: str, ctx: int | None = None, max_prefill: int = 256, workspace_mib: int = 1024,
+                 force: bool = False) -> Path:
+    bundle = load_bundle(bundle_path)
+    trt = import_tensorrt()
+    rt = cudart()
+    ctx = ctx or default_capacity(bundle)
+    if ctx > bundle.max_context:
+        raise EdgeKVError(f"a {ctx}-slot cache exceeds the {bundle.max_context} tokens this bundle was verified for",
+                          setting="capacity", fix="use a smaller {}")
+    max_prefill = min(max_prefill, ctx)
+    gpu = gpu_name(rt)
+    key = engine_key(gpu, trt.__version__, ctx, max_prefill)
+    folder = engine_dir(bundle, key)
+    if not force and is_fresh(folder, bundle):
+        note(f"engine up to date: {folder}")
+        return folder
+    workspace = workspace_mib * 2**20
+    need, free = memory_needed(bundle, ctx, workspace), free_memory(rt)
+    if need > free:
+        raise EdgeKVError(f"building the engine needs about {need / 2**20:.0f} MiB, only {free / 2**20:.0f} MiB free "
+                          f"(the GPU shares memory with the CPU on a Jetson): close other programs, or use a "
+                          f"smaller --ctx / --workspace-mib")
+
     folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{key}.graph.", dir=folder.parent) as scratch:
+        # a rewritten graph (parse) stays on disk until the engine is built
+        plan, profiles, took = _build(trt, bundle, gpu, key, ctx, max_prefill, workspace, Path(scratch))
     tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=folder.parent))
     try:
         (tmp / PLAN).write_bytes(bytes(plan))

@@ -139,6 +139,9 @@ def test_exported_int4_graph_passes_only_because_of_its_int4(fmt, tmp_path, tiny
     b = load_bundle(export_bundle(str(tiny_llama), kv="float", out=str(tmp_path / "b"), max_context=64, steps=2,
                                   weights=fmt))
     m = onnx.load(str(b.onnx_path), load_external_data=False)
+    from edgekv.runtime.backends.engines import tensorrt_graph
+
+    assert tensorrt_graph(m, b.onnx_path.parent) == ["lm_head_weight_q"]  # the 8-bit head, per channel for TensorRT
     assert check_model(m) == []
     victim = next(i for i in m.graph.initializer if i.data_type == TensorProto.INT4)
     dims = list(victim.dims)

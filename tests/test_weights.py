@@ -16,6 +16,7 @@ from onnx import TensorProto, numpy_helper
 from edgekv.errors import BundleError
 from edgekv.format.bundle import load_bundle
 from edgekv.runtime.assemble import open_runtime
+from edgekv.runtime.backends.engines import tensorrt_graph
 from edgekv.tools.trt_check import check_model
 from tests.conftest import make_hf_folder
 
@@ -40,8 +41,9 @@ def weight_bundles(tiny_sources, tmp_path_factory):
 
 
 def decoded_weights(onnx_path) -> dict[str, np.ndarray]:
-    """Our weight name -> W [N, K] float64, decoded from the graph's integer initializers."""
-    m = onnx.load(str(onnx_path))
+    """Our weight name -> W [N, K] float64, decoded from the graph's integer initializers (of the
+    file at `onnx_path`, or of a ModelProto with its weights)."""
+    m = onnx_path if isinstance(onnx_path, onnx.ModelProto) else onnx.load(str(onnx_path))
     inits = {i.name: i for i in m.graph.initializer}
     arr = lambda n: numpy_helper.to_array(inits[n]).astype(np.float64)  # noqa: E731
     out = {}
@@ -126,13 +128,20 @@ def test_graph_format_opset_and_trt_rules(arch, fmt, weight_bundles):
     b = load_bundle(weight_bundles[(arch, fmt)])
     assert b.weights == fmt and b.manifest["format_version"] == 2
     m = onnx.load(str(b.onnx_path), load_external_data=False)
-    opset = next(o.version for o in m.opset_import if o.domain in ("", "ai.onnx"))
-    assert opset == (21 if fmt == "int4" else 18)  # raised only where INT4 needs it
+    opset = lambda: next(o.version for o in m.opset_import if o.domain in ("", "ai.onnx"))  # noqa: E731
+    assert opset() == 21  # block-wise DequantizeLinear (INT4, and the 8-bit blocks) needs it
     types = collections.Counter(i.data_type for i in m.graph.initializer)
     assert types[TensorProto.INT4] == (8 if fmt == "int4" else 0)
     assert not any(i.data_type == TensorProto.FLOAT and len(i.dims) == 2 and min(i.dims) >= 64
                    for i in m.graph.initializer), "a float weight matrix is left in the graph"
-    assert check_model(m, "10.3") == []
+    # as stored, the 8-bit blocks break TensorRT's rule (block-wise DQ only for INT4): the head,
+    # and for int8 every projection ...
+    blocked8 = {v.node for v in check_model(m, "10.3") if "block-wise DequantizeLinear of INT8" in v.rule}
+    assert len(blocked8) == (1 if fmt == "int4" else 2 * 4 + 1)
+    # ... and the graph the engine build hands TensorRT passes every rule, at opset 20 without INT4
+    converted = tensorrt_graph(m, b.onnx_path.parent)
+    assert len(converted) == len(blocked8) and check_model(m, "10.3") == []
+    assert opset() == (21 if fmt == "int4" else 20)
 
 
 def optimized_ops(bundle, monkeypatch, tmp_path) -> collections.Counter:
@@ -223,15 +232,29 @@ def test_gguf_blocks_reproduced_exactly(gguf_bundle):
         ref[t.name] = torch.from_numpy(np.ascontiguousarray(w))
     ref = {k: v.numpy().astype(np.float64) for k, v in rename(ref, GGUF_NAMES, cfg).items()}
     got = decoded_weights(load_bundle(bundle).onnx_path)
-    for name in [k for k in got if k.startswith("layers.")] + ["embed.weight"]:
-        exact = "w_gate_up" not in name and "w_down" not in name  # Q4_0 and Q8_0: bit for bit
+    assert set(got) == {k for k, v in ref.items() if v.ndim == 2}
+    for name in got:
+        exact = "w_gate_up" not in name and "w_down" not in name  # Q4_0 and Q8_0 (table and head): bit for bit
         np.testing.assert_allclose(got[name], ref[name], rtol=0, atol=0 if exact else 1e-7 * np.abs(ref[name]).max(),
                                    err_msg=name)
-    # the head: Q8_0 blocks requantized per output channel (TensorRT takes no INT8 blocks): within half a step
-    head, step = got["lm_head.weight"], np.abs(ref["lm_head.weight"]).max(1, keepdims=True) / 127
-    assert 0 < np.abs(head - ref["lm_head.weight"]).max() and np.all(np.abs(head - ref["lm_head.weight"]) <= step / 2 + 1e-7)
     stored = man["weights"]["stored"]
     assert {"gguf Q4_0", "gguf Q4_1", "gguf Q8_0"} <= set(stored)
+
+
+def test_tensorrt_gets_the_q8_0_head_per_channel(gguf_bundle):
+    """TensorRT takes no INT8 blocks: the engine build's graph holds the head per output channel,
+    within half a per-channel step of the Q8_0 values; the INT4 projections and the table as stored."""
+    path, bundle = gguf_bundle
+    b = load_bundle(bundle)
+    m = onnx.load(str(b.onnx_path))
+    stored = decoded_weights(m)
+    assert tensorrt_graph(m, b.onnx_path.parent) == ["lm_head_weight_q"]
+    got = decoded_weights(m)
+    head, q8 = got["lm_head.weight"], stored["lm_head.weight"]
+    step = np.abs(q8).max(1, keepdims=True) / 127
+    assert 0 < np.abs(head - q8).max() and np.all(np.abs(head - q8) <= step / 2 + 1e-7)
+    for name in set(got) - {"lm_head.weight"}:
+        np.testing.assert_array_equal(got[name], stored[name], err_msg=name)
 
 
 def test_gguf_int4_bundle_matches_torch_and_fuses(gguf_bundle, monkeypatch, tmp_path):
@@ -308,3 +331,33 @@ def test_int4_weights_with_int8_cache_load_and_match_torch(tiny_sources, tmp_pat
     with open_runtime(b, 64, "ort-cpu", log=None) as rt:
         logits = rt.generator().prefill(list(range(1, 9)))
     assert np.isfinite(logits).all()
+
+
+def test_engine_build_parses_the_per_channel_graph(gguf_bundle, monkeypatch, tmp_path):
+    """build-engine against the TensorRT stand-in (whose parser refuses what check-trt refuses):
+    the stored graph is refused, the engine is built from its per-channel rewrite, leaves no
+    scratch file, and runs within the head's requantization of onnxruntime on the stored graph."""
+    import shutil
+
+    from edgekv.runtime.backends import OrtBackend, make_backend
+    from edgekv.runtime.cache import KVCache
+    from edgekv.runtime.generate import Generator
+    from tests import fake_gpu
+
+    trt, _ = fake_gpu.install(monkeypatch)
+    from jetson.build_engine import build_engine
+
+    b = tmp_path / "b"
+    shutil.copytree(gguf_bundle[1], b)
+    parser = trt.OnnxParser(trt.Builder(None).create_network(1 << 5), None)
+    assert not parser.parse_from_file(str(b / "model.onnx"))
+    assert "block-wise DequantizeLinear of INT8" in parser.get_error(0)
+    folder = build_engine(str(b), ctx=64, max_prefill=16)
+    assert not list(folder.parent.glob(".*")) and sorted(p.name for p in folder.iterdir()) == ["engine.json", "model.plan"]
+    bundle = load_bundle(b)
+    be = make_backend("trt", bundle, ctx=64, max_logits_rows=16)
+    seq = [5, 17, 99, 3, 250, 42, 7, 300]
+    got = Generator(be, KVCache(bundle, 64, memory=be.memory)).prefill(seq).copy()
+    be.close()
+    ref = Generator(OrtBackend(bundle, threads=1, past_bucket=1), KVCache(bundle, 64), prefill_chunk=16).prefill(seq)
+    assert 0 < np.abs(got - ref).max() < 0.02 * np.abs(ref).max()

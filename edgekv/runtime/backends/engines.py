@@ -6,6 +6,10 @@ so it lives under `BUNDLE/engines/<gpu>-trt<version>-ctx<N>-p<M>/` with `model.p
 engines with it and jetson/build_engine.py builds them; the profile shapes are tested here
 against the graph's inputs without TensorRT.
 
+The graph TensorRT parses is the bundle's with one change (`tensorrt_graph`): TensorRT takes
+block-wise DequantizeLinear only for INT4, so 8-bit block-wise weights (a GGUF's Q8_0 head, kept
+exactly for onnxruntime) are requantized per output channel at engine build.
+
 Two profiles, because decode and prefill want different kernels:
   0 decode:  S = 1, one logits row, past length P from 0 to ctx - 1
   1 prefill: S from 1 to max_prefill (optimized for max_prefill), K rows up to max_prefill, P from 0 to ctx - 1
@@ -16,6 +20,8 @@ import hashlib
 import json
 import re
 from pathlib import Path
+
+import numpy as np
 
 from edgekv.format.bundle import MANIFEST, Bundle
 
@@ -91,3 +97,50 @@ def find_engine(bundle: Bundle, gpu: str, trt_version: str, ctx: int) -> tuple[P
         if info["ctx"] >= ctx and (best is None or info["ctx"] < best[1]["ctx"]):
             best = (folder, info)
     return best
+
+
+# -- the graph as TensorRT gets it ---------------------------------------------------------------
+
+_INT8, _INT4 = 3, 22  # onnx TensorProto element types
+OPSET_WITHOUT_INT4 = 20  # the highest opset TensorRT 10.3's documents name (docs/tensorrt.md)
+
+
+def _block_size(node) -> int:
+    return next((a.i for a in node.attribute if a.name == "block_size"), 0)
+
+
+def tensorrt_graph(model, folder: Path) -> list[str]:
+    """Rewrite `model` (loaded without its weights; they are read from `folder` only when needed)
+    in place into what TensorRT's parser accepts: every block-wise DequantizeLinear of an INT8
+    constant becomes per output channel (axis 1, scale [N] = the column's absmax / 127, codes
+    requantized from the block values: within half a per-channel step of them), and a graph left
+    without INT4 drops back from opset 21. Returns the converted weights' names."""
+    import onnx
+    from onnx import numpy_helper
+
+    g = model.graph
+    inits = {i.name: i for i in g.initializer}
+    todo = [n for n in g.node if n.op_type == "DequantizeLinear" and _block_size(n) > 0
+            and n.input[0] in inits and inits[n.input[0]].data_type == _INT8]
+    if not todo:
+        return []
+    onnx.load_external_data_for_model(model, str(folder))
+    for n in todo:
+        codes = numpy_helper.to_array(inits[n.input[0]])  # [K, N]
+        scales = numpy_helper.to_array(inits[n.input[1]])  # [K / B, N]
+        b = _block_size(n)
+        k, cols = codes.shape
+        w = (codes.reshape(k // b, b, cols).astype(np.float64) * scales.astype(np.float64)[:, None, :]).reshape(k, cols)
+        s = np.maximum(np.abs(w).max(0), 1e-12) / 127.0  # [N]
+        q = np.clip(np.rint(w / s), -127, 127).astype(np.int8)
+        inits[n.input[0]].CopyFrom(numpy_helper.from_array(q, n.input[0]))
+        inits[n.input[1]].CopyFrom(numpy_helper.from_array(s.astype(scales.dtype), n.input[1]))
+        keep = [a for a in n.attribute if a.name not in ("axis", "block_size")]
+        del n.attribute[:]
+        n.attribute.extend(keep + [onnx.helper.make_attribute("axis", 1)])
+    still_blocked = any(n.op_type == "DequantizeLinear" and _block_size(n) > 0 for n in g.node)
+    if not still_blocked and not any(i.data_type == _INT4 for i in g.initializer):
+        for o in model.opset_import:
+            if o.domain in ("", "ai.onnx"):
+                o.version = min(o.version, OPSET_WITHOUT_INT4)
+    return [n.input[0] for n in todo]
