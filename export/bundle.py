@@ -370,7 +370,9 @@ def quantize_model(model: Transformer, src: Source, weights: str, group: int, se
         state["lm_head.weight"] = state["embed.weight"]
     note(f"quantizing weights to {weights}" + (f" (groups of {group} where requantized)" if weights == "int4" else "") + " ...")
     try:
-        kept = {} if requantize else src.blocks  # requantize: ignore the source's own blocks (for comparison)
+        kept = {} if requantize else dict(src.blocks)  # requantize: ignore the source's own blocks (for comparison)
+        if src.config.tie_word_embeddings and "embed.weight" in kept:
+            kept["lm_head.weight"] = kept["embed.weight"]  # a tied head is the table's own blocks
         plan = plan_weights(state, kept, weights, group, "embed.weight", "lm_head.weight", search)
     except ValueError as e:
         raise ExportError(str(e)) from None

@@ -241,6 +241,21 @@ def test_gguf_blocks_reproduced_exactly(gguf_bundle):
     assert {"gguf Q4_0", "gguf Q4_1", "gguf Q8_0"} <= set(stored)
 
 
+def test_tied_head_is_the_tables_own_q8_0_blocks(tmp_path):
+    """A tied GGUF (no output.weight: SmolLM2's case) stores its head from the table's Q8_0 blocks
+    as they are, not requantized."""
+    from export.bundle import export_bundle
+    from tests.test_gguf import write_gguf
+
+    folder = make_hf_folder(tmp_path / "hf", "llama", tie_word_embeddings=True)
+    write_gguf(folder, tmp_path / "tied.gguf", quant=_gguf_types)
+    b = load_bundle(export_bundle(str(tmp_path / "tied.gguf"), kv="float", out=str(tmp_path / "b"), max_context=64,
+                                  steps=2, weights="int4"))
+    got = decoded_weights(b.onnx_path)
+    np.testing.assert_array_equal(got["lm_head.weight"], got["embed.weight"])
+    assert b.manifest["weights"]["stored"]["gguf Q8_0"]["tensors"] == 2
+
+
 def test_tensorrt_gets_the_q8_0_head_per_channel(gguf_bundle):
     """TensorRT takes no INT8 blocks: the engine build's graph holds the head per output channel,
     within half a per-channel step of the Q8_0 values; the INT4 projections and the table as stored."""
