@@ -267,8 +267,6 @@ def build_parser() -> argparse.ArgumentParser:
     for a in p._actions:
         if a.dest == "ctx":
             a.help = "KV cells shared by all requests (default: min(2048, bundle max))"
-        elif a.dest == "backend":
-            a.help = "auto = ort-cuda if onnxruntime has CUDA, else ort-cpu (trt runs one sequence per call)"
 
     p = sub.add_parser("bench-serve", formatter_class=Formatter, help="concurrent streaming clients against serve",
                        description="Start the server in-process and stream from 1, 2, 4, 8 concurrent clients: "

@@ -30,7 +30,8 @@ class FakeCudart(types.ModuleType):
         super().__init__("cuda.bindings.runtime")
         self.allocs: dict[int, np.ndarray] = {}
         self.streams: set[int] = set()
-        self.cudaMemcpyKind = types.SimpleNamespace(cudaMemcpyHostToDevice=1, cudaMemcpyDeviceToHost=2)
+        self.cudaMemcpyKind = types.SimpleNamespace(cudaMemcpyHostToDevice=1, cudaMemcpyDeviceToHost=2,
+                                                    cudaMemcpyDeviceToDevice=3)
 
     def cudaMalloc(self, n):
         a = np.empty(n, np.uint8)
@@ -109,12 +110,21 @@ class FakeContext:
             io.bind_input(i.name, "cpu", 0, _np_type(i.type), list(shape), self.addrs[i.name])
         s = self.shapes["input_ids"][1]
         k = self.shapes["logits_index"][1]
+        out_shapes = {}
         for o in sess.get_outputs():
             if o.name == "logits":
                 shape = [1, k, self.engine.vocab]
             else:
                 shape = [s] + list(self.shapes["past" + o.name[7:]][1:])
+            out_shapes[o.name] = shape
             io.bind_output(o.name, "cpu", 0, _np_type(o.type), shape, self.addrs[o.name])
+        spans = {n: (self.addrs[n], self.addrs[n] + int(np.prod(shape)) * np.dtype(_np_type(t)).itemsize)
+                 for n, shape, t in [(i.name, self.shapes[i.name], i.type) for i in sess.get_inputs()]
+                 + [(o.name, out_shapes[o.name], o.type) for o in sess.get_outputs()]}
+        for o in sess.get_outputs():  # TensorRT: an output may not overlap any input
+            lo, hi = spans[o.name]
+            assert not [i.name for i in sess.get_inputs() if spans[i.name][0] < hi and lo < spans[i.name][1]], \
+                f"output {o.name} overlaps an input"
         sess.run_with_iobinding(io)
         del ort
         return True

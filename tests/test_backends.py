@@ -168,7 +168,7 @@ def test_engine_profiles_fit_the_graph(fixture, request):
         for c in range(3):
             assert prof["key_mask"][c][1] == prof["input_ids"][c][1]
             assert prof["key_mask"][c][2] == prof[past0][c][0] + prof["input_ids"][c][1]
-        assert prof[past0][2][0] == ctx - 1  # the past reaches the capacity
+        assert prof[past0][2][0] == ctx  # the past reaches the capacity (a full pool or ring: every slot)
     assert decode["input_ids"] == ((1, 1),) * 3 and prefill["input_ids"][2] == (1, max_prefill)
 
 

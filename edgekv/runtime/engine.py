@@ -60,13 +60,14 @@ class Engine:
                  prefill_chunk: int = PREFILL_CHUNK, max_prefixes: int = 32):
         self.backend = runtime.backend
         if not isinstance(self.backend, BatchBackend):
-            raise EdgeKVError(f"serving needs the ort-cpu or ort-cuda backend ({self.backend.name} runs one "
-                              "sequence per call)")
+            raise EdgeKVError(f"serving needs a backend that runs a pool of cells (run_cells); {self.backend.name} "
+                              "here runs one sequence per call")
         self.cache = runtime.cache(capacity)
         self.capacity = self.cache.capacity
         self.limit = min(self.capacity, self.cache.max_positions)  # cells and positions of one sequence
         self.pool = CellPool(self.capacity, max_prefixes)
-        self.parallel, self.max_queue = parallel, max_queue
+        # every running sequence's next token goes into one call
+        self.parallel, self.max_queue = min(parallel, self.backend.max_tokens_per_call), max_queue
         self.prefill_chunk = min(prefill_chunk, self.backend.max_tokens_per_call)
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
@@ -151,7 +152,8 @@ class Engine:
         if not self.active:
             return False
         pieces = [(r, [r.next_token], True) for r in self.active if r.next_token is not None]
-        budget = self.prefill_chunk
+        # prompt tokens ride along up to the chunk, within what one call takes (a TensorRT profile)
+        budget = min(self.prefill_chunk, self.backend.max_tokens_per_call - len(pieces))
         for r in self.active:
             if r.fed < len(r.prompt) and budget > 0:
                 take = min(budget, len(r.prompt) - r.fed)

@@ -132,10 +132,11 @@ async def soak(url: str, n: int) -> int:
 
 
 def cmd_bench_serve(args) -> int:
-    from edgekv.serve.server import BackgroundServer, build, open_serving_runtime
+    from edgekv.runtime.assemble import open_runtime
+    from edgekv.serve.server import BackgroundServer, build
 
     levels = args.clients  # a list (cli.int_list)
-    rt = open_serving_runtime(args.bundle, args.ctx, args.backend, args.threads)
+    rt = open_runtime(args.bundle, ctx=args.ctx, backend=args.backend, threads=args.threads)
     engine, srv, pid = None, None, None
     if args.url:
         url, pid = args.url.rstrip("/"), args.pid

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 
-from edgekv.errors import BackendUnavailable, EdgeKVError, note
+from edgekv.errors import EdgeKVError, note
 from edgekv.runtime.assemble import Runtime, open_runtime
 from edgekv.runtime.backends.base import PREFILL_CHUNK
 from edgekv.runtime.engine import Engine
@@ -50,16 +50,6 @@ class BackgroundServer:
         self.thread.join(timeout=10)
 
 
-def open_serving_runtime(bundle, ctx: int | None, backend: str, threads: int | None) -> Runtime:
-    """open_runtime, where `auto` means the best backend that can batch (not trt)."""
-    if backend != "auto":
-        return open_runtime(bundle, ctx=ctx, backend=backend, threads=threads)
-    try:
-        return open_runtime(bundle, ctx=ctx, backend="ort-cuda", threads=threads)
-    except BackendUnavailable:
-        return open_runtime(bundle, ctx=ctx, backend="ort-cpu", threads=threads)
-
-
 def cmd_serve(args) -> int:
     uvicorn = _import_serving()
     if args.parallel < 1 or args.queue < 0:
@@ -67,7 +57,7 @@ def cmd_serve(args) -> int:
     if args.host not in LOCAL_HOSTS and not args.api_key:
         note(f"edgekv serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
              "port can use the model")
-    rt = open_serving_runtime(args.bundle, args.ctx, args.backend, args.threads)
+    rt = open_runtime(args.bundle, ctx=args.ctx, backend=args.backend, threads=args.threads)
     engine, app = build(rt, args.ctx, args.parallel, args.queue, args.api_key)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off")
     server = uvicorn.Server(config)

@@ -11,8 +11,10 @@ block-wise DequantizeLinear only for INT4, so 8-bit block-wise weights (a GGUF's
 exactly for onnxruntime) are requantized per output channel at engine build.
 
 Two profiles, because decode and prefill want different kernels:
-  0 decode:  S = 1, one logits row, past length P from 0 to ctx - 1
-  1 prefill: S from 1 to max_prefill (optimized for max_prefill), K rows up to max_prefill, P from 0 to ctx - 1
+  0 decode:  S = 1, one logits row, past length P from 0 to ctx
+  1 prefill: S from 1 to max_prefill (optimized for max_prefill), K rows up to max_prefill, P from 0 to ctx
+(P reaches ctx when a shared pool of cells is full to its last cell and a call writes into a
+freed run below it: `edgekv serve`.)
 """
 from __future__ import annotations
 
@@ -63,9 +65,9 @@ def profile_shapes(bundle: Bundle, ctx: int, max_prefill: int) -> list[dict[str,
         return shapes
 
     opt_past = ctx // 2
-    decode = profile(s=(1, 1, 1), k=(1, 1, 1), p=(0, opt_past, ctx - 1))
+    decode = profile(s=(1, 1, 1), k=(1, 1, 1), p=(0, opt_past, ctx))
     prefill = profile(s=(1, max_prefill, max_prefill), k=(1, 1, max_prefill),
-                      p=(0, min(opt_past, ctx - max_prefill), ctx - 1))
+                      p=(0, min(opt_past, ctx - max_prefill), ctx))
     # key_mask is [1, S, P + S] at every corner, so the three boxes agree with the graph's own shape
     # arithmetic; the runtime never binds P + S beyond its capacity
     return [decode, prefill]

@@ -4,7 +4,10 @@ Buffers are allocated once with cuda-python: the KV cache (CudaMemory, via KVCac
 buffers for the small inputs (sized for the largest call) and the logits; `close` frees them and
 the stream. Per call the past is bound as the filled prefix and `present.*` at the write slot
 (set_tensor_address), so the engine appends to the cache in place; the small inputs go up and
-only the logits rows come back.
+only the logits rows come back. TensorRT's inputs and outputs may not overlap, so a call whose
+write slots lie inside the bound past (a ring that has wrapped; a shared pool writing into a
+freed run, `edgekv serve`) writes `present.*` to staging buffers and copies them to the write
+slots on the device after the run.
 
 Written against the TensorRT 10 Python API (JetPack 6 ships 10.3). It cannot run on the
 machines this project is developed on (no TensorRT there); `jetson/selftest.sh` checks it against
@@ -39,9 +42,7 @@ def gpu_name(rt) -> str:
 class TrtBackend:
     name = "trt"
     device = "cuda"
-    # a wrapped ring binds its write slots inside the past; TensorRT does not allow an input and an
-    # output to overlap, so chat uses drop-turns on this backend
-    runs_ring = False
+    runs_ring = True  # a wrapped ring's write slots lie inside its past: staged (run_cells)
     past_bucket = 1  # the engine's addresses are set per call: binding the exact past costs nothing
 
     def __init__(self, bundle: Bundle, ctx: int, max_logits_rows: int = 1):
@@ -49,6 +50,7 @@ class TrtBackend:
         self.memory = CudaMemory()
         self.rt = self.memory.rt
         self.stream = None
+        self._stage = (None, {})  # (cache, name -> staging buffer of max_tokens_per_call slots)
         try:
             self._start(bundle, ctx, max_logits_rows)
         except BaseException:  # free what was allocated before the failure
@@ -85,7 +87,7 @@ class TrtBackend:
         self.d_ids = self.memory.alloc((1, self.max_tokens_per_call), np.int64)
         self.d_pos = self.memory.alloc((1, self.max_tokens_per_call), np.int64)
         self.d_idx = self.memory.alloc((1, rows), np.int64)
-        self.d_mask = self.memory.alloc((1, self.max_tokens_per_call, int(info["ctx"])), np.bool_)
+        self.d_mask = self.memory.alloc((1, self.max_tokens_per_call, int(info["ctx"]) + self.max_tokens_per_call), np.bool_)
         self.d_logits = self.memory.alloc((1, rows, self.vocab), np.float32)
         self.logits = np.empty((1, rows, self.vocab), np.float32)
 
@@ -95,39 +97,52 @@ class TrtBackend:
                                       self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice, self.stream))
 
     def run(self, cache: KVCache, seq: Sequence, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
+        s = input_ids.shape[1]
+        return self.run_cells(cache, seq.n, seq.w, input_ids, seq.positions(s), seq.key_mask(s), logits_index)
+
+    def run_cells(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
+                  key_mask: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
+        """past = slots [0, past), present to slots [write, write + S), the mask [1, S, past + S] given."""
         if cache.memory.device != "cuda":
             raise EdgeKVError("trt needs its KV cache in device memory (build it with memory=backend.memory)")
         b, s = input_ids.shape
         k = logits_index.shape[1]
-        n, w = seq.n, seq.w
         if b != 1 or s > self.max_tokens_per_call or k > s:
             raise EdgeKVError(f"trt: this engine takes batch 1 and at most {self.max_tokens_per_call} tokens per call "
                               f"(got batch {b}, {s} tokens)", setting="max_prefill", fix="rebuild the engine with a larger {}")
-        if w < n:
-            raise EdgeKVError("trt: a wrapped ring cache would alias inputs and outputs", setting="context_policy",
-                              fix="use {} drop-turns")
         ctx = self.contexts[DECODE if s == 1 else PREFILL]
-        mask = seq.key_mask(s)
         self._up(self.d_ids, input_ids)
-        self._up(self.d_pos, seq.positions(s))
+        self._up(self.d_pos, position_ids)
         self._up(self.d_idx, logits_index)
-        self._up(self.d_mask, mask)
+        self._up(self.d_mask, key_mask)
         for name, buf, shape in (("input_ids", self.d_ids, (1, s)), ("position_ids", self.d_pos, (1, s)),
-                                 ("logits_index", self.d_idx, (1, k)), ("key_mask", self.d_mask, mask.shape)):
+                                 ("logits_index", self.d_idx, (1, k)), ("key_mask", self.d_mask, key_mask.shape)):
             ctx.set_input_shape(name, tuple(shape))
             ctx.set_tensor_address(name, buf.ptr)
+        stage = self._staging(cache) if write < past else None  # the write slots lie inside the past
         for name in cache.names:
-            ctx.set_input_shape(name, tuple(cache.slots_shape(name, n)))
-            ctx.set_tensor_address(name, cache.ptr(name, 0))  # past: the filled prefix
-            ctx.set_tensor_address("present" + name[4:], cache.ptr(name, w))  # present: at the write slot
+            ctx.set_input_shape(name, tuple(cache.slots_shape(name, past)))
+            ctx.set_tensor_address(name, cache.ptr(name, 0))  # past: slots [0, past)
+            ctx.set_tensor_address("present" + name[4:], stage[name].ptr if stage else cache.ptr(name, write))
         ctx.set_tensor_address("logits", self.d_logits.ptr)
         if not ctx.execute_async_v3(self.stream_handle):
             raise EdgeKVError("trt: the engine failed to run (see TensorRT's message above)")
+        if stage:
+            for name in cache.names:  # on the device, in stream order, before anything reads the cache
+                check(self.rt.cudaMemcpyAsync(cache.ptr(name, write), stage[name].ptr, s * cache.row_bytes[name],
+                                              self.rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice, self.stream))
         out = self.logits.reshape(-1)[: k * self.vocab].reshape(1, k, self.vocab)
         check(self.rt.cudaMemcpyAsync(out.ctypes.data, self.d_logits.ptr, out.nbytes,
                                       self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream))
         check(self.rt.cudaStreamSynchronize(self.stream))
         return out
+
+    def _staging(self, cache: KVCache) -> dict:
+        """present.* staging for `cache`: max_tokens_per_call slots per buffer, allocated at its first use."""
+        if self._stage[0] is not cache:
+            self._stage = (cache, {name: self.memory.alloc(cache.slots_shape(name, self.max_tokens_per_call),
+                                                           cache.dtypes[name]) for name in cache.names})
+        return self._stage[1]
 
     def close(self) -> None:
         """Free the device buffers (the KV caches allocated from this backend's memory too) and the stream."""
