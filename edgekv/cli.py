@@ -141,8 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "a clip search); int8 per block of 32 (a GGUF's Q8_0 exactly); the embedding/head at 8 bits (docs/weights.md)")
     p.add_argument("--group", type=int, default=32, choices=[32, 64, 128],
                    help="int4 group size along the input dimension, for weights requantized from float")
-    p.add_argument("--rtn", action="store_true",
-                   help="requantize int4 by plain round-to-nearest instead of the clip search (for comparison)")
+    p.add_argument("--requant-method", default="awq", choices=["awq", "clip", "rtn"],
+                   help="int4 requantized from float: activation-aware scales (AWQ, on the calibration text) + a "
+                        "clip search per group; the clip search alone; or plain round-to-nearest (for comparison)")
     p.add_argument("--requantize", action="store_true",
                    help="requantize from the dequantized float even where the source has its own blocks (for comparison)")
     p.add_argument("--steps", type=int_range(1, 4096), default=32, help="decode steps in the parity check")

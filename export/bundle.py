@@ -19,7 +19,7 @@ from edgekv.format.files import kind_of, replace_dir, write_text
 from edgekv.format.kvschemes import INT4_GROUP, INT4_LEVELS, get_scheme, unpack_int4
 from export.loaders import Source, SourceError, load_gguf, load_hf_folder
 from export.model import Transformer, UnsupportedModel, causal_mask
-from export.weights import GROUPS, WEIGHT_FORMATS, plan_weights, summary
+from export.weights import GROUPS, METHODS, WEIGHT_FORMATS, plan_weights, summary
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_RECIPE = "smollm2-135m-instruct"
@@ -252,7 +252,7 @@ def compare(model: Transformer, bundle, gen, prompt: list[int], steps: int, max_
 def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = None,
                   max_context: int | None = None, dtype: str = "float32", steps: int = 32,
                   threads: int | None = None, calib_text: str | None = None, calib_tokens: int = 4096,
-                  force: bool = False, weights: str = "float", group: int = 32, search: bool = True,
+                  force: bool = False, weights: str = "float", group: int = 32, method: str = "awq",
                   requantize: bool = False) -> Path:
     t0 = time.time()
     try:
@@ -263,6 +263,8 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
         raise ExportError(f"unknown weight format {weights!r}; known: {', '.join(WEIGHT_FORMATS)}")
     if group not in GROUPS:
         raise ExportError(f"--group {group}: choose one of {', '.join(map(str, GROUPS))}")
+    if method not in METHODS:
+        raise ExportError(f"--requant-method {method}: choose one of {', '.join(METHODS)}")
     note(f"loading {model_arg or DEFAULT_RECIPE} ...")
     src, recipe = resolve_source(model_arg)
     cfg = src.config
@@ -280,7 +282,7 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
     calibration = None
     if model.scheme.kind == "static" or model.scheme.center_keys:
         calibration = calibrate(model, src, kv, calib_text, calib_tokens)
-    plan = quantize_model(model, src, weights, group, search, requantize)
+    plan, awq = quantize_model(model, src, weights, group, method, requantize, (calib_text, calib_tokens))
     model = model.to(torch_dtype).eval()
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -304,7 +306,7 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
              + (f"; {len(converted)} 8-bit block-wise weight(s) go per channel at engine build" if converted else ""))
         (tmp / "tokenizer.json").write_text(src.tokenizer_json)
         manifest = build_manifest(src, recipe, kv, dtype, max_context, tmp)
-        manifest["weights"] = weights_manifest(weights, plan, group, search)
+        manifest["weights"] = weights_manifest(weights, plan, group, method, awq)
         manifest["weights"]["source_blocks_kept"] = bool(src.blocks) and not requantize
         if calibration:
             manifest["kv"]["calibration"] = calibration
@@ -360,11 +362,12 @@ def check_out_dir(out_dir: Path, force: bool) -> None:
                           f"(or --force: its contents are moved aside to {out_dir.name}.old-*, not deleted)")
 
 
-def quantize_model(model: Transformer, src: Source, weights: str, group: int, search: bool,
-                   requantize: bool = False) -> dict:
-    """Decide each weight's stored format and give the model exactly those (dequantized) values."""
+def quantize_model(model: Transformer, src: Source, weights: str, group: int, method: str = "awq",
+                   requantize: bool = False, calib: tuple[str | None, int] = (None, 4096)) -> tuple[dict, dict | None]:
+    """Decide each weight's stored format and give the model exactly those (dequantized) values
+    (and, with AWQ, the RMSNorm weights its scales fold into). Returns the plan and AWQ's report."""
     if weights == "float":
-        return {}
+        return {}, None
     state = {k: v.float().numpy() for k, v in src.state_dict.items() if v.dim() == 2}
     if src.config.tie_word_embeddings:  # the head is stored apart from the table (8-bit blocks for the MatMul, the table's own for the Gather)
         state["lm_head.weight"] = state["embed.weight"]
@@ -373,7 +376,10 @@ def quantize_model(model: Transformer, src: Source, weights: str, group: int, se
         kept = {} if requantize else dict(src.blocks)  # requantize: ignore the source's own blocks (for comparison)
         if src.config.tie_word_embeddings and "embed.weight" in kept:
             kept["lm_head.weight"] = kept["embed.weight"]  # a tied head is the table's own blocks
-        plan = plan_weights(state, kept, weights, group, "embed.weight", "lm_head.weight", search)
+        awq = None
+        if weights == "int4" and method == "awq":
+            state, awq = activation_aware(model, src, state, kept, group, calib)
+        plan = plan_weights(state, kept, weights, group, "embed.weight", "lm_head.weight", method != "rtn")
     except ValueError as e:
         raise ExportError(str(e)) from None
     if src.config.tie_word_embeddings:
@@ -384,13 +390,43 @@ def quantize_model(model: Transformer, src: Source, weights: str, group: int, se
             params[name].copy_(torch.from_numpy(q.dequantize()))
     for origin, r in summary(plan).items():
         note(f"  {r['tensors']:4d} tensors {r['bytes'] / 2**20:7.1f} MiB  {origin}")
-    return plan
+    return plan, awq
 
 
-def weights_manifest(weights: str, plan: dict, group: int, search: bool) -> dict:
+def activation_aware(model: Transformer, src: Source, state: dict, kept: dict, group: int,
+                     calib: tuple[str | None, int]) -> tuple[dict, dict | None]:
+    """AWQ scales (export/awq.py) for the matrices requantized to INT4 (not the source's own
+    blocks); the RMSNorm weights they fold into are set on `model`. Returns the scaled state and
+    a report for the manifest (None when nothing is requantized)."""
+    from export.awq import SCALED, activation_stats, apply_awq
+
+    targets = {n for n in state if n not in kept and any(n.endswith(f".{p}.weight") for p in SCALED)}
+    if not targets:
+        return state, None
+    ids, desc = calibration_ids(src, *calib)
+    note(f"  activation-aware scales (AWQ) for {len(targets)} matrices on {len(ids)} tokens of {desc[:40]}...")
+    ref = Transformer(src.config, "float").eval()
+    ref.load_state_dict(src.state_dict, strict=False)
+    stats = {n: v for n, v in activation_stats(ref, ids).items() if n in targets}
+    params = dict(model.named_parameters())
+    norms = {n: params[n].detach().float().numpy() for n in params if n.endswith("_norm.weight")}
+    state, norms, report = apply_awq(state, norms, stats, src.config.intermediate_size, group, True, set(kept))
+    with torch.no_grad():
+        for n, w in norms.items():
+            params[n].copy_(torch.from_numpy(w))
+    scaled = sorted(n for n, r in report.items() if r["alpha"] > 0)
+    ratio = float(np.mean([r["error_ratio"] for r in report.values()]))
+    note(f"    {len(scaled)} of {len(report)} scaled; calibration output error x{ratio:.3f} of the clip search alone")
+    return state, {"text": desc, "tokens": len(ids), "scaled": len(scaled), "matrices": len(report),
+                   "mean_error_ratio": ratio, "alphas": {n: r["alpha"] for n, r in report.items()}}
+
+
+def weights_manifest(weights: str, plan: dict, group: int, method: str, awq: dict | None) -> dict:
     total = sum(q.nbytes for q in plan.values())
     return {"format": weights, "group": group if weights == "int4" else None,
-            "requantize": ("clip-ratio search" if search else "round-to-nearest") if weights != "float" else None,
+            "requantize": {"rtn": "round-to-nearest", "clip": "clip-ratio search",
+                           "awq": "AWQ scales + clip-ratio search"}[method] if weights != "float" else None,
+            "awq": awq,
             "stored": summary(plan), "quantized_bytes": total,
             "embedding": "Gather on the INT8 table, rows scaled after the lookup" if plan else None,
             "head": "INT8 per block of 32 (per output channel in a TensorRT engine)" if plan else None}
@@ -419,14 +455,9 @@ def weight_cost(model: Transformer, src: Source, prompt: list[int]) -> dict:
 
 
 def calibrate(model: Transformer, src: Source, kv: str, calib_text: str | None, calib_tokens: int) -> dict:
-    from tokenizers import Tokenizer
+    from export.calibrate import key_mean, kv_absmax, set_key_offsets, set_static_scales
 
-    from export.calibrate import calibration_text, key_mean, kv_absmax, set_key_offsets, set_static_scales
-
-    text, desc = calibration_text(calib_text)
-    ids = Tokenizer.from_str(src.tokenizer_json).encode(text, add_special_tokens=False).ids[:calib_tokens]
-    if len(ids) < 64:
-        raise ExportError(f"calibration text too short: {len(ids)} tokens (need at least 64)")
+    ids, desc = calibration_ids(src, calib_text, calib_tokens)
     note(f"calibrating {kv} on {len(ids)} tokens of {desc[:60]}...")
     ref = Transformer(src.config, "float").eval()
     ref.load_state_dict(src.state_dict, strict=False)
@@ -441,6 +472,19 @@ def calibrate(model: Transformer, src: Source, kv: str, calib_text: str | None, 
     return {"text": desc, "tokens": len(ids),
             "method": "absmax/127 per layer for K and for V" if per_tensor
             else "absmax/127 per (layer, KV head, channel), K after RoPE"}
+
+
+def calibration_ids(src: Source, calib_text: str | None, calib_tokens: int) -> tuple[list[int], str]:
+    """The calibration text's token ids (at most calib_tokens) and what the text is."""
+    from tokenizers import Tokenizer
+
+    from export.calibrate import calibration_text
+
+    text, desc = calibration_text(calib_text)
+    ids = Tokenizer.from_str(src.tokenizer_json).encode(text, add_special_tokens=False).ids[:calib_tokens]
+    if len(ids) < 64:
+        raise ExportError(f"calibration text too short: {len(ids)} tokens (need at least 64)")
+    return ids, desc
 
 
 def _write_manifest(folder: Path, manifest: dict) -> None:
@@ -487,6 +531,6 @@ def cmd_export(args) -> int:
     """`edgekv export` (edgekv/cli.py dispatches here by name)."""
     export_bundle(args.model, kv=args.kv, out=args.out, max_context=args.max_context, dtype=args.dtype,
                   steps=args.steps, threads=args.threads, calib_text=args.calib_text, calib_tokens=args.calib_tokens,
-                  force=args.force, weights=args.weights, group=args.group, search=not args.rtn,
+                  force=args.force, weights=args.weights, group=args.group, method=args.requant_method,
                   requantize=args.requantize)
     return 0

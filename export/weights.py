@@ -27,6 +27,7 @@ import numpy as np
 
 from edgekv.format.bundle import WEIGHT_FORMATS  # the runtime's list of what it reads
 GROUPS = (32, 64, 128)
+METHODS = ("awq", "clip", "rtn")  # requantizing float to INT4: AWQ scales + clip search, clip search, round-to-nearest
 CLIP_RATIOS = tuple(np.round(np.arange(1.0, 0.49, -0.05), 2))  # searched per group, best error kept
 
 
