@@ -10,9 +10,11 @@
    installed) and trt: ✓/✗ per backend with the max |logit diff| (fed the same tokens) against
    the tolerance the exporter measured for this bundle, and whether free-running greedy tokens
    are equal
-4. the benchmark on the fastest backend (time to first token, decode tokens/s, peak memory), with
+4. `edgekv serve`'s engine on trt: four chat prompts joining a batch give the greedy tokens each
+   gives alone on trt, and the aggregate decode rate of four sequences against one
+5. the benchmark on the fastest backend (time to first token, decode tokens/s, peak memory), with
    power and RAM from tegrastats when present
-5. writes one JSON report (and prints a summary); exit status 0 only if every check that must
+6. writes one JSON report (and prints a summary); exit status 0 only if every check that must
    pass on a Jetson passed (trt required; ort-cuda optional)."""
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ from edgekv.runtime.assemble import Runtime, open_runtime
 from edgekv.runtime.text import TextCodec
 
 PROMPT = "What is the capital of France? Answer in one sentence."
+QUESTIONS = ["What is the capital of France?", "Name three colours.", "What is 2 + 2?", "Say hello in German."]
 
 
 def say(msg: str) -> None:
@@ -128,6 +131,58 @@ def compare_backends(bundle, ctx: int, steps: int = 32) -> tuple[list[dict], boo
     return rows, ok
 
 
+def decode_rate(engine, reqs) -> float:
+    """Aggregate decode tokens/s of `reqs` run together, from the step at which every one has its
+    first token (its prompt prefilled) to the last."""
+    for r in reqs:
+        engine.submit(r)
+    t1 = n1 = None
+    while not all(r.finish_reason for r in reqs):
+        engine.step()
+        if t1 is None and all(r.ttft_s is not None for r in reqs):
+            t1, n1 = time.perf_counter(), sum(len(r.out) for r in reqs)
+    dt = time.perf_counter() - t1
+    return (sum(len(r.out) for r in reqs) - n1) / dt if dt > 0 else 0.0
+
+
+def serve_check(bundle, ctx: int, backend: str = "trt") -> tuple[dict, bool]:
+    """`edgekv serve`'s engine on `backend`: four chat prompts joining a batch two steps apart give
+    the greedy tokens each gives alone on the same backend (a divergence only at a near-tie of the
+    lone run's logits); then the aggregate decode rate of four sequences against one."""
+    from edgekv.runtime.engine import Engine, Request
+
+    codec = TextCodec(bundle)
+    prompts = [codec.chat_ids([{"role": "user", "content": q}]) for q in QUESTIONS]
+    new = min(32, ctx // len(prompts) - max(map(len, prompts)) - 1)
+    if new < 4:
+        return {"backend": backend, "status": "skipped", "why": f"--ctx {ctx} leaves no room for 4 prompts"}, True
+    tol = bundle.logits_tolerance()
+    with open_runtime(bundle, ctx, backend, log=None) as rt:
+        alone = [greedy_run(rt, p, new) for p in prompts]
+        engine = Engine(rt, capacity=ctx, parallel=len(prompts))
+        reqs = [Request(p, new) for p in prompts]
+        for r in reqs:  # each joins two steps after the previous one, mid-prefill or mid-decode of the others
+            engine.submit(r)
+            engine.step(), engine.step()
+        while not all(r.finish_reason for r in reqs):
+            engine.step()
+        rows, ok = [], True
+        for r, (logits, want) in zip(reqs, alone):
+            first = next((i for i, (a, b) in enumerate(zip(r.out, want)) if a != b), None)
+            tie = first is not None and logits[first][want[first]] - logits[first][r.out[first]] <= tol
+            ok &= first is None or tie
+            rows.append({"identical": sum(a == b for a, b in zip(r.out, want)), "steps": new, "first_divergence": first})
+        n = 64 if ctx >= len(prompts) * (max(map(len, prompts)) + 65) else new
+        one = decode_rate(engine, [Request(prompts[0], n)])
+        four = decode_rate(engine, [Request(p, n) for p in prompts])
+    res = {"backend": backend, "status": "pass" if ok else "fail", "sequences": rows, "decode_tps_1": one,
+           "decode_tps_4": four, "ratio_4_vs_1": four / one if one > 0 else None}
+    say(f"  {'✓' if ok else '✗'} serve on {backend}: 4 joining sequences = alone "
+        f"({sum(r['identical'] for r in rows)}/{len(rows) * new} greedy tokens identical); aggregate decode "
+        f"{four:.1f} tok/s with 4 vs {one:.1f} with 1 ({res['ratio_4_vs_1'] or 0:.2f}x)")
+    return res, ok
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="jetson/selftest.sh", description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -183,6 +238,10 @@ def check_bundle(path: str, args, rep: dict, bench_json: Path) -> bool:
     say("  backends against ort-cpu (same prompt, fed the same tokens; tolerance from the bundle's export)")
     rep["parity"], parity_ok = compare_backends(bundle, ctx)
     ok &= parity_ok
+    if any(r["backend"] == "trt" and r["status"] == "pass" for r in rep["parity"]):
+        say("  serving engine on trt (edgekv serve)")
+        rep["serve"], serve_ok = serve_check(bundle, ctx, "trt")
+        ok &= serve_ok
 
     if not args.skip_bench:
         say("  benchmark")

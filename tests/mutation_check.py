@@ -56,7 +56,35 @@ M = Mutation
 SERVE_ENGINE = ("tests/test_serve_engine.py", "-k", "not real")
 CAST_READS = ("tests/test_backends.py", "-k", "cast_with_the_same_logits or unit_scalar")
 
+TRT_FAKE = ("tests/test_trt_fake.py",)
+W_TRT = ("tests/test_weights.py", "-k", "tensorrt or engine_build or gguf_blocks or tied")
+AWQ = ("tests/test_awq.py",)
+
 MUTATIONS = [
+    # -- this stop: 8-bit blocks, trt serving, AWQ
+    M("trt: writes inside the past not staged", "trt", "edgekv/runtime/backends/trt.py",
+      "stage = self._staging(cache) if write < past else None", "stage = None", TRT_FAKE),
+    M("trt: staged K/V copied one slot late", "trt", "edgekv/runtime/backends/trt.py",
+      "check(self.rt.cudaMemcpyAsync(cache.ptr(name, write), stage[name].ptr",
+      "check(self.rt.cudaMemcpyAsync(cache.ptr(name, write + 1), stage[name].ptr", TRT_FAKE),
+    M("trt profiles stop one cell short of the pool", "trt", "edgekv/runtime/backends/engines.py",
+      "decode = profile(s=(1, 1, 1), k=(1, 1, 1), p=(0, opt_past, ctx))",
+      "decode = profile(s=(1, 1, 1), k=(1, 1, 1), p=(0, opt_past, ctx - 1))", TRT_FAKE),
+    M("engine step larger than the backend's call", "serve", "edgekv/runtime/engine.py",
+      "budget = min(self.prefill_chunk, self.backend.max_tokens_per_call - len(pieces))",
+      "budget = self.prefill_chunk", TRT_FAKE),
+    M("tensorrt graph: per-channel scale from the row, not the column", "trt", "edgekv/runtime/backends/engines.py",
+      "s = np.maximum(np.abs(w).max(0), 1e-12) / 127.0  # [N]", "s = np.maximum(np.abs(w).max(), 1e-12) / 127.0 + 0 * np.abs(w).max(0)", W_TRT),
+    M("engine build parses the stored graph", "trt", "jetson/build_engine.py",
+      "    converted = tensorrt_graph(model, path.parent)\n    if converted:",
+      "    converted = []\n    if converted:", W_TRT),
+    M("tied head requantized instead of the table's blocks", "weights", "export/bundle.py",
+      '            kept["lm_head.weight"] = kept["embed.weight"]', '            pass', W_TRT),
+    M("awq: down's scale folded into the gate rows", "weights", "export/awq.py",
+      "            w[inter:] /= s[:, None]", "            w[:inter] /= s[:, None]", AWQ),
+    M("awq: q|k|v scale not folded into its norm", "weights", "export/awq.py",
+      'norms[f"{layer}.attn_norm.weight"] = norms[f"{layer}.attn_norm.weight"] / s',
+      'norms[f"{layer}.attn_norm.weight"] = norms[f"{layer}.attn_norm.weight"]', AWQ),
     # -- evaluation
     M("eval --llama-cpp scores the rows one position late", "eval", "edgekv/tools/evaluate.py",
       "self.llm.scores[first_scored: len(ids) - 1]", "self.llm.scores[first_scored + 1: len(ids)]",

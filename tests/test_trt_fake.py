@@ -132,13 +132,17 @@ def test_selftest_passes_with_a_working_trt(bundle_copy, monkeypatch, tmp_path, 
     from jetson.selftest import main
 
     report = tmp_path / "r.json"
-    assert main([str(bundle_copy), "--ctx", "96", "--skip-bench", "--report", str(report)]) == 0
+    assert main([str(bundle_copy), "--ctx", "256", "--skip-bench", "--report", str(report)]) == 0
     d = json.loads(report.read_text())
     trt = next(r for r in d["bundles"][0]["parity"] if r["backend"] == "trt")
     # the self-test's ort-cpu reference binds a bucketed past (masked tail keys change the float
     # summation order by ~1e-6); an address or layout bug is off by orders of magnitude more
     assert d["passed"] and trt["status"] == "pass" and trt["max_abs_logit_diff"] < 1e-5
-    assert "✓ trt" in capsys.readouterr().out
+    serve = d["bundles"][0]["serve"]  # the serving engine on trt: every joining sequence as alone
+    assert serve["status"] == "pass" and all(r["first_divergence"] is None for r in serve["sequences"])
+    assert serve["decode_tps_1"] > 0 and serve["decode_tps_4"] > 0
+    out = capsys.readouterr().out
+    assert "✓ trt" in out and "✓ serve on trt" in out
 
 
 def test_build_engine_refuses_when_memory_is_short(bundle_copy, monkeypatch):
