@@ -63,7 +63,7 @@ def cmd_serve(args) -> int:
     server = uvicorn.Server(config)
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(f"edgekv serve: http://{host}:{args.port}/v1 (model {rt.bundle.manifest.get('name')}, {rt.backend.name}, "
-          f"{engine.capacity} KV cells, {args.parallel} parallel, queue {args.queue})", flush=True)
+          f"{engine.capacity} KV cells, {engine.parallel} parallel, queue {args.queue})", flush=True)
     try:
         server.run()
     finally:
