@@ -12,15 +12,16 @@ per (token, head), so scaling them would move error into the cache.
 
 s = a^alpha (a: mean |x| per input channel on the calibration text), normalized to a geometric
 mean of 1, with alpha in 0, 0.1, ..., 1 chosen per matrix by the output error on calibration rows;
-alpha = 0 (no scaling) is one of the candidates, so a matrix keeps the plain clip search where
-scaling does not help there. What it gives on held-out text: docs/weights.md."""
+alpha = 0 (no scaling) is one of the candidates, so a matrix is left unscaled where scaling does
+not help there. Each group's clip ratio is chosen by the same output error (AWQ's clip search)
+rather than the weights' own error. What it gives on held-out text: docs/weights.md."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
 from export.model import Transformer, causal_mask
-from export.weights import int4_groups
+from export.weights import QuantWeight, int4_groups
 
 ALPHAS = tuple(round(a, 1) for a in np.arange(0.0, 1.01, 0.1))
 SCALED = ("attn.wqkv", "mlp.w_gate_up", "mlp.w_down")  # per layer; see above for o
@@ -63,7 +64,9 @@ def activation_stats(model_float: Transformer, ids: list[int], window: int = 512
 
 
 def best_scale(w: np.ndarray, mean_abs: np.ndarray, x: np.ndarray, group: int, search: bool):
-    """(s [K], alpha, output error at alpha 0, output error at the chosen alpha) for W [N, K]."""
+    """(s [K], alpha, the QuantWeight of W diag(s), output error at alpha 0, at the chosen alpha)
+    for W [N, K]. Each candidate's groups take the clip ratio that minimizes their share of the
+    output error on the calibration rows (AWQ's clip search), not the weights' own error."""
     w = w.astype(np.float32)
     ref = x @ w.T
     a = np.maximum(mean_abs, 1e-8)
@@ -71,30 +74,30 @@ def best_scale(w: np.ndarray, mean_abs: np.ndarray, x: np.ndarray, group: int, s
     for alpha in ALPHAS:
         s = (a ** alpha).astype(np.float32)
         s /= np.sqrt(s.max() * s.min())
-        w_hat = int4_groups(w * s[None, :], group, search).dequantize() / s[None, :]
-        err = float(((x @ w_hat.T - ref) ** 2).sum())
+        xs = (x / s[None, :]).reshape(len(x), -1, group)  # the scaled matrix's inputs, by group
+        q = int4_groups(w * s[None, :], group, search, np.einsum("rgi,rgj->gij", xs, xs, optimize=True))
+        err = float(((x @ (q.dequantize() / s[None, :]).T - ref) ** 2).sum())
         if alpha == 0.0:
             err0 = err
-        if best is None or err < best[2]:
-            best = (s, alpha, err)
-    return best[0], best[1], err0, best[2]
+        if best is None or err < best[3]:
+            best = (s, alpha, q, err)
+    return best[0], best[1], best[2], err0, best[3]
 
 
 def apply_awq(state: dict[str, np.ndarray], norms: dict[str, np.ndarray], stats: dict, inter: int,
-              group: int, search: bool, skip: set[str]) -> tuple[dict, dict, dict]:
-    """Scale every matrix in `stats` not in `skip` (the source's own blocks) and fold 1/s where
-    its input comes from. state: name -> float W [N, K]; norms: RMSNorm name -> weight [K].
-    Returns the new (state, norms) and a report: name -> alpha, relative output error change."""
+              group: int, search: bool) -> tuple[dict, dict, dict, dict]:
+    """Scale every matrix in `stats` and fold 1/s where its input comes from. state: name -> float
+    W [N, K]; norms: RMSNorm name -> weight [K]. Returns the new (state, norms), the matrices'
+    QuantWeights (of the scaled values, folds included) and a report: name -> alpha and the
+    output error against no scaling."""
     state, norms = dict(state), dict(norms)
-    report = {}
+    report, quant, scales = {}, {}, {}
     for name, (mean_abs, x) in stats.items():
-        if name in skip:
-            continue
-        s, alpha, err0, err = best_scale(state[name], mean_abs, x, group, search)
+        s, alpha, q, err0, err = best_scale(state[name], mean_abs, x, group, search)
         report[name] = {"alpha": alpha, "error_ratio": err / err0 if err0 > 0 else 1.0}
-        if alpha == 0.0:
-            continue
+        quant[name], scales[name] = q, s
         state[name] = state[name] * s[None, :]
+    for name, s in scales.items():  # the folds; a row scale moves a row's group scales with it
         layer = name.rsplit(".", 3)[0]  # layers.i
         if name.endswith("attn.wqkv.weight"):
             norms[f"{layer}.attn_norm.weight"] = norms[f"{layer}.attn_norm.weight"] / s
@@ -105,4 +108,12 @@ def apply_awq(state: dict[str, np.ndarray], norms: dict[str, np.ndarray], stats:
             w = state[gu].copy()
             w[inter:] /= s[:, None]
             state[gu] = w
-    return state, norms, report
+            if gu in quant:
+                g = quant[gu]
+                gs = g.scales.copy()
+                gs[inter:] /= s[:, None]
+                quant[gu] = QuantWeight(g.bits, g.codes, gs, g.block, g.origin + ", AWQ scales")
+    for name, q in quant.items():
+        if not q.origin.endswith("AWQ scales"):
+            quant[name] = QuantWeight(q.bits, q.codes, q.scales, q.block, q.origin + ", AWQ scales")
+    return state, norms, quant, report

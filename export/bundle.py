@@ -378,7 +378,8 @@ def quantize_model(model: Transformer, src: Source, weights: str, group: int, me
             kept["lm_head.weight"] = kept["embed.weight"]  # a tied head is the table's own blocks
         awq = None
         if weights == "int4" and method == "awq":
-            state, awq = activation_aware(model, src, state, kept, group, calib)
+            state, quant, awq = activation_aware(model, src, state, kept, group, calib)
+            kept = {**kept, **quant}  # AWQ's own quantization (its clip search), taken as it stands
         plan = plan_weights(state, kept, weights, group, "embed.weight", "lm_head.weight", method != "rtn")
     except ValueError as e:
         raise ExportError(str(e)) from None
@@ -394,15 +395,18 @@ def quantize_model(model: Transformer, src: Source, weights: str, group: int, me
 
 
 def activation_aware(model: Transformer, src: Source, state: dict, kept: dict, group: int,
-                     calib: tuple[str | None, int]) -> tuple[dict, dict | None]:
-    """AWQ scales (export/awq.py) for the matrices requantized to INT4 (not the source's own
-    blocks); the RMSNorm weights they fold into are set on `model`. Returns the scaled state and
-    a report for the manifest (None when nothing is requantized)."""
+                     calib: tuple[str | None, int]) -> tuple[dict, dict, dict | None]:
+    """AWQ (export/awq.py) for the matrices requantized to INT4 (not the source's own blocks);
+    the RMSNorm weights its scales fold into are set on `model`. Returns the scaled state, the
+    matrices' QuantWeights and a report for the manifest (None when nothing is requantized)."""
     from export.awq import SCALED, activation_stats, apply_awq
 
     targets = {n for n in state if n not in kept and any(n.endswith(f".{p}.weight") for p in SCALED)}
+    # down's scale folds into the up rows: not where gate|up keeps the source's own blocks
+    targets -= {n for n in targets if n.endswith(".mlp.w_down.weight")
+                and n.replace("w_down", "w_gate_up") not in targets}
     if not targets:
-        return state, None
+        return state, {}, None
     ids, desc = calibration_ids(src, *calib)
     note(f"  activation-aware scales (AWQ) for {len(targets)} matrices on {len(ids)} tokens of {desc[:40]}...")
     ref = Transformer(src.config, "float").eval()
@@ -410,14 +414,14 @@ def activation_aware(model: Transformer, src: Source, state: dict, kept: dict, g
     stats = {n: v for n, v in activation_stats(ref, ids).items() if n in targets}
     params = dict(model.named_parameters())
     norms = {n: params[n].detach().float().numpy() for n in params if n.endswith("_norm.weight")}
-    state, norms, report = apply_awq(state, norms, stats, src.config.intermediate_size, group, True, set(kept))
+    state, norms, quant, report = apply_awq(state, norms, stats, src.config.intermediate_size, group, True)
     with torch.no_grad():
         for n, w in norms.items():
             params[n].copy_(torch.from_numpy(w))
     scaled = sorted(n for n, r in report.items() if r["alpha"] > 0)
     ratio = float(np.mean([r["error_ratio"] for r in report.values()]))
-    note(f"    {len(scaled)} of {len(report)} scaled; calibration output error x{ratio:.3f} of the clip search alone")
-    return state, {"text": desc, "tokens": len(ids), "scaled": len(scaled), "matrices": len(report),
+    note(f"    {len(scaled)} of {len(report)} scaled; calibration output error x{ratio:.3f} of unscaled")
+    return state, quant, {"text": desc, "tokens": len(ids), "scaled": len(scaled), "matrices": len(report),
                    "mean_error_ratio": ratio, "alphas": {n: r["alpha"] for n, r in report.items()}}
 
 

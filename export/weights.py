@@ -114,9 +114,11 @@ def int8_blocks(w: np.ndarray, block: int = 32, origin: str = "int8 per block of
     return QuantWeight(8, q, s.astype(np.float32), block, origin)
 
 
-def int4_groups(w: np.ndarray, group: int, search: bool = True) -> QuantWeight:
+def int4_groups(w: np.ndarray, group: int, search: bool = True, gram: np.ndarray | None = None) -> QuantWeight:
     """Symmetric INT4 per group of `group` inputs. search: for each group the clip ratio (of the
-    absmax) whose codes reconstruct the group with the least squared error; else round-to-nearest."""
+    absmax) whose codes reconstruct the group with the least error; else round-to-nearest. The
+    error is squared weight error, or with `gram` [K/group, group, group] (the group's inputs'
+    x^T x on calibration rows) the squared error of the group's share of the output."""
     n, k = w.shape
     if k % group:
         raise ValueError(f"--group {group} does not divide a matrix's input size {k}")
@@ -125,15 +127,19 @@ def int4_groups(w: np.ndarray, group: int, search: bool = True) -> QuantWeight:
     best_s, best_err = None, None
     for r in (CLIP_RATIOS if search else (1.0,)):
         s = (r * amax / 7.0).astype(np.float32)
-        q = np.clip(np.rint(wg / s[..., None]), -8, 7)
-        err = ((q * s[..., None] - wg) ** 2).sum(-1)
+        d = np.clip(np.rint(wg / s[..., None]), -8, 7) * s[..., None] - wg  # [N, G, B]
+        if gram is None:
+            err = (d ** 2).sum(-1)
+        else:  # d^T G d per (row, group): batched over groups
+            dg = d.transpose(1, 0, 2)  # [G, N, B]
+            err = (np.matmul(dg, gram) * dg).sum(-1).T  # [N, G]
         if best_s is None:
             best_s, best_err = s, err
         else:
             better = err < best_err
             best_s, best_err = np.where(better, s, best_s), np.where(better, err, best_err)
     q = np.clip(np.rint(wg / best_s[..., None]), -8, 7).astype(np.int8).reshape(n, k)
-    how = "clip-ratio search" if search else "round-to-nearest"
+    how = ("activation-weighted clip search" if gram is not None else "clip-ratio search") if search else "round-to-nearest"
     return QuantWeight(4, q, best_s, group, f"int4 symmetric per {group}, {how}")
 
 
