@@ -67,6 +67,8 @@ def best_scale(w: np.ndarray, mean_abs: np.ndarray, x: np.ndarray, group: int, s
     """(s [K], alpha, the QuantWeight of W diag(s), output error at alpha 0, at the chosen alpha)
     for W [N, K]. Each candidate's groups take the clip ratio that minimizes their share of the
     output error on the calibration rows (AWQ's clip search), not the weights' own error."""
+    if w.shape[1] % group:
+        raise ValueError(f"--group {group} does not divide a matrix's input size {w.shape[1]}")
     w = w.astype(np.float32)
     ref = x @ w.T
     a = np.maximum(mean_abs, 1e-8)
