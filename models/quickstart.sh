@@ -32,4 +32,4 @@ assert load_bundle('$BUNDLE').manifest['exporter'].get('source_key') == exporter
   .venv/bin/edgekv export smollm2-135m-instruct --kv int8 --weights int4 --out "$BUNDLE"
 fi
 echo "== asking it a question"
-.venv/bin/edgekv generate "$BUNDLE" "What is the capital of France?"
+.venv/bin/edgekv generate "$BUNDLE" "What is the capital of France? Answer in one sentence."
