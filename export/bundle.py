@@ -428,8 +428,9 @@ def activation_aware(model: Transformer, src: Source, state: dict, kept: dict, g
 def weights_manifest(weights: str, plan: dict, group: int, method: str, awq: dict | None) -> dict:
     total = sum(q.nbytes for q in plan.values())
     return {"format": weights, "group": group if weights == "int4" else None,
-            "requantize": {"rtn": "round-to-nearest", "clip": "clip-ratio search",
-                           "awq": "AWQ scales + clip-ratio search"}[method] if weights != "float" else None,
+            "requantize": ({"rtn": "round-to-nearest", "clip": "clip-ratio search"}.get(method)
+                           or ("AWQ scales + clip by output error" if awq else "clip-ratio search"))
+                          if weights == "int4" else "absmax per block of 32" if weights == "int8" else None,
             "awq": awq,
             "stored": summary(plan), "quantized_bytes": total,
             "embedding": "Gather on the INT8 table, rows scaled after the lookup" if plan else None,

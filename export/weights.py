@@ -159,6 +159,8 @@ def plan_weights(state: dict, kept: dict[str, QuantWeight], fmt: str, group: int
         src = kept.get(name)
         if src is not None and src.bits == 8 and src.block == 32:
             return src  # the source's own 8-bit blocks, exactly
+        if state[name].shape[1] % 32:  # blocks need K in multiples of 32
+            return int8_per_channel(state[name])
         return int8_blocks(state[name], 32, "int8 per block of 32" + (f", from {src.origin}" if src else ""))
 
     for name, w in state.items():

@@ -23,7 +23,7 @@ from pathlib import Path
 from edgekv.errors import EdgeKVError, note
 from edgekv.format.bundle import load_bundle
 from edgekv.format.files import replace_dir
-from edgekv.runtime.backends.engines import (META, PLAN, bundle_fingerprint, engine_dir, engine_key, is_fresh,
+from edgekv.runtime.backends.engines import (META, PLAN, PROFILES_VERSION, bundle_fingerprint, engine_dir, engine_key, is_fresh,
                                              profile_shapes, tensorrt_graph)
 from edgekv.runtime.backends.gpu import check, cudart
 from edgekv.runtime.backends.trt import gpu_name, import_tensorrt
@@ -131,7 +131,8 @@ def build_engine(bundle_path: str, ctx: int | None = None, max_prefill: int = 25
     try:
         (tmp / PLAN).write_bytes(bytes(plan))
         (tmp / META).write_text(json.dumps({
-            "bundle_fingerprint": bundle_fingerprint(bundle), "gpu": gpu, "tensorrt": trt.__version__,
+            "bundle_fingerprint": bundle_fingerprint(bundle), "profiles_version": PROFILES_VERSION,
+            "gpu": gpu, "tensorrt": trt.__version__,
             "ctx": ctx, "max_prefill": max_prefill, "workspace_mib": workspace_mib, "build_s": round(took, 1),
             "profiles": [{n: [list(x) for x in v] for n, v in p.items() if not n.startswith("past.") or n.startswith("past.0.")}
                          for p in profiles],

@@ -120,13 +120,17 @@ def compare_backends(bundle, ctx: int, steps: int = 32) -> tuple[list[dict], boo
         diff = float(np.abs(fed - ref_logits).max())
         same = sum(a == b for a, b in zip(own, ref_tokens))
         first = next((i for i, (a, b) in enumerate(zip(own, ref_tokens)) if a != b), None)
+        # TensorRT gets a bundle's 8-bit weights per output channel (engines.tensorrt_graph), not
+        # the blocks ort-cpu runs: on top of the exporter's tolerance, that requantization's share
+        # (the stand-in test measures < 2 % of the logits' range on a tiny model)
+        t = tol + (0.02 * float(np.abs(ref_logits).max()) if name == "trt" and bundle.weights != "float" else 0.0)
         # a divergence is acceptable only at a near-tie of the reference's own logits
-        tie = first is not None and ref_logits[first][ref_tokens[first]] - ref_logits[first][own[first]] <= tol
-        good = diff <= tol and (first is None or tie)
+        tie = first is not None and ref_logits[first][ref_tokens[first]] - ref_logits[first][own[first]] <= t
+        good = diff <= t and (first is None or tie)
         ok &= good
-        rows.append({"backend": name, "status": "pass" if good else "fail", "max_abs_logit_diff": diff, "tol": tol,
+        rows.append({"backend": name, "status": "pass" if good else "fail", "max_abs_logit_diff": diff, "tol": t,
                      "greedy_identical": same, "greedy_steps": steps, "first_divergence": first})
-        say(f"  {'✓' if good else '✗'} {name:<9} max|diff| = {diff:.3g} (tol {tol:.3g}); greedy {same}/{steps} identical"
+        say(f"  {'✓' if good else '✗'} {name:<9} max|diff| = {diff:.3g} (tol {t:.3g}); greedy {same}/{steps} identical"
             + (f" (first differs at step {first}{', a near-tie' if tie else ''})" if first is not None else ""))
     return rows, ok
 

@@ -13,7 +13,8 @@ import pytest
 from edgekv.errors import BackendUnavailable
 from edgekv.runtime.backends import OrtBackend, make_backend
 from edgekv.runtime.cache import KVCache
-from edgekv.runtime.backends.engines import META, PLAN, bundle_fingerprint, engine_key, find_engine, profile_shapes
+from edgekv.runtime.backends.engines import (META, PLAN, PROFILES_VERSION, bundle_fingerprint, engine_key, find_engine,
+                                             profile_shapes)
 from edgekv.errors import EdgeKVError
 from edgekv.runtime.generate import Generator
 from edgekv.format.bundle import load_bundle
@@ -184,7 +185,10 @@ def test_engine_cache_is_keyed_and_goes_stale(tiny_bundle_int8, tmp_path):
     folder = copy / "engines" / key
     folder.mkdir(parents=True)
     (folder / PLAN).write_bytes(b"plan")
-    (folder / META).write_text(json.dumps({"bundle_fingerprint": bundle_fingerprint(b), "ctx": 512, "max_prefill": 256}))
+    meta = {"bundle_fingerprint": bundle_fingerprint(b), "ctx": 512, "max_prefill": 256}
+    (folder / META).write_text(json.dumps(meta))
+    assert find_engine(b, "Orin (nvgpu)", "10.3.0", 256) is None  # built before the profiles reached ctx
+    (folder / META).write_text(json.dumps({**meta, "profiles_version": PROFILES_VERSION}))
     assert find_engine(b, "Orin (nvgpu)", "10.3.0", 256)[0] == folder  # covers a smaller cache
     assert find_engine(b, "Orin (nvgpu)", "10.3.0", 1024) is None  # not a larger one
     assert find_engine(b, "Orin (nvgpu)", "10.4.0", 256) is None  # nor another TensorRT

@@ -386,3 +386,20 @@ def test_engine_build_parses_the_per_channel_graph(gguf_bundle, monkeypatch, tmp
     be.close()
     ref = Generator(OrtBackend(bundle, threads=1, past_bucket=1), KVCache(bundle, 64), prefill_chunk=16).prefill(seq)
     assert 0 < np.abs(got - ref).max() < 0.02 * np.abs(ref).max()
+
+
+def test_8bit_blocks_need_k_in_multiples_of_32():
+    """A matrix whose input size is not a multiple of 32 gets one INT8 scale per output channel
+    instead of blocks (a head or int8 projection of any width still exports)."""
+    from export.weights import plan_weights
+
+    rng = np.random.default_rng(0)
+    state = {"a.weight": rng.standard_normal((48, 64)).astype(np.float32),
+             "b.weight": rng.standard_normal((48, 40)).astype(np.float32),
+             "embed.weight": rng.standard_normal((100, 40)).astype(np.float32),
+             "lm_head.weight": rng.standard_normal((100, 40)).astype(np.float32)}
+    plan = plan_weights(state, {}, "int8", 32, "embed.weight", "lm_head.weight")
+    assert plan["a.weight"].block == 32 and plan["b.weight"].block is None and plan["lm_head.weight"].block is None
+    for name in ("a.weight", "b.weight", "lm_head.weight"):
+        w, q = state[name], plan[name].dequantize()
+        assert np.abs(q - w).max() <= np.abs(w).max() / 254 + 1e-6, name

@@ -248,10 +248,15 @@ def check_for_engine(path: Path, trt: str = "10.3") -> tuple[list[Violation], li
     """Check the graph at `path` as the engine build hands it to TensorRT (8-bit block-wise
     weights requantized per channel: edgekv/runtime/backends/engines.py). Returns the violations
     and the converted weights' names."""
+    from edgekv.errors import EdgeKVError
     from edgekv.runtime.backends.engines import tensorrt_graph
 
     model = read_onnx(path)
-    converted = tensorrt_graph(model, path.parent)
+    try:
+        converted = tensorrt_graph(model, path.parent)
+    except (OSError, ValueError, RuntimeError) as e:  # the weights beside the graph missing or unreadable
+        raise EdgeKVError(f"{path}: cannot read its weights to check them as the engine build would "
+                          f"({type(e).__name__}: {e})") from None
     return check_model(model, trt), converted
 
 
@@ -260,9 +265,13 @@ def cmd_check_trt(args) -> int:
     from edgekv.format.bundle import load_bundle
 
     p = Path(args.bundle)
-    path = p if p.suffix == ".onnx" else load_bundle(p).onnx_path
     try:
-        violations, converted = check_for_engine(path, args.trt)
+        if p.suffix == ".onnx":  # a bare graph: as it stands (the engine build's rewrite is for bundles)
+            path, converted = p, []
+            violations = check_model(read_onnx(path), args.trt)
+        else:
+            path = load_bundle(p).onnx_path
+            violations, converted = check_for_engine(path, args.trt)
     except ValueError as e:
         raise EdgeKVError(str(e)) from None
     if converted:

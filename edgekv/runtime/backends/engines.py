@@ -29,6 +29,7 @@ from edgekv.format.bundle import MANIFEST, Bundle
 
 DECODE, PREFILL = 0, 1
 PLAN, META = "model.plan", "engine.json"
+PROFILES_VERSION = 2  # 2: the past reaches ctx (a full pool or ring); an engine built for 1 is rebuilt
 
 
 def _family(gpu: str, trt_version: str) -> str:
@@ -85,7 +86,8 @@ def is_fresh(folder: Path, bundle: Bundle) -> bool:
         info = json.loads(meta.read_text())
     except json.JSONDecodeError:
         return False
-    return info.get("bundle_fingerprint") == bundle_fingerprint(bundle)
+    return (info.get("bundle_fingerprint") == bundle_fingerprint(bundle)
+            and info.get("profiles_version", 1) == PROFILES_VERSION)
 
 
 def find_engine(bundle: Bundle, gpu: str, trt_version: str, ctx: int) -> tuple[Path, dict] | None:

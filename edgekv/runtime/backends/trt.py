@@ -50,7 +50,7 @@ class TrtBackend:
         self.memory = CudaMemory()
         self.rt = self.memory.rt
         self.stream = None
-        self._stage = (None, {})  # (cache, name -> staging buffer of max_tokens_per_call slots)
+        self._stage = (None, {})  # (the caches' slot layout, name -> staging buffer of max_tokens_per_call slots)
         try:
             self._start(bundle, ctx, max_logits_rows)
         except BaseException:  # free what was allocated before the failure
@@ -138,10 +138,12 @@ class TrtBackend:
         return out
 
     def _staging(self, cache: KVCache) -> dict:
-        """present.* staging for `cache`: max_tokens_per_call slots per buffer, allocated at its first use."""
-        if self._stage[0] is not cache:
-            self._stage = (cache, {name: self.memory.alloc(cache.slots_shape(name, self.max_tokens_per_call),
-                                                           cache.dtypes[name]) for name in cache.names})
+        """present.* staging: max_tokens_per_call slots per buffer, allocated at first use and
+        shared by every cache of the same layout (the bundle's: one set per backend)."""
+        layout = tuple((name, tuple(cache.slots_shape(name, 1)), str(cache.dtypes[name])) for name in cache.names)
+        if self._stage[0] != layout:
+            self._stage = (layout, {name: self.memory.alloc(cache.slots_shape(name, self.max_tokens_per_call),
+                                                            cache.dtypes[name]) for name in cache.names})
         return self._stage[1]
 
     def close(self) -> None:
