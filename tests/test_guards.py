@@ -7,7 +7,7 @@ import pytest
 
 from edgekv.errors import BundleError, EdgeKVError
 from edgekv.format.bundle import load_bundle
-from edgekv.runtime.backends.engines import META, PLAN, bundle_fingerprint, engine_key, find_engine
+from edgekv.runtime.backends.engines import META, PLAN, PROFILES_VERSION, bundle_fingerprint, engine_key, find_engine
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.memory import HostMemory
 from edgekv.runtime.text import TextCodec
@@ -21,7 +21,8 @@ def plant_engine(b, ctx, fresh=True):
     folder.mkdir(parents=True)
     (folder / PLAN).write_bytes(b"plan")
     fp = bundle_fingerprint(b) if fresh else "0" * 16
-    (folder / META).write_text(json.dumps({"bundle_fingerprint": fp, "ctx": ctx, "max_prefill": 128}))
+    (folder / META).write_text(json.dumps({"bundle_fingerprint": fp, "profiles_version": PROFILES_VERSION, "ctx": ctx,
+                                           "max_prefill": 128}))
     return folder
 
 
