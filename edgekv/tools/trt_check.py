@@ -11,6 +11,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from edgekv.runtime.backends.engines import block_size
+
 DATA = Path(__file__).parent.parent / "data" / "trt_onnx_ops.json"
 
 # onnx TensorProto element types -> the table's names
@@ -168,10 +170,6 @@ def _check_int8_gather(n, name, constants, consumers) -> list[Violation]:
     return out
 
 
-def _block_size(n) -> int:
-    return next((a.i for a in n.attribute if a.name == "block_size"), 0)
-
-
 def _check_blocked_dq(n, name, op, types, constants, shapes, ver, trt, opset) -> list[Violation]:
     """Block-wise DequantizeLinear: TensorRT takes it only for INT4, on a 2-D constant, from opset 21."""
     out = []
@@ -197,7 +195,7 @@ def _check_qdq(n, name, op, types, constants, shapes, ver, trt, opset=0) -> list
     src = types.get(n.input[0])
     if src == "INT4" and opset < ver["int4_opset"]:
         out.append(Violation(name, op, f"INT4 needs opset {ver['int4_opset']} (the graph imports {opset})"))
-    if _block_size(n) > 0:
+    if block_size(n) > 0:
         out.extend(_check_blocked_dq(n, name, op, types, constants, shapes, ver, trt, opset))
     scale = n.input[1] if len(n.input) > 1 else ""
     zp = n.input[2] if len(n.input) > 2 else ""
@@ -206,7 +204,7 @@ def _check_qdq(n, name, op, types, constants, shapes, ver, trt, opset=0) -> list
                                        "constant (runtime scales arrive in 10.13)"))
     if zp and zp not in constants:
         out.append(Violation(name, op, f"zero point {zp} must be a build-time constant"))
-    per_channel = scale in shapes and len(shapes[scale]) > 0 and int(_prod(shapes[scale])) > 1 and not _block_size(n)
+    per_channel = scale in shapes and len(shapes[scale]) > 0 and int(_prod(shapes[scale])) > 1 and not block_size(n)
     if per_channel and op == "DequantizeLinear" and n.input[0] not in constants:
         out.append(Violation(name, op, "per-channel DequantizeLinear is allowed only on constant weights"))
     if per_channel and op == "QuantizeLinear" and n.input[0] not in constants:

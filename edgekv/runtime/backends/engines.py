@@ -105,11 +105,11 @@ def find_engine(bundle: Bundle, gpu: str, trt_version: str, ctx: int) -> tuple[P
 
 # -- the graph as TensorRT gets it ---------------------------------------------------------------
 
-_INT8, _INT4 = 3, 22  # onnx TensorProto element types
 OPSET_WITHOUT_INT4 = 20  # the highest opset TensorRT 10.3's documents name (docs/tensorrt.md)
 
 
-def _block_size(node) -> int:
+def block_size(node) -> int:
+    """A Q/DQ node's block_size attribute (0: not block-wise)."""
     return next((a.i for a in node.attribute if a.name == "block_size"), 0)
 
 
@@ -120,19 +120,19 @@ def tensorrt_graph(model, folder: Path) -> list[str]:
     requantized from the block values: within half a per-channel step of them), and a graph left
     without INT4 drops back from opset 21. Returns the converted weights' names."""
     import onnx
-    from onnx import numpy_helper
+    from onnx import TensorProto, numpy_helper
 
     g = model.graph
     inits = {i.name: i for i in g.initializer}
-    todo = [n for n in g.node if n.op_type == "DequantizeLinear" and _block_size(n) > 0
-            and n.input[0] in inits and inits[n.input[0]].data_type == _INT8]
+    todo = [n for n in g.node if n.op_type == "DequantizeLinear" and block_size(n) > 0
+            and n.input[0] in inits and inits[n.input[0]].data_type == TensorProto.INT8]
     if not todo:
         return []
     onnx.load_external_data_for_model(model, str(folder))
     for n in todo:
         codes = numpy_helper.to_array(inits[n.input[0]])  # [K, N]
         scales = numpy_helper.to_array(inits[n.input[1]])  # [K / B, N]
-        b = _block_size(n)
+        b = block_size(n)
         k, cols = codes.shape
         w = (codes.reshape(k // b, b, cols).astype(np.float64) * scales.astype(np.float64)[:, None, :]).reshape(k, cols)
         s = np.maximum(np.abs(w).max(0), 1e-12) / 127.0  # [N]
@@ -142,8 +142,8 @@ def tensorrt_graph(model, folder: Path) -> list[str]:
         keep = [a for a in n.attribute if a.name not in ("axis", "block_size")]
         del n.attribute[:]
         n.attribute.extend(keep + [onnx.helper.make_attribute("axis", 1)])
-    still_blocked = any(n.op_type == "DequantizeLinear" and _block_size(n) > 0 for n in g.node)
-    if not still_blocked and not any(i.data_type == _INT4 for i in g.initializer):
+    still_blocked = any(n.op_type == "DequantizeLinear" and block_size(n) > 0 for n in g.node)
+    if not still_blocked and not any(i.data_type == TensorProto.INT4 for i in g.initializer):
         for o in model.opset_import:
             if o.domain in ("", "ai.onnx"):
                 o.version = min(o.version, OPSET_WITHOUT_INT4)
