@@ -17,11 +17,13 @@ not help there. Each group's clip ratio is chosen by the same output error (AWQ'
 rather than the weights' own error. What it gives on held-out text: docs/weights.md."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import torch
 
 from export.model import Transformer, causal_mask
-from export.weights import QuantWeight, int4_groups
+from export.weights import int4_groups
 
 ALPHAS = tuple(round(a, 1) for a in np.arange(0.0, 1.01, 0.1))
 SCALED = ("attn.wqkv", "mlp.w_gate_up", "mlp.w_down")  # per layer; see above for o
@@ -97,7 +99,7 @@ def apply_awq(state: dict[str, np.ndarray], norms: dict[str, np.ndarray], stats:
     for name, (mean_abs, x) in stats.items():
         s, alpha, q, err0, err = best_scale(state[name], mean_abs, x, group, search)
         report[name] = {"alpha": alpha, "error_ratio": err / err0 if err0 > 0 else 1.0}
-        quant[name], scales[name] = q, s
+        quant[name], scales[name] = replace(q, origin=q.origin + ", AWQ scales"), s
         state[name] = state[name] * s[None, :]
     for name, s in scales.items():  # the folds; a row scale moves a row's group scales with it
         layer = name.rsplit(".", 3)[0]  # layers.i
@@ -111,11 +113,7 @@ def apply_awq(state: dict[str, np.ndarray], norms: dict[str, np.ndarray], stats:
             w[inter:] /= s[:, None]
             state[gu] = w
             if gu in quant:
-                g = quant[gu]
-                gs = g.scales.copy()
+                gs = quant[gu].scales.copy()
                 gs[inter:] /= s[:, None]
-                quant[gu] = QuantWeight(g.bits, g.codes, gs, g.block, g.origin + ", AWQ scales")
-    for name, q in quant.items():
-        if not q.origin.endswith("AWQ scales"):
-            quant[name] = QuantWeight(q.bits, q.codes, q.scales, q.block, q.origin + ", AWQ scales")
+                quant[gu] = replace(quant[gu], scales=gs)
     return state, norms, quant, report
