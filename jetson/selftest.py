@@ -153,7 +153,7 @@ def serve_check(bundle, ctx: int, backend: str = "trt") -> tuple[dict, bool]:
     """`edgekv serve`'s engine on `backend`: four chat prompts joining a batch two steps apart give
     the greedy tokens each gives alone on the same backend (a divergence only at a near-tie of the
     lone run's logits); then the aggregate decode rate of four sequences against one."""
-    from edgekv.runtime.engine import Engine, Request
+    from edgekv.runtime.engine import Request
 
     codec = TextCodec(bundle)
     prompts = [codec.chat_ids([{"role": "user", "content": q}]) for q in QUESTIONS]
@@ -163,7 +163,7 @@ def serve_check(bundle, ctx: int, backend: str = "trt") -> tuple[dict, bool]:
     tol = bundle.logits_tolerance()
     with open_runtime(bundle, ctx, backend, log=None) as rt:
         alone = [greedy_run(rt, p, new) for p in prompts]
-        engine = Engine(rt, capacity=ctx, parallel=len(prompts))
+        engine = rt.engine(capacity=ctx, parallel=len(prompts))
         reqs = [Request(p, new) for p in prompts]
         for r in reqs:  # each joins two steps after the previous one, mid-prefill or mid-decode of the others
             engine.submit(r)

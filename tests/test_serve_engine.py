@@ -69,7 +69,7 @@ def batch_schedule(engine):
 
 
 def test_batched_equals_alone_float_logits(rt_float):
-    engine = Engine(rt_float, capacity=256, parallel=4, prefill_chunk=8)
+    engine = rt_float.engine(capacity=256, parallel=4, prefill_chunk=8)
     spec, reqs, saw_mixed = batch_schedule(engine)
     assert saw_mixed, "the schedule did not mix a prefill with decodes"
     assert engine.counters["steps"] < sum(n for _, n in spec.values())  # batched: fewer steps than tokens
@@ -83,14 +83,14 @@ def test_batched_equals_alone_float_logits(rt_float):
 
 
 def test_batched_equals_alone_int8_greedy(rt_int8):
-    engine = Engine(rt_int8, capacity=256, parallel=4, prefill_chunk=8)
+    engine = rt_int8.engine(capacity=256, parallel=4, prefill_chunk=8)
     spec, reqs, _ = batch_schedule(engine)
     for k, (prompt, n) in spec.items():
         assert reqs[k].out == alone(rt_int8, prompt, n)[0], k
 
 
 def test_prefix_reuse_prefills_only_the_new_tokens(rt_float):
-    engine = Engine(rt_float, capacity=256, parallel=4, prefill_chunk=16)
+    engine = rt_float.engine(capacity=256, parallel=4, prefill_chunk=16)
     system = ids(40, 7)
     first = Request(system + ids(6, 8), 4, record_logits=True)
     engine.submit(first)
@@ -108,7 +108,7 @@ def test_prefix_reuse_prefills_only_the_new_tokens(rt_float):
 
 
 def test_cancel_frees_cells_at_the_next_step(rt_float):
-    engine = Engine(rt_float, capacity=256, parallel=4, prefill_chunk=16, max_prefixes=0)
+    engine = rt_float.engine(capacity=256, parallel=4, prefill_chunk=16, max_prefixes=0)
     a, b = Request(ids(10, 1), 50), Request(ids(10, 2), 50)
     engine.submit(a), engine.submit(b)
     for _ in range(6):
@@ -128,7 +128,7 @@ def test_cancel_frees_cells_at_the_next_step(rt_float):
 
 
 def test_queue_bound_and_waiting_for_cells(rt_float):
-    engine = Engine(rt_float, capacity=64, parallel=4, max_queue=2, prefill_chunk=16, max_prefixes=0)
+    engine = rt_float.engine(capacity=64, parallel=4, max_queue=2, prefill_chunk=16, max_prefixes=0)
     # each needs 20 + 30 - 1 cells: the second does not fit beside the first and waits
     a, b = Request(ids(20, 1), 30), Request(ids(20, 2), 30)
     engine.submit(a), engine.submit(b)
@@ -145,7 +145,7 @@ def test_queue_bound_and_waiting_for_cells(rt_float):
 def test_fragmented_pool_splits_a_step_and_stays_exact(rt_float):
     """Small pool, many short requests coming and going: free cells end up in holes, steps are
     split over several runs, and every sequence still equals its lone decode."""
-    engine = Engine(rt_float, capacity=96, parallel=6, max_queue=64, prefill_chunk=8, max_prefixes=4)
+    engine = rt_float.engine(capacity=96, parallel=6, max_queue=64, prefill_chunk=8, max_prefixes=4)
     reqs = [Request(ids(5 + (i * 7) % 13, 100 + i), 3 + (i * 5) % 9) for i in range(14)]
     for i, r in enumerate(reqs):
         engine.submit(r)
@@ -157,7 +157,7 @@ def test_fragmented_pool_splits_a_step_and_stays_exact(rt_float):
 
 
 def test_prefix_cache_gives_way_when_cells_are_needed(rt_float):
-    engine = Engine(rt_float, capacity=64, parallel=2, prefill_chunk=16)
+    engine = rt_float.engine(capacity=64, parallel=2, prefill_chunk=16)
     a = Request(ids(30, 1), 4)
     engine.submit(a)
     run_until_done(engine, [a])
@@ -177,7 +177,7 @@ def test_batched_equals_alone_real_model_int8_greedy(real_bundle):
     rt = open_runtime(real_bundle, ctx=512, backend="ort-cpu")
     questions = ["What is the capital of France?", "Name three colours.", "What is 2 + 2?", "Say hello in German."]
     prompts = [rt.codec.chat_ids([{"role": "user", "content": q}]) for q in questions]
-    engine = Engine(rt, capacity=512, parallel=4, prefill_chunk=16)
+    engine = rt.engine(capacity=512, parallel=4, prefill_chunk=16)
     reqs = [Request(p, 12 + 4 * i, stop_ids=rt.codec.stop_ids) for i, p in enumerate(prompts)]
     for r in reqs:  # each joins two steps after the previous one, mid-prefill or mid-decode of the others
         engine.submit(r)
@@ -203,11 +203,11 @@ def test_a_backend_without_run_cells_is_refused_in_one_line(rt_float):
         backend = OneSequenceBackend()
 
     with pytest.raises(EdgeKVError, match="serving needs a backend that runs a pool of cells"):
-        Engine(Rt())
+        Engine(Rt.backend, None)
 
 
 def test_next_turn_reuses_the_reply_and_equals_a_fresh_prefill(rt_float):
-    engine = Engine(rt_float, capacity=256, parallel=4, prefill_chunk=16)
+    engine = rt_float.engine(capacity=256, parallel=4, prefill_chunk=16)
     first = Request(ids(30, 11), 8)
     engine.submit(first)
     run_until_done(engine, [first])
@@ -228,7 +228,7 @@ def test_next_turn_reuses_the_reply_and_equals_a_fresh_prefill(rt_float):
 
 
 def test_a_cancelled_reply_is_not_cached(rt_float):
-    engine = Engine(rt_float, capacity=256, parallel=4, prefill_chunk=16)
+    engine = rt_float.engine(capacity=256, parallel=4, prefill_chunk=16)
     req = Request(ids(20, 13), 30)
     engine.submit(req)
     for _ in range(6):
@@ -242,7 +242,7 @@ def test_a_cancelled_reply_is_not_cached(rt_float):
 
 
 def test_a_prompt_gets_a_contiguous_run_when_cached_prefixes_fragment_the_pool(rt_float):
-    engine = Engine(rt_float, capacity=100, parallel=4, prefill_chunk=32)
+    engine = rt_float.engine(capacity=100, parallel=4, prefill_chunk=32)
     # four requests decoded together: their cells interleave, one token of each per step
     reqs = [Request(ids(6, 40 + i), 20) for i in range(4)]
     for r in reqs:
@@ -264,7 +264,7 @@ def test_a_prompt_gets_a_contiguous_run_when_cached_prefixes_fragment_the_pool(r
 
 
 def test_the_cache_gives_way_for_a_run_only_where_that_makes_one(rt_float):
-    engine = Engine(rt_float, capacity=64, parallel=4, prefill_chunk=16)
+    engine = rt_float.engine(capacity=64, parallel=4, prefill_chunk=16)
     pool = engine.pool
     pool.take(np.arange(0, 64, 4))  # running sequences' cells: every 4th, free runs of 3 at most
     pool.remember([5, 6, 7], np.array([1, 2, 3]))

@@ -102,7 +102,7 @@ def test_trt_serves_a_fragmented_pool_exactly_as_ort_cpu(bundle_copy, monkeypatc
     and the past reaches every cell; tokens and logits equal the engine on ort-cpu bit for bit."""
     fake_gpu.install(monkeypatch)
     from edgekv.runtime.assemble import Runtime
-    from edgekv.runtime.engine import Engine, Request
+    from edgekv.runtime.engine import Request
     from jetson.build_engine import build_engine
 
     build_engine(str(bundle_copy), ctx=64, max_prefill=16)
@@ -111,7 +111,7 @@ def test_trt_serves_a_fragmented_pool_exactly_as_ort_cpu(bundle_copy, monkeypatc
     for name, be in (("trt", make_backend("trt", b, ctx=64, max_logits_rows=16)),
                      ("ort", OrtBackend(b, threads=1, max_logits_rows=16, past_bucket=1))):
         be.max_tokens_per_call = 16  # the engine's profile: the same calls on both (trt: already)
-        engine = Engine(Runtime(b, be, 64), capacity=64, parallel=5, prefill_chunk=16, max_prefixes=3)
+        engine = Runtime(b, be, 64).engine(capacity=64, parallel=5, prefill_chunk=16, max_prefixes=3)
         reqs = [Request(ids(4 + (i * 5) % 11, 50 + i), 2 + (i * 3) % 7, record_logits=True) for i in range(12)]
         for r in reqs:
             engine.submit(r)

@@ -1,4 +1,4 @@
-"""The one place a bundle, a backend, caches and generators are put together."""
+"""The one place a bundle, a backend, caches, engines and generators are put together."""
 from __future__ import annotations
 
 import os
@@ -9,6 +9,7 @@ from edgekv.format.bundle import Bundle, load_bundle
 from edgekv.runtime.backends import MATMUL_ACCURACY, make_backend
 from edgekv.runtime.backends.base import PREFILL_CHUNK, Backend
 from edgekv.runtime.cache import KVCache, default_capacity
+from edgekv.runtime.engine import Engine
 from edgekv.runtime.generate import Generator
 from edgekv.runtime.text import TextCodec
 
@@ -31,6 +32,11 @@ class Runtime:
     def generator(self, capacity: int | None = None, prefill_chunk: int = PREFILL_CHUNK, cache: KVCache | None = None) -> Generator:
         """A generator over a new sequence: in `cache`, or in a new cache of `capacity` slots."""
         return Generator(self.backend, cache or self.cache(capacity), prefill_chunk=prefill_chunk)
+
+    def engine(self, capacity: int | None = None, **kw) -> Engine:
+        """An engine over a new pool of `capacity` cells (kw: Engine's parallel, max_queue,
+        prefill_chunk, max_prefixes): serve's, with its thread started; chat's, run on the caller's."""
+        return Engine(self.backend, self.cache(capacity), **kw)
 
     def close(self) -> None:
         self.backend.close()

@@ -93,6 +93,30 @@ class KVCache:
         for name, buf in self.buffers.items():
             self.memory.write_rows(buf, start, rows[name])
 
+    def read_cells(self, cells) -> dict[str, np.ndarray]:
+        """Host copies of the given slots of every buffer, in that order."""
+        cells = np.asarray(cells, np.int64)
+        if not self.reads_rows:  # device memory reads from the start only
+            whole = self.read(int(cells.max()) + 1 if cells.size else 0)
+            return {name: v[cells] for name, v in whole.items()}
+        parts = [self.read_rows(int(a), int(b)) for a, b in runs(cells)]
+        return {name: np.concatenate([p[name] for p in parts]) if parts else
+                np.zeros(self.slots_shape(name, 0), self.dtypes[name]) for name in self.names}
+
+    def write_cells(self, cells, snap: dict[str, np.ndarray]) -> None:
+        """Copy a snapshot's slots (checked with `slots_in`) to the given slots, in that order."""
+        cells = np.asarray(cells, np.int64)
+        if not self.reads_rows:
+            whole = self.read(self.capacity)
+            for name in self.names:
+                whole[name][cells] = snap[name]
+            self.write(whole)
+            return
+        i = 0
+        for a, b in runs(cells):
+            self.write_rows(int(a), {name: snap[name][i: i + b - a] for name in self.names})
+            i += b - a
+
     def slots_in(self, snap: dict[str, np.ndarray]) -> int:
         """The slots a snapshot holds; an error unless it fits this cache's layout."""
         n = {v.shape[0] for v in snap.values()}
@@ -107,3 +131,13 @@ class KVCache:
         """Copy a snapshot (checked with `slots_in`) into the first slots of every buffer."""
         for name, buf in self.buffers.items():
             self.memory.write(buf, snap[name])
+
+
+def runs(cells: np.ndarray) -> list[tuple[int, int]]:
+    """[start, stop) of each run of consecutive slots in `cells`, in order."""
+    if cells.size == 0:
+        return []
+    cut = np.flatnonzero(np.diff(cells) != 1) + 1
+    starts = np.r_[cells[0], cells[cut]]
+    stops = np.r_[cells[cut - 1] + 1, cells[-1] + 1]
+    return list(zip(starts.tolist(), stops.tolist()))

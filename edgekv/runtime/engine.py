@@ -13,7 +13,12 @@ prefix cache for the next request that starts the same way.
 Admission reserves every cell a request may need (prompt + max_tokens), so a running sequence
 never runs out of cells; requests that do not fit wait in a bounded queue (`QueueFull` past it).
 The engine's thread makes every graph call; callers submit and cancel from any thread and get
-tokens through the request's `emit` callback (called on the engine thread)."""
+tokens through the request's `emit` callback (called on the engine thread).
+
+Chat runs on the same engine without its thread (`run`): its conversation is a `Held` sequence
+whose cells stay in the pool between requests, each turn a request that appends to it. A held
+ring (StreamingLLM) overwrites its own oldest cells after the sinks when the pool is full; a
+turn (`begin_turn`) can be rolled back exactly, the cells it overwrote included."""
 from __future__ import annotations
 
 import threading
@@ -26,8 +31,101 @@ import numpy as np
 
 from edgekv.errors import ContextOverflow, EdgeKVError, QueueFull, note
 from edgekv.runtime.backends.base import PREFILL_CHUNK, BatchBackend
+from edgekv.runtime.cache import KVCache
 from edgekv.runtime.pool import CellPool
 from edgekv.runtime.sampling import SamplingParams, sample
+
+NO_LIMIT = 1 << 62
+
+
+class Held:
+    """A sequence whose cells stay in the engine's pool between requests: a chat conversation.
+    The engine is its only writer (through the methods marked so); everyone else reads it.
+
+    `cells` are the cells of the tokens in context, in position order; `ids` every token fed
+    since the last reset (a ring's overwritten ones too), so the next position is len(ids). A
+    ring keeps its first `sinks` cells forever and overwrites the oldest of the rest."""
+
+    def __init__(self, capacity: int, max_positions: int):
+        self.capacity = capacity  # cells it may hold (the pool's)
+        self.max_positions = max_positions  # positions the bundle was verified for
+        self._cells: list[int] = []
+        self._ids: list[int] = []
+        self._sinks: int | None = None
+
+    # -- what it holds (read-only)
+    @property
+    def n(self) -> int:
+        return len(self._cells)
+
+    @property
+    def pos(self) -> int:
+        return len(self._ids)
+
+    @property
+    def cells(self) -> list[int]:
+        return list(self._cells)
+
+    @property
+    def ids(self) -> list[int]:
+        """A copy of the token ids fed since the last reset."""
+        return list(self._ids)
+
+    @property
+    def sinks(self) -> int | None:
+        return self._sinks
+
+    @property
+    def ring(self) -> bool:
+        return self._sinks is not None
+
+    @property
+    def wrapped(self) -> bool:
+        """A ring that has overwritten tokens (its cells no longer hold every id)."""
+        return len(self._ids) > len(self._cells)
+
+    def recent(self, k: int) -> list[int]:
+        return self._ids[-k:] if k > 0 else []
+
+    def room(self) -> int:
+        """Tokens it may still be fed: free cells (a ring always has some) and verified positions."""
+        cells = NO_LIMIT if self.ring else self.capacity - self.n
+        return min(cells, self.max_positions - self.pos)
+
+    def enable_ring(self, sinks: int) -> None:
+        """Make this (empty) sequence a ring that keeps its first `sinks` cells."""
+        if self._cells:
+            raise ValueError("a ring is set up on an empty sequence")
+        if not 0 <= sinks < self.capacity - 1:
+            raise EdgeKVError(f"ring cache: {sinks} sink slots leave no ring in a capacity of {self.capacity}")
+        self._sinks = sinks
+
+    def disable_ring(self) -> None:
+        if self.ring and self._cells:
+            raise ValueError("a ring is set up on an empty sequence")
+        self._sinks = None
+
+    def check_restore(self, n: int, ids: list[int]) -> None:
+        """`Engine.restore` would accept n cells holding the last n of `ids` (an error saying why not)."""
+        if n > self.capacity:
+            raise ContextOverflow(f"snapshot holds {n} tokens, more than the cache capacity {self.capacity}",
+                                  setting="capacity", fix="raise {}")
+        if len(ids) != n and not (self.ring and len(ids) > n == self.capacity):
+            raise EdgeKVError(f"snapshot holds {n} slots but {len(ids)} token ids")
+        if len(ids) > self.max_positions:
+            raise ContextOverflow(f"snapshot holds {len(ids)} positions, more than the {self.max_positions} "
+                                  f"this bundle was verified for")
+
+    # -- the engine's
+    def _set(self, cells: list[int], ids: list[int]) -> None:
+        self._cells, self._ids = list(cells), list(ids)
+
+    def _state(self) -> tuple:
+        return list(self._cells), list(self._ids), self._sinks
+
+    def _restore_state(self, state: tuple) -> None:
+        cells, ids, self._sinks = state
+        self._cells, self._ids = list(cells), list(ids)
 
 
 @dataclass(eq=False)
@@ -38,8 +136,13 @@ class Request:
     stop_ids: set[int] = field(default_factory=set)
     emit: Callable[[str, object], None] | None = None  # ("token", id) then ("done", reason); engine thread
     record_logits: bool = False  # keep a copy of every sampled-from logits row (tests)
+    held: Held | None = None  # append to this sequence (its cells are the context; the prompt is only what is new)
+    feed_last: bool = False  # feed the last token (a stop token too) so the held cells hold the whole turn
+    rng: np.random.Generator | None = None  # default: one seeded with params.seed
     # the engine's bookkeeping
-    cells: list[int] = field(default_factory=list)  # cell of position i, in order
+    cells: list[int] = field(default_factory=list)  # cells of the tokens in context, in position order
+    pos: int = 0  # the next token's position
+    fed_ids: list[int] = field(default_factory=list)  # every token fed, in order
     fed: int = 0  # prompt tokens in cells
     reused: int = 0  # of which taken from the prefix cache
     out: list[int] = field(default_factory=list)
@@ -47,22 +150,26 @@ class Request:
     budget: int = 0  # cells it may still claim (reserved at admission)
     finish_reason: str | None = None
     cancelled: bool = False
+    limit_reason: str = "length"  # why it ends at max_tokens ("context": capped to the room left)
+    closing: str | None = None  # finished, its last token still to be fed (feed_last)
     t_submit: float = 0.0
     ttft_s: float | None = None
+    t_last: float = 0.0  # when its last decode call (one sampled from) returned
+    decode_steps: int = 0  # decode calls sampled from, after the first token
     logits: list = field(default_factory=list)
 
     def __post_init__(self):
-        self.rng = np.random.default_rng(self.params.seed)
+        if self.rng is None:
+            self.rng = np.random.default_rng(self.params.seed)
 
 
 class Engine:
-    def __init__(self, runtime, capacity: int | None = None, parallel: int = 4, max_queue: int = 64,
+    def __init__(self, backend, cache: KVCache, parallel: int = 4, max_queue: int = 64,
                  prefill_chunk: int = PREFILL_CHUNK, max_prefixes: int = 32):
-        self.backend = runtime.backend
-        if not isinstance(self.backend, BatchBackend):
-            raise EdgeKVError(f"serving needs a backend that runs a pool of cells (run_cells); {self.backend.name} "
+        if not isinstance(backend, BatchBackend):
+            raise EdgeKVError(f"serving needs a backend that runs a pool of cells (run_cells); {backend.name} "
                               "here runs one sequence per call")
-        self.cache = runtime.cache(capacity)
+        self.backend, self.cache = backend, cache
         self.capacity = self.cache.capacity
         self.limit = min(self.capacity, self.cache.max_positions)  # cells and positions of one sequence
         self.pool = CellPool(self.capacity, max_prefixes)
@@ -71,22 +178,34 @@ class Engine:
         self.prefill_chunk = min(prefill_chunk, self.backend.max_tokens_per_call)
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
+        self.held: list[Held] = []
         self.cond = threading.Condition()
         self.counters = dict.fromkeys(("requests", "prompt_tokens", "reused_tokens", "prefilled_tokens",
                                        "generated_tokens", "steps", "calls"), 0)
         self._thread: threading.Thread | None = None
         self._stop = False
         self._paused = False
+        self._turn: dict | None = None
 
     # -- from any thread
     def submit(self, req: Request) -> Request:
         """Queue a request (its max_tokens capped to the room left after its prompt)."""
         if not req.prompt:
             raise EdgeKVError("empty prompt: nothing to feed the model")
-        if len(req.prompt) >= self.limit:
-            raise ContextOverflow(f"the prompt has {len(req.prompt)} tokens; the context holds {self.limit} "
-                                  f"(prompt and at least one new token)", setting="capacity", fix="raise {}")
-        req.max_tokens = max(1, min(req.max_tokens, self.limit - len(req.prompt)))
+        if req.held is None:
+            if len(req.prompt) >= self.limit:
+                raise ContextOverflow(f"the prompt has {len(req.prompt)} tokens; the context holds {self.limit} "
+                                      f"(prompt and at least one new token)", setting="capacity", fix="raise {}")
+            req.max_tokens = max(1, min(req.max_tokens, self.limit - len(req.prompt)))
+        else:
+            room = req.held.room()
+            if len(req.prompt) > room:
+                raise ContextOverflow(f"context full: {req.held.n} + {len(req.prompt)} tokens exceed the "
+                                      f"{self.limit} of this cache", setting="capacity", fix="raise {}")
+            # the last sampled token needs no room when it is not fed (a reply cut at the context's end)
+            cap = room - len(req.prompt) + 1
+            if req.max_tokens > cap:
+                req.max_tokens, req.limit_reason = cap, "context"
         req.t_submit = time.perf_counter()
         with self.cond:
             if len(self.waiting) >= self.max_queue:
@@ -172,25 +291,46 @@ class Engine:
                     req.emit("done", "cancelled")
             while self.waiting and len(self.active) < self.parallel:
                 req = self.waiting[0]
-                k, cells = self.pool.lookup(req.prompt[:-1])  # the last prompt token is always fed: its logits
-                need = len(req.prompt) - k + req.max_tokens - 1
-                self.pool.take(cells)  # held before any eviction below
-                while self.pool.free() - self.reserved() < need and self.pool.evict_one():
-                    pass
-                if self.pool.free() - self.reserved() < need:
-                    self.pool.drop(cells)
-                    return  # it waits until running sequences free their cells
-                # cached prefixes scattered over the pool would cut its prompt into many small
-                # calls (each binding the whole past): give way until one chunk (with the running
-                # sequences' next tokens, placed first) fits in one run, while that helps
-                self._make_run(min(len(req.prompt) - k, self.prefill_chunk) + len(self.active))
+                if req.held is not None:
+                    if not self._admit_held(req):
+                        return
+                else:
+                    k, cells = self.pool.lookup(req.prompt[:-1])  # the last prompt token is always fed: its logits
+                    need = len(req.prompt) - k + req.max_tokens - 1
+                    self.pool.take(cells)  # held before any eviction below
+                    while self.pool.free() - self.reserved() < need and self.pool.evict_one():
+                        pass
+                    if self.pool.free() - self.reserved() < need:
+                        self.pool.drop(cells)
+                        return  # it waits until running sequences free their cells
+                    # cached prefixes scattered over the pool would cut its prompt into many small
+                    # calls (each binding the whole past): give way until one chunk (with the running
+                    # sequences' next tokens, placed first) fits in one run, while that helps
+                    self._make_run(min(len(req.prompt) - k, self.prefill_chunk) + len(self.active))
+                    req.cells, req.fed, req.reused, req.budget, req.pos = [int(c) for c in cells], k, k, need, k
                 self.waiting.popleft()
-                req.cells, req.fed, req.reused, req.budget = [int(c) for c in cells], k, k, need
                 self.active.append(req)
                 c = self.counters
                 c["requests"] += 1
                 c["prompt_tokens"] += len(req.prompt)
-                c["reused_tokens"] += k
+                c["reused_tokens"] += req.reused
+
+    def _admit_held(self, req: Request) -> bool:
+        """A request appending to a held sequence: its cells are the context, it reserves what it
+        may add (a ring: what is free; it then overwrites its own oldest cells)."""
+        h = req.held
+        if any(r.held is h for r in self.active):
+            raise EdgeKVError("a held sequence runs one request at a time")
+        need = min(len(req.prompt) + req.max_tokens - (0 if req.feed_last else 1), h.room())
+        free = self.pool.free() - self.reserved()
+        while free < need and self.pool.evict_one():
+            free = self.pool.free() - self.reserved()
+        if h.ring:
+            need = max(0, min(need, free))
+        elif free < need:
+            return False
+        req.cells, req.fed, req.reused, req.budget, req.pos = h.cells, 0, 0, need, h.pos
+        return True
 
     def _make_run(self, want: int) -> None:
         """Evict cached prefixes, least recently used first, until `want` free cells lie in one
@@ -203,10 +343,14 @@ class Engine:
 
     def _place(self, pieces: deque) -> None:
         """Run the step's pieces in as few calls as the free runs of cells allow (one, unless
-        the free cells are fragmented)."""
+        the free cells are fragmented). A held ring with no free cell left overwrites its oldest
+        run of cells after the sinks."""
         while pieces:
             total = sum(len(t) for _, t, _ in pieces)
             start, length = self.pool.free_run(total)
+            if length == 0 and pieces[0][0].held is not None and pieces[0][0].held.ring:
+                self._overwrite_oldest(pieces[0][0], len(pieces[0][1]))
+                start, length = self.pool.free_run(total)
             if length == 0:
                 raise RuntimeError("no free cell although every request's cells were reserved")
             call = []
@@ -220,6 +364,21 @@ class Engine:
                     pieces[0] = (req, toks[length:], dec)
                     length = 0
             self._call(start, call)
+
+    def _overwrite_oldest(self, req: Request, want: int) -> None:
+        """Free a ring's oldest cells after its sinks, one run of consecutive cells, at most
+        `want`: they leave the context now (the call about to write there no longer sees them)."""
+        sinks = req.held.sinks
+        first = sinks
+        if first >= len(req.cells):
+            raise EdgeKVError("ring cache: no cell left to overwrite beside the sinks")
+        run = 1
+        while run < want and first + run < len(req.cells) and req.cells[first + run] == req.cells[first] + run:
+            run += 1
+        gone = req.cells[first: first + run]
+        del req.cells[first: first + run]
+        self.pool.drop(gone)
+        req.budget += run
 
     def _past(self) -> int:
         """Cells bound as the past: [0, high water) rounded up to the backend's bucket (ort), so
@@ -238,7 +397,7 @@ class Engine:
         for req, toks, dec in call:
             n = len(toks)
             ids[0, r: r + n] = toks
-            pos[0, r: r + n] = len(req.cells) + np.arange(n)
+            pos[0, r: r + n] = req.pos + np.arange(n)
             if req.cells:
                 mask[0, r: r + n, req.cells] = True  # its own past, wherever its cells are
             mask[0, r: r + n, p + r: p + r + n] = np.tri(n, dtype=np.bool_)  # its new tokens, causally
@@ -246,55 +405,204 @@ class Engine:
                 rows.append(r + n - 1)  # the last token of a prompt, or a decode step: sample from it
             r += n
         idx = np.asarray([rows or [s - 1]], np.int64)
+        if self._turn is not None:
+            self._protect(w, s)
         logits = self.backend.run_cells(self.cache, p, w, ids, pos, mask, idx)
+        if not np.isfinite(logits[0, : len(rows)]).all():  # damaged weights or an overflow: never sample from it
+            raise EdgeKVError("the model produced non-finite logits (NaN or infinity); the bundle's weights may "
+                              "be damaged: check them with `edgekv verify BUNDLE`")
         self.pool.take(np.arange(w, w + s))
         self.counters["calls"] += 1
+        now = time.perf_counter()
         r, j = 0, 0
         for req, toks, dec in call:
             n = len(toks)
             req.cells.extend(range(w + r, w + r + n))
+            req.fed_ids.extend(toks)
+            req.pos += n
             req.budget -= n
             r += n
             if dec:
                 req.next_token = None
+                if not req.closing:
+                    req.decode_steps += 1
+                    req.t_last = now
             else:
                 req.fed += n
                 self.counters["prefilled_tokens"] += n
-                if req.fed == len(req.prompt):
+                if req.fed == len(req.prompt) and req.held is None:
                     self.pool.remember(req.prompt, np.asarray(req.cells[: req.fed]))
             if dec or req.fed == len(req.prompt):
-                self._sample(req, logits[0, j])
+                if req.closing:  # its last token is in the cells now
+                    self._finish(req, req.closing)
+                elif req.max_tokens == 0:  # only fed (a held prompt)
+                    self._finish(req, "length")
+                else:
+                    self._sample(req, logits[0, j])
                 j += 1
+
+    def _can_feed(self, req: Request) -> bool:
+        """One more token of this request fits: a cell (a ring overwrites) and a verified position."""
+        ring = req.held is not None and req.held.ring
+        return req.pos < self.cache.max_positions and (ring or len(req.cells) < self.capacity)
 
     def _sample(self, req: Request, row: np.ndarray) -> None:
         if req.cancelled:
             return  # dropped at the next step
         if req.record_logits:
             req.logits.append(row.copy())
-        history = (req.prompt + req.out)[-req.params.repeat_last_n:] if req.params.repeat_penalty != 1.0 else []
+        history = []
+        if req.params.repeat_penalty != 1.0:
+            before = req.held.recent(req.params.repeat_last_n) if req.held is not None else []
+            fed = req.fed_ids if req.held is not None else req.prompt + req.out  # what the cells hold
+            history = (before + fed)[-req.params.repeat_last_n:]
         tok = sample(row, req.params, req.rng, history)
         if req.ttft_s is None:
             req.ttft_s = time.perf_counter() - req.t_submit
+        reason = None
         if tok in req.stop_ids:
-            self._finish(req, "stop")
-            return
-        req.out.append(tok)
-        self.counters["generated_tokens"] += 1
-        if req.emit:
-            req.emit("token", tok)
-        if len(req.out) >= req.max_tokens:
-            self._finish(req, "length")
+            reason = "stop"
         else:
+            req.out.append(tok)
+            self.counters["generated_tokens"] += 1
+            if req.emit:
+                req.emit("token", tok)
+            if len(req.out) >= req.max_tokens:
+                reason = req.limit_reason
+        if reason is None:
             req.next_token = tok
+        elif req.feed_last and self._can_feed(req):
+            req.next_token, req.closing = tok, reason  # fed at the next step, then it ends
+        else:
+            self._finish(req, reason)
 
     def _finish(self, req: Request, reason: str) -> None:
         req.finish_reason = reason
-        if reason in ("stop", "length") and len(req.cells) > len(req.prompt):
-            # the whole conversation so far (prompt and the reply tokens that were fed): a client's
-            # next turn sends it back with its new message, and prefills only that
-            self.pool.remember((req.prompt + req.out)[: len(req.cells)], np.asarray(req.cells))
-        self.pool.drop(req.cells)
+        if req.held is not None:  # its cells stay: the held sequence's context
+            h = req.held
+            h._set(req.cells, h.ids + req.fed_ids)
+        else:
+            if reason in ("stop", "length") and len(req.cells) > len(req.prompt):
+                # the whole conversation so far (prompt and the reply tokens that were fed): a client's
+                # next turn sends it back with its new message, and prefills only that
+                self.pool.remember((req.prompt + req.out)[: len(req.cells)], np.asarray(req.cells))
+            self.pool.drop(req.cells)
         req.cells, req.budget, req.next_token = [], 0, None
         self.active.remove(req)
         if req.emit:
             req.emit("done", reason)
+
+    # -- held sequences (chat): one caller thread, no engine thread
+    def hold(self) -> Held:
+        """A new, empty sequence whose cells stay in the pool between its requests."""
+        h = Held(self.limit, self.cache.max_positions)
+        self.held.append(h)
+        return h
+
+    def run(self, req: Request) -> Request:
+        """Submit `req` and step on the calling thread until it ends."""
+        if self._thread is not None:
+            raise RuntimeError("run() steps on the caller's thread; this engine has its own")
+        self.submit(req)
+        while req.finish_reason is None:
+            if not self.step():
+                with self.cond:
+                    if req in self.waiting:
+                        self.waiting.remove(req)
+                raise ContextOverflow("the request does not fit in the free cells of the pool",
+                                      setting="capacity", fix="raise {}")
+        return req
+
+    def truncate(self, h: Held, n: int) -> None:
+        """Forget everything of `h` after its first n tokens (undo / regenerate)."""
+        if not 0 <= n <= h.n or h.wrapped:
+            raise ValueError(f"cannot truncate a sequence of {h.n} tokens to {n}"
+                             + (" (the ring has wrapped)" if h.wrapped else ""))
+        cells = h.cells
+        self.pool.drop(cells[n:])
+        h._set(cells[:n], h.ids[:n])
+
+    def reset(self, h: Held) -> None:
+        """Forget everything `h` holds."""
+        self.pool.drop(h.cells)
+        h._set([], [])
+
+    def snapshot(self, h: Held) -> dict[str, np.ndarray]:
+        """Host copies of `h`'s cells, in position order (slot i of the snapshot: its i-th token in context)."""
+        return self.cache.read_cells(h.cells)
+
+    def restore(self, h: Held, snap: dict[str, np.ndarray], ids: list[int], w: int | None = None) -> None:
+        """Replace what `h` holds with a snapshot and the token ids it was fed. `w`: the write slot
+        of a wrapped ring saved in slot order (its oldest token at slot w, after the sinks):
+        its slots are put in position order. Everything is checked before anything changes."""
+        n = self.cache.slots_in(snap)
+        h.check_restore(n, ids)
+        if w is not None and w != n:
+            if not h.ring or not h.sinks <= w < n:
+                raise EdgeKVError("snapshot of a wrapped ring does not fit this cache")
+            order = np.r_[0: h.sinks, w: n, h.sinks: w]
+            snap = {k: v[order] for k, v in snap.items()}
+        self.pool.drop(h.cells)
+        free = np.flatnonzero(self.pool.refs == 0)
+        if free.size < n:
+            self.pool.take(h.cells)
+            raise ContextOverflow(f"snapshot holds {n} tokens, {free.size} cells are free", setting="capacity",
+                                  fix="raise {}")
+        cells = [int(c) for c in free[:n]]
+        self.pool.take(cells)
+        self.cache.write_cells(cells, snap)
+        h._set(cells, ids)
+
+    # -- turns: what a turn changes can be undone exactly (an interrupted or failed chat turn)
+    def begin_turn(self) -> None:
+        """Remember the pool and the held sequences now; `rollback` returns to this, the
+        contents of cells it overwrote included (copied before each is first written)."""
+        self._turn = {"refs": self.pool.refs.copy(), "prefixes": dict(self.pool.prefixes),
+                      "held": [(h, h._state()) for h in self.held], "rows": [], "whole": None,
+                      "saved": np.zeros(self.capacity, np.bool_)}
+
+    def end_turn(self) -> None:
+        self._turn = None
+
+    def rollback(self) -> None:
+        """Back to `begin_turn`: running and waiting requests dropped, the cells' owners, the
+        held sequences and every overwritten cell as they were."""
+        turn, self._turn = self._turn, None
+        if turn is None:
+            return
+        with self.cond:
+            self.waiting.clear()
+        self.active.clear()
+        if turn["whole"] is not None:
+            self.cache.write(turn["whole"])
+        for start, rows in turn["rows"]:
+            self.cache.write_rows(start, rows)
+        self.pool.refs[:] = turn["refs"]
+        self.pool.prefixes.clear()
+        self.pool.prefixes.update(turn["prefixes"])
+        for h, state in turn["held"]:
+            h._restore_state(state)
+
+    def _protect(self, w: int, s: int) -> None:
+        """Before a call writes cells [w, w + s): copy those in use at the turn's start, once
+        each (where the memory reads row ranges; else the whole cache once)."""
+        turn = self._turn
+        if turn["whole"] is not None:
+            return
+        todo = (turn["refs"][w: w + s] > 0) & ~turn["saved"][w: w + s]
+        if not todo.any():
+            return
+        if not self.cache.reads_rows:
+            turn["whole"] = self.cache.read(self.capacity)
+            return
+        i = 0
+        while i < s:  # each run of cells not copied yet
+            if not todo[i]:
+                i += 1
+                continue
+            j = i
+            while j < s and todo[j]:
+                j += 1
+            turn["rows"].append((w + i, self.cache.read_rows(w + i, w + j)))
+            i = j
+        turn["saved"][w: w + s] |= todo

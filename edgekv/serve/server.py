@@ -6,7 +6,6 @@ import threading
 from edgekv.errors import EdgeKVError, note
 from edgekv.runtime.assemble import Runtime, open_runtime
 from edgekv.runtime.backends.base import PREFILL_CHUNK
-from edgekv.runtime.engine import Engine
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 
@@ -26,7 +25,7 @@ def build(rt: Runtime, ctx: int | None = None, parallel: int = 4, max_queue: int
     """(engine, ASGI app) over a runtime; the engine's thread is started."""
     from edgekv.serve.app import Server
 
-    engine = Engine(rt, capacity=ctx, parallel=parallel, max_queue=max_queue, prefill_chunk=prefill_chunk).start()
+    engine = rt.engine(capacity=ctx, parallel=parallel, max_queue=max_queue, prefill_chunk=prefill_chunk).start()
     return engine, Server(engine, rt.codec, rt.bundle.manifest.get("name", rt.bundle.path.name), api_key).app()
 
 
