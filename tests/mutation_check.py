@@ -208,21 +208,20 @@ MUTATIONS = [
       'if t == "UINT8" and tname not in graph_io and tname not in constants:', "if False:", TRT),
     M("check-trt: an empty .onnx passes", "check-trt", "edgekv/tools/trt_check.py",
       "if not model.graph.node or not model.opset_import:", "if False:", TRT_CLI),
-    # -- chat (the Sequence is the one list of slots, positions and ids: chat and the generator
-    # change it only through its methods, so the bugs of a separate id list are bugs of those)
+    # -- chat (a held sequence of the engine: its cells, ids and sinks change only through the
+    # engine, so the bugs of a separate id list are bugs of those methods)
     M("chat: one stale slot kept after /undo", "chat", "edgekv/chat/session.py",
-      "        self._keep_common_prefix(self.conv.render(self.conv.msgs(), self.gen.seq.ids))\n        return True",
-      "        held = self.gen.seq.ids\n"
-      "        self.gen.truncate(min(len(held), common_prefix(held, self.conv.render(self.conv.msgs(), held)) + 1))\n"
+      "        self._keep_common_prefix(self.conv.render(self.conv.msgs(), self.seq.ids))\n        return True",
+      "        held = self.seq.ids\n"
+      "        self.engine.truncate(self.seq, min(len(held), common_prefix(held, self.conv.render(self.conv.msgs(), held)) + 1))\n"
       "        return True", CHAT),
-    M("sequence: truncate keeps one stale id", "chat", "edgekv/runtime/sequence.py",
-      "        del self._ids[n:]", "        del self._ids[n + 1:]", CHAT),
-    M("chat: the ring runs one position past the verified context", "chat", "edgekv/runtime/sequence.py",
-      "return min(slots, self.max_positions - self._pos)",
-      "return min(slots, self.max_positions + 1 - self._pos)", CHAT),
+    M("held: truncate keeps one stale id", "chat", "edgekv/runtime/engine.py",
+      "h._set(cells[:n], h.ids[:n])", "h._set(cells[:n], h.ids[:n + 1])", CHAT),
+    M("chat: the ring runs one position past the verified context", "chat", "edgekv/runtime/engine.py",
+      "return min(cells, self.max_positions - self.pos)", "return min(cells, self.max_positions + 1 - self.pos)", CHAT),
     M("sequence: a call may run one position past the verified context", "chat", "edgekv/runtime/sequence.py",
       "if s > self.max_positions - self._pos:", "if s > self.max_positions + 1 - self._pos:",
-      ("tests/test_runtime.py",) + CHAT),
+      ("tests/test_runtime.py",)),
     M("chat: drop-turns drops one message", "chat", "edgekv/chat/conversation.py",
       "self.messages = self.messages[2:] if len(self.messages) >= 2 else []",
       "self.messages = self.messages[1:]", CHAT),
@@ -231,14 +230,16 @@ MUTATIONS = [
     M("chat: sinks not capped at half the cache", "chat", "edgekv/chat/policies.py",
       "        if sinks > seq.capacity // 2:\n", "        if sinks > seq.capacity - 2:\n",
       ("tests/test_hardening.py",) + CHAT),
-    M("chat: Ctrl-C lists the ids of an interrupted call", "chat", "edgekv/runtime/generate.py",
-      "        logits = self.backend.run(self.cache, self.seq, ids, logits_index)\n",
-      "        try:\n            logits = self.backend.run(self.cache, self.seq, ids, logits_index)\n"
-      "        except BaseException:\n            self.seq.advance(ids[0])\n            raise\n", CHAT),
-    M("chat: load sets positions from the slots", "chat", "edgekv/runtime/sequence.py",
-      "self._pos = len(self._ids)", "self._pos = n", CHAT),
-    M("sequence: a ring wraps back to slot 0, over its sinks", "chat", "edgekv/runtime/sequence.py",
-      "            self._w = self._sinks\n", "            self._w = 0\n", CHAT),
+    M("chat: a rolled-back turn keeps the cells it took", "chat", "edgekv/runtime/engine.py",
+      '        self.pool.refs[:] = turn["refs"]\n', "", CHAT),
+    M("chat: a rolled-back turn leaves the cells it overwrote", "chat", "edgekv/runtime/engine.py",
+      '        for start, rows in turn["rows"]:', "        for start, rows in []:", ("tests/test_hardening.py",)),
+    M("chat: load drops the wrapped ring's first ids", "chat", "edgekv/runtime/engine.py",
+      "        h._set(cells, ids)\n", "        h._set(cells, ids[len(ids) - n:])\n", CHAT),
+    M("held: a ring overwrites its sinks", "chat", "edgekv/runtime/engine.py",
+      "        sinks = req.held.sinks\n", "        sinks = 0\n", CHAT),
+    M("chat: the last token of a turn is not fed", "chat", "edgekv/runtime/engine.py",
+      "        elif req.feed_last and self._can_feed(req):", "        elif False:", CHAT),
     # -- guards
     M("engine chooser prefers the largest engine", "guards", "edgekv/runtime/backends/engines.py",
       'info["ctx"] < best[1]["ctx"]', 'info["ctx"] > best[1]["ctx"]', GUARDS),

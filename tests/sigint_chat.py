@@ -13,20 +13,20 @@ from edgekv.runtime.backends.ort import OrtBackend
 
 CHUNK, SLOW = 8, 0.25
 turn = {"slow": False, "prefill": 0, "decode": 0}
-_generator, _run = assemble.Runtime.generator, OrtBackend.run
+_engine, _run = assemble.Runtime.engine, OrtBackend.run_cells
 
 
-def generator(self, capacity=None, prefill_chunk=256, cache=None):
-    return _generator(self, capacity, CHUNK, cache)
+def engine(self, capacity=None, **kw):
+    return _engine(self, capacity, **{**kw, "prefill_chunk": CHUNK})
 
 
-def run(self, cache, seq, ids, logits_index):
+def run(self, cache, past, write, ids, *rest):
     kind = "prefill" if ids.shape[1] > 1 else "decode"
     turn[kind] += 1
     if turn["slow"]:
         print(f"CALL {kind} {turn[kind]}", file=sys.stderr, flush=True)
         time.sleep(SLOW)
-    return _run(self, cache, seq, ids, logits_index)
+    return _run(self, cache, past, write, ids, *rest)
 
 
 _input = input
@@ -41,8 +41,8 @@ def read_line(prompt=""):
 # a shell starts background jobs with SIGINT ignored, and Python keeps an ignored SIGINT ignored:
 # take Ctrl-C as KeyboardInterrupt whatever the test runner was started from
 signal.signal(signal.SIGINT, signal.default_int_handler)
-assemble.Runtime.generator = generator
-OrtBackend.run = run
+assemble.Runtime.engine = engine
+OrtBackend.run_cells = run
 import builtins  # noqa: E402
 
 builtins.input = read_line

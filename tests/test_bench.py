@@ -6,6 +6,7 @@ import types
 import numpy as np
 import pytest
 
+import edgekv.runtime.engine as engine
 import edgekv.runtime.generate as generate
 import edgekv.tools.bench as bench
 from edgekv.format.bundle import load_bundle
@@ -15,7 +16,7 @@ from edgekv.runtime.cache import KVCache
 from edgekv.runtime.generate import Generator, Stats, stats_line
 from edgekv.runtime.memory import HostMemory
 from edgekv.runtime.sampling import SamplingParams
-from tests.conftest import run_edgekv
+from tests.conftest import chat_engine, run_edgekv
 
 
 def test_bench_reports_all_measurements(tiny_bundle_int8, tmp_path):
@@ -57,7 +58,10 @@ class ScriptedBackend:
         self.cost = cost or (lambda ids, pos: PREFILL_S if ids.shape[1] > 1 else DECODE_S)
 
     def run(self, cache, seq, ids, idx):
-        self.clock.t += self.cost(ids, seq.positions(ids.shape[1]))
+        return self.run_cells(cache, None, None, ids, seq.positions(ids.shape[1]), None, idx)
+
+    def run_cells(self, cache, past, write, ids, pos, mask, idx):
+        self.clock.t += self.cost(ids, pos)
         logits = np.zeros((1, idx.shape[1], self.vocab), np.float32)
         logits[0, :, self.script[self.calls] if self.calls < len(self.script) else 5] = 1.0
         self.calls += 1
@@ -70,7 +74,7 @@ class ScriptedBackend:
 @pytest.fixture
 def clock(monkeypatch):
     c = Clock()
-    for mod in (generate, bench):
+    for mod in (generate, bench, engine):
         monkeypatch.setattr(mod, "time", types.SimpleNamespace(perf_counter=c.perf_counter))
     return c
 
@@ -95,30 +99,41 @@ def test_generate_rates_exclude_the_first_token(tiny_bundle_float, clock):
     assert "TTFT 250 ms" in line and "prefill 12 tok @ 48.0 tok/s" in line and "decode 5 tok @ 50.0 tok/s" in line
 
 
-@pytest.mark.parametrize("keep_turn", [False, True])
-def test_decode_rate_when_a_stop_token_ends_the_reply(tiny_bundle_float, clock, keep_turn):
+def test_decode_rate_when_a_stop_token_ends_the_reply(tiny_bundle_float, clock):
     # prefill -> 7; decode calls -> 8, 9, STOP: three decode calls made three tokens, one of them
     # the stop token (not shown, but the model spent a step on it)
     g = scripted_generator(tiny_bundle_float, clock, [7, 8, 9, STOP])
     st = Stats()
     t0 = clock.perf_counter()
     logits = g.prefill(list(range(10, 22)))
-    toks = list(g.decode(logits, 20, SamplingParams(), np.random.default_rng(0), {STOP}, st, t0,
-                         keep_turn=keep_turn))
+    toks = list(g.decode(logits, 20, SamplingParams(), np.random.default_rng(0), {STOP}, st, t0))
     assert toks == [7, 8, 9] and st.stop_reason == "stop" and st.new_tokens == 3
     assert st.decode_s == pytest.approx(3 * DECODE_S)
     assert st.decode_tps == pytest.approx(1 / DECODE_S)
 
 
-def test_chat_turn_at_max_tokens_times_every_fed_token(tiny_bundle_float, clock):
-    """keep_turn (chat) feeds the last token too: four tokens, four decode calls."""
-    g = scripted_generator(tiny_bundle_float, clock)
-    st = Stats()
-    t0 = clock.perf_counter()
-    toks = list(g.decode(g.prefill([10, 11, 12]), 4, SamplingParams(), np.random.default_rng(0), {STOP}, st, t0,
-                         keep_turn=True))
-    assert len(toks) == 4 and g.seq.n == 3 + 4
-    assert st.decode_s == pytest.approx(4 * DECODE_S) and st.decode_tps == pytest.approx(1 / DECODE_S)
+def chat_session(bundle_path, clock, script=()):
+    from edgekv.chat.session import ChatSession
+    from edgekv.runtime.text import TextCodec
+
+    b = load_bundle(bundle_path)
+    be = ScriptedBackend(clock, b.model["vocab_size"], script)
+    return ChatSession(b, TextCodec(b), chat_engine(be, b, 256), SamplingParams(), None, 4)
+
+
+@pytest.mark.parametrize("script, shown", [([7, 8, 9, STOP], 3), ([], 4)], ids=["stop", "max-tokens"])
+def test_chat_turn_rates_from_the_engine(tiny_bundle_float, clock, script, shown):
+    """A chat turn on the engine: TTFT is the prefill call; the decode rate counts the calls made
+    after the first token that were sampled from (a stop token's step among them), not the
+    last token's feed (fed so the cache holds the whole turn)."""
+    s = chat_session(tiny_bundle_float, clock, script)
+    s.codec.stop_ids = {STOP}
+    _, st = s.reply("hello")
+    # stop: 7 from the prefill, decode calls -> 8, 9, STOP; max-tokens (4): 5 from the prefill, three decode calls
+    assert st.ttft_s == pytest.approx(PREFILL_S) and st.new_tokens == shown and st.decode_steps == 3
+    assert st.decode_s == pytest.approx(3 * DECODE_S) and st.decode_tps == pytest.approx(1 / DECODE_S)
+    assert s.engine.backend.calls == 1 + 3 + 1  # the prefill, the decode steps, the last token's feed
+    assert s.ids[-1] == (STOP if script else 5)  # the cache holds the whole turn
 
 
 def test_one_token_has_no_decode_rate(tiny_bundle_float, clock):

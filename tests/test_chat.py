@@ -14,19 +14,19 @@ from edgekv.runtime.generate import Generator
 from edgekv.runtime.sampling import SamplingParams
 from edgekv.format.bundle import load_bundle
 from edgekv.runtime.text import TextCodec
-from tests.conftest import ROOT, run_edgekv
+from tests.conftest import ROOT, chat_engine, run_edgekv
 
 
 def session(path, ctx=256, max_new=12, context="drop-turns"):
     b = load_bundle(path)
-    return ChatSession(b, TextCodec(b), Generator(OrtBackend(b, threads=1), KVCache(b, ctx)), SamplingParams(),
+    return ChatSession(b, TextCodec(b), chat_engine(OrtBackend(b, threads=1), b, ctx), SamplingParams(),
                        "You are terse.", max_new, context)
 
 
 def test_kept_cache_equals_prefill_from_scratch(tiny_bundle_int8):
     s = session(tiny_bundle_int8)
     s.reply("What is the capital of France?")
-    n_before = s.gen.seq.n
+    n_before = s.seq.n
     text2, st2 = s.reply("And of Germany?")
     assert st2.prompt_tokens < len(s.last_prompt_ids) // 2 or n_before < 4  # only the new turn was prefilled
     ids2 = s.ids[len(s.last_prompt_ids):]
@@ -45,11 +45,11 @@ def test_kept_cache_equals_prefill_from_scratch(tiny_bundle_int8):
 def test_undo_and_reset(tiny_bundle_int8):
     s = session(tiny_bundle_int8)
     s.reply("first")
-    n1 = s.gen.seq.n
+    n1 = s.seq.n
     s.reply("second")
-    assert s.undo() and len(s.messages) == 2 and s.gen.seq.n <= n1 + 1
+    assert s.undo() and len(s.messages) == 2 and s.seq.n <= n1 + 1
     s.reset()
-    assert s.messages == [] and s.gen.seq.n == 0
+    assert s.messages == [] and s.seq.n == 0
     assert not s.undo()
 
 
@@ -59,7 +59,7 @@ def test_save_and_load_roundtrip(tiny_bundle_int8, tmp_path):
     s.save(tmp_path / "c.npz")
     t = session(tiny_bundle_int8)
     t.load(tmp_path / "c.npz")
-    assert t.messages == s.messages and t.ids == s.ids and t.gen.seq.n == s.gen.seq.n
+    assert t.messages == s.messages and t.ids == s.ids and t.seq.n == s.seq.n
     a, _ = s.reply("And of Germany?")
     b, _ = t.reply("And of Germany?")
     assert a == b
@@ -93,11 +93,11 @@ def test_ring_chat_keeps_the_cache_like_a_fresh_prefill_until_it_wraps(tiny_bund
     """Before the ring wraps, the ring policy is the kept cache: greedy replies equal those of a
     session that prefills the whole conversation again each turn."""
     s = session(tiny_bundle_int8, 256, context="ring")
-    assert s.gen.seq.sinks > 0  # the system prompt's slots
+    assert s.seq.sinks > 0  # the system prompt's slots
     b = load_bundle(tiny_bundle_int8)
     for q in ("hello there", "and again"):
         s.reply(q)
-        assert not s.gen.seq.wrapped
+        assert not s.seq.wrapped
         new = s.ids[len(s.last_prompt_ids):]
         g = Generator(OrtBackend(b, threads=1), KVCache(b, 256))
         logits = g.prefill(s.last_prompt_ids)
@@ -115,13 +115,13 @@ def test_ring_chat_saves_and_loads_a_wrapped_cache(tiny_bundle_int8, tmp_path):
     s = ring_session()
     for i in range(8):
         s.reply(f"tea {i}")
-        if s.gen.seq.wrapped:
+        if s.seq.wrapped:
             break
-    assert s.gen.seq.wrapped and s.dropped_turns == 0
+    assert s.seq.wrapped and s.dropped_turns == 0
     s.save(tmp_path / "c.npz")
     t = ring_session()
     t.load(tmp_path / "c.npz")
-    assert (t.gen.seq.n, t.gen.seq.w, t.gen.seq.pos) == (s.gen.seq.n, s.gen.seq.w, s.gen.seq.pos)
+    assert (t.seq.n, t.seq.pos, t.seq.sinks) == (s.seq.n, s.seq.pos, s.seq.sinks)
     assert s.reply("and now?")[0] == t.reply("and now?")[0]
 
 

@@ -1,15 +1,16 @@
 """Chat invariants, checked after every operation (reply, Ctrl-C in prefill and in decode, undo,
 reset, save/load, ring wrap, drop-turns):
-  - the sequence holds exactly the slots the session lists (len(ids) == seq.n == seq.pos while it
-    is linear; for a wrapped ring, n == capacity and the write slot is where `pos` tokens fed
-    from position 0 put it), and positions never pass the bundle's verified context;
+  - the sequence holds exactly the cells the session lists (len(ids) == seq.n == seq.pos while it
+    is linear; a wrapped ring holds the capacity), the engine's pool has exactly those cells in
+    use (none leaked, none shared), a ring's sinks stay in their cells, and positions never pass
+    the bundle's verified context;
   - the ids the session holds are the conversation as the template renders it (a prefix of it);
   - the messages are whole exchanges, the newest ones of the conversation, in order;
   - a ring's sink slots are exactly the system prompt and the glue before the first user text;
   - the next greedy reply equals a fresh generator prefilled with the same prompt from scratch
     (while the cache has not wrapped: after a wrap the ring has forgotten tokens by design).
 Ctrl-C is simulated by a backend wrapper that raises KeyboardInterrupt before or after a chosen
-graph call (after: the slot is written but the Python bookkeeping never ran)."""
+graph call (after: the cells are written but the engine's bookkeeping never ran)."""
 import json
 import shutil
 
@@ -22,6 +23,7 @@ from edgekv.format.bundle import load_bundle
 from edgekv.runtime.backends import OrtBackend
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.generate import Generator
+from tests.conftest import chat_engine
 from edgekv.runtime.sampling import SamplingParams
 from edgekv.runtime.text import TextCodec, system_turn
 
@@ -41,13 +43,13 @@ class Interrupting:
     def arm(self, at: int, after: bool = False):
         self.at, self.after, self.calls = at, after, 0
 
-    def run(self, *a):
+    def run_cells(self, *a):
         self.calls += 1
         hit = self.at is not None and self.calls == self.at
         if hit and not self.after:
             self.at = None
             raise KeyboardInterrupt
-        out = self.inner.run(*a)
+        out = self.inner.run_cells(*a)
         if hit:
             self.at = None
             raise KeyboardInterrupt
@@ -68,13 +70,8 @@ def small_bundle(tiny_bundle_int8, tmp_path_factory):
 
 def make(path, ctx, context, max_new=12, chunk=8):
     b = load_bundle(path)
-    gen = Generator(Interrupting(OrtBackend(b, threads=1)), KVCache(b, ctx), prefill_chunk=chunk)
-    return ChatSession(b, TextCodec(b), gen, SamplingParams(), SYSTEM, max_new, context)
-
-
-def ring_write_slot(pos: int, cap: int, sinks: int) -> int:
-    """Where the next token goes after `pos` tokens were fed to a ring from position 0."""
-    return pos if pos < cap else sinks + (pos - sinks) % (cap - sinks)
+    engine = chat_engine(Interrupting(OrtBackend(b, threads=1)), b, ctx, chunk)
+    return ChatSession(b, TextCodec(b), engine, SamplingParams(), SYSTEM, max_new, context)
 
 
 def expected_sinks(s: ChatSession) -> int:
@@ -89,13 +86,17 @@ def raw(s: ChatSession, ids) -> str:
 
 
 def check(s: ChatSession, history: list[dict] | None = None):
-    c = g = s.gen.seq
-    assert g.pos == len(s.ids), (g.pos, len(s.ids))
-    assert g.pos <= s.bundle.max_context, f"position {g.pos} past the verified {s.bundle.max_context}"
+    c = s.seq
+    assert c.pos == len(s.ids), (c.pos, len(s.ids))
+    assert c.pos <= s.bundle.max_context, f"position {c.pos} past the verified {s.bundle.max_context}"
     if c.wrapped:
-        assert c.n == c.capacity and c.w == ring_write_slot(g.pos, c.capacity, c.sinks)
+        assert c.n == c.capacity
     else:
-        assert c.n == c.w == len(s.ids), (c.n, c.w, len(s.ids))
+        assert c.n == len(s.ids), (c.n, len(s.ids))
+    refs = s.engine.pool.refs
+    assert sorted(c.cells) == np.flatnonzero(refs).tolist() and refs.max(initial=0) <= 1  # nothing leaked or shared
+    if c.ring and c.n >= c.sinks:
+        assert c.cells[: c.sinks] == list(range(c.sinks))  # a ring's sinks are never overwritten
     if s.ring:
         assert c.sinks == min(expected_sinks(s), c.capacity // 2)
         if len(s.ids) >= c.sinks:
@@ -140,14 +141,14 @@ def fresh_greedy(path, prompt_ids, n, ctx):
 
 def reply_checked(s, path, q, history, ctx):
     """One reply; it must be what a fresh prefill of its prompt gives (unless the ring wrapped)."""
-    wrapped_before = s.gen.seq.wrapped
+    wrapped_before = s.seq.wrapped
     text, st = s.reply(q)
     if st.stop_reason != "interrupted":
         history += [{"role": "user", "content": q}, {"role": "assistant", "content": text}]
     prompt = s.last_prompt_ids
     if st.stop_reason != "interrupted":  # the prompt is the conversation (after any dropped turns) + q
         assert raw(s, prompt) == s.codec.render(s.conv.msgs()[:-2] + [{"role": "user", "content": q}])
-    if not s.gen.seq.wrapped and not wrapped_before and st.stop_reason != "interrupted":
+    if not s.seq.wrapped and not wrapped_before and st.stop_reason != "interrupted":
         new = s.ids[len(prompt):]
         assert new == fresh_greedy(path, prompt, len(new), ctx)
     check(s, history)
@@ -156,7 +157,7 @@ def reply_checked(s, path, q, history, ctx):
 
 def interrupt(s, q, at, after, hist):
     had = len(s.ids)
-    s.gen.backend.arm(at, after)
+    s.engine.backend.arm(at, after)
     _, st = s.reply(q)
     assert st.stop_reason == "interrupted"
     if not s.ring and had:  # a linear cache keeps what it held (at least the system prompt's slots)
@@ -219,26 +220,26 @@ def test_ring_wraps_and_stops_at_the_verified_context(small_bundle, tmp_path):
         if all(seen.values()) and i > 5:
             break
         _, st = reply_checked(s, small_bundle, f"tea {i}", hist, ctx)
-        seen["wrapped"] |= s.gen.seq.wrapped
+        seen["wrapped"] |= s.seq.wrapped
         seen["cut"] |= st.stop_reason == "context"
         seen["dropped"] |= s.dropped_turns > 0
         if i == 3:  # Ctrl-C in a ring's decode, after the slot was written
             interrupt(s, "interrupt me", 4, True, hist)
     assert seen == {"wrapped": True, "cut": True, "dropped": True}
-    if s.gen.seq.wrapped:
+    if s.seq.wrapped:
         s.save(tmp_path / "r.npz")
         t = make(small_bundle, ctx, "ring", max_new=60)
         t.load(tmp_path / "r.npz")
         t.last_prompt_ids = s.last_prompt_ids  # not saved: the check's reference for the last reply
         check(t, hist)
-        assert (t.gen.seq.n, t.gen.seq.w, t.gen.seq.sinks) == (s.gen.seq.n, s.gen.seq.w, s.gen.seq.sinks)
+        assert (t.seq.n, t.seq.pos, t.seq.sinks) == (s.seq.n, s.seq.pos, s.seq.sinks)
     s.reset()
     check(s, [])
 
 
 def test_ring_sinks_are_the_system_prompt(tiny_bundle_int8):
     s = make(tiny_bundle_int8, 256, "ring")
-    assert s.gen.seq.sinks == expected_sinks(s) > 0
+    assert s.seq.sinks == expected_sinks(s) > 0
     s.reply("hello")
     check(s)
 
@@ -253,10 +254,10 @@ def test_ring_sinks_are_capped_at_half_the_cache(tiny_bundle_int8):
     n = sink_count(TextCodec(b), long_system)
 
     def session(capacity):
-        return ChatSession(b, TextCodec(b), Generator(OrtBackend(b, threads=1), KVCache(b, capacity)),
+        return ChatSession(b, TextCodec(b), chat_engine(OrtBackend(b, threads=1), b, capacity),
                            SamplingParams(), long_system, 8, "ring")
 
-    assert session(2 * n).gen.seq.sinks == n  # exactly half: kept whole
+    assert session(2 * n).seq.sinks == n  # exactly half: kept whole
     with pytest.raises(EdgeKVError, match="system prompt too long for the ring"):
         session(2 * n - 2)  # half is n - 1
 

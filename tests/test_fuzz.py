@@ -19,7 +19,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from edgekv.cli import build_parser, main
 from edgekv.errors import EdgeKVError
-from tests.conftest import ROOT
+from tests.conftest import ROOT, chat_engine
 
 FUZZ = settings(max_examples=int(os.environ.get("EDGEKV_FUZZ_EXAMPLES", 40)), deadline=None, database=None,
                 suppress_health_check=list(HealthCheck))
@@ -227,7 +227,7 @@ def chat(work):
     from edgekv.runtime.text import TextCodec
 
     b = load_bundle(work["orig"])
-    s = ChatSession(b, TextCodec(b), Generator(OrtBackend(b, threads=1), KVCache(b, 128)), SamplingParams(),
+    s = ChatSession(b, TextCodec(b), chat_engine(OrtBackend(b, threads=1), b, 128), SamplingParams(),
                     "You are terse.", 8, "drop-turns")
     s.reply("What is the capital of France?")
     good = work["base"] / "good.npz"
@@ -237,8 +237,9 @@ def chat(work):
 
 
 def chat_state(s):
-    seq = s.gen.seq
-    return seq.checkpoint(), {k: v.tobytes() for k, v in s.gen.cache.read(seq.n).items()}, json.dumps(s.messages)
+    seq = s.seq
+    return (seq.cells, seq.ids, seq.sinks), {k: v.tobytes() for k, v in s.cache.read_cells(seq.cells).items()}, \
+        json.dumps(s.messages)
 
 
 META_PATHS = [("edgekv_chat",), ("bundle_sha256",), ("bundle_scheme",), ("system",), ("messages",), ("ids",),
@@ -279,8 +280,8 @@ def test_damaged_saved_chats_load_all_or_nothing(work, chat):
         else:  # loaded: the session is what the file says
             with np.load(path) as z:
                 saved = json.loads(bytes(z["__meta__"]).decode())
-                assert s.gen.seq.ids == saved["ids"] and s.messages == saved["messages"]
-                slots = s.gen.cache.read(s.gen.seq.n)
+                assert s.seq.ids == saved["ids"] and s.messages == saved["messages"]
+                slots = s.cache.read_cells(s.seq.cells)
                 assert all(np.array_equal(slots[k], z[k]) for k in slots)
 
     check()

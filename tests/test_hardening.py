@@ -23,21 +23,22 @@ from edgekv.runtime.cache import KVCache
 from edgekv.runtime.generate import Generator
 from edgekv.runtime.sampling import SamplingParams
 from edgekv.runtime.text import TextCodec
-from tests.conftest import ROOT, run_edgekv
+from tests.conftest import ROOT, chat_engine, run_edgekv
 from tests.test_cli_errors import assert_clean_error
 
 
 def session(path, ctx=256, max_new=12, context="drop-turns", system="You are terse.", chunk=256):
     b = load_bundle(path)
-    gen = Generator(OrtBackend(b, threads=1), KVCache(b, ctx), prefill_chunk=chunk)
-    return ChatSession(b, TextCodec(b), gen, SamplingParams(), system, max_new, context)
+    engine = chat_engine(OrtBackend(b, threads=1), b, ctx, chunk)
+    return ChatSession(b, TextCodec(b), engine, SamplingParams(), system, max_new, context)
 
 
 def state(s: ChatSession):
-    """Everything a turn may change: the sequence, its slots' bytes, the messages."""
-    seq = s.gen.seq
-    slots = {k: v.tobytes() for k, v in s.gen.cache.read(seq.n).items()}
-    return seq.checkpoint(), slots, json.dumps(s.messages), s.dropped_turns
+    """Everything a turn may change: the sequence, its cells' bytes, the pool, the messages."""
+    seq = s.seq
+    cells = {k: v.tobytes() for k, v in s.cache.read_cells(seq.cells).items()}
+    return (seq.cells, seq.ids, seq.sinks), cells, s.engine.pool.refs.tobytes(), json.dumps(s.messages), \
+        s.dropped_turns
 
 
 # -- safe writes -----------------------------------------------------------------------------
@@ -166,17 +167,17 @@ def test_interrupted_decode_and_prefill_leave_the_conversation_exactly_as_before
 
     text, st = s.reply("Tell me about robots and trains.", stop_after(3))
     assert st.stop_reason == "interrupted" and text == "" and state(s) == before
-    run, calls = s.gen.backend.run, []
+    run, calls = s.engine.backend.run_cells, []
 
     def interrupt_third_chunk(*a):
-        calls.append(a[2].shape[1])
+        calls.append(a[3].shape[1])
         if len(calls) == 3:
             raise KeyboardInterrupt
         return run(*a)
 
-    s.gen.backend.run = interrupt_third_chunk
+    s.engine.backend.run_cells = interrupt_third_chunk
     text, st = s.reply("Tell me about robots, trains and tea. " * 4)
-    s.gen.backend.run = run
+    s.engine.backend.run_cells = run
     assert calls[:2] == [8, 8] and st.stop_reason == "interrupted" and state(s) == before
     # and the next turn is the one a session that never saw the interrupted turns gives
     t = session(tiny_bundle_int8, max_new=40, chunk=8)
@@ -185,15 +186,15 @@ def test_interrupted_decode_and_prefill_leave_the_conversation_exactly_as_before
 
 
 @pytest.mark.parametrize("rows", [True, False], ids=["slot-ranges", "whole-cache"])
-def test_interrupted_turn_in_a_wrapped_ring_puts_the_overwritten_slots_back(tiny_bundle_int8, rows, monkeypatch):
-    """Host memory copies only the overwritten slots; a memory without row ranges, all held ones."""
+def test_interrupted_turn_in_a_wrapped_ring_puts_the_overwritten_cells_back(tiny_bundle_int8, rows, monkeypatch):
+    """Host memory copies only the overwritten cells; a memory without row ranges, the whole cache."""
     if not rows:
         monkeypatch.setattr(KVCache, "reads_rows", property(lambda self: False))
     s = session(tiny_bundle_int8, ctx=64, max_new=16, context="ring", chunk=8)
-    while not s.gen.seq.wrapped:
+    while not s.seq.wrapped:
         s.reply("Tell me about trains.")
     before = state(s)
-    run, calls = s.gen.backend.run, []
+    run, calls = s.engine.backend.run_cells, []
 
     def interrupt_late(*a):
         calls.append(1)
@@ -201,9 +202,9 @@ def test_interrupted_turn_in_a_wrapped_ring_puts_the_overwritten_slots_back(tiny
             raise KeyboardInterrupt
         return run(*a)
 
-    s.gen.backend.run = interrupt_late
+    s.engine.backend.run_cells = interrupt_late
     s.reply("What is the capital of France? Tell me about robots.")
-    s.gen.backend.run = run
+    s.engine.backend.run_cells = run
     assert state(s) == before
 
 

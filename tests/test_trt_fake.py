@@ -16,6 +16,7 @@ from edgekv.errors import EdgeKVError
 from edgekv.runtime.generate import Generator
 from edgekv.format.bundle import load_bundle
 from tests import fake_gpu
+from tests.conftest import chat_engine
 
 
 @pytest.fixture
@@ -91,8 +92,7 @@ def test_trt_runs_a_wrapped_ring_through_staging(bundle_copy, monkeypatch):
         np.testing.assert_array_equal(g.decode_step(t), ref.decode_step(t))
     assert g.seq.wrapped and g.seq.n == 32
     np.testing.assert_array_equal(g.prefill(ids(6, 2)), ref.prefill(ids(6, 2)))  # a staged prefill chunk
-    s = ChatSession(b, TextCodec(b), Generator(be, KVCache(b, 32, memory=be.memory)), SamplingParams(), None, 8,
-                    context="ring")
+    s = ChatSession(b, TextCodec(b), chat_engine(be, b, 32), SamplingParams(), None, 8, context="ring")
     assert s.ring and not s.note
 
 

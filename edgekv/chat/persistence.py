@@ -1,9 +1,12 @@
 """A chat saved to a file (/save, /load) and the system prompt's prompt cache (--prompt-cache).
 
-The file is an .npz: `__meta__` (JSON) first, then the filled KV slots of every buffer. The
-meta holds the format version, the bundle's source checksum and KV scheme (a file only loads
-into the same model and scheme), the system prompt, the messages, the token ids in the cache and
-the ring's write slot and sinks.
+The file is an .npz: `__meta__` (JSON) first, then the KV slots of every buffer, in position
+order. The meta holds the format version, the bundle's source checksum and KV scheme (a file only
+loads into the same model and scheme), the system prompt, the messages, the token ids fed (a
+wrapped ring's: more than its slots; its slots hold the last ones after the sinks) and the ring's
+sinks. `ring.w`, the write slot, is the slot count since the cache is a pool of cells: files
+written before held their wrapped ring in slot order, the oldest token at slot w, and load in
+position order.
 
 Which files are ours: an .npz is a zip, and numpy writes its members in order, so a file edgekv
 wrote starts with the zip signature and `__meta__.npy` as its first member's name (SIGNATURE at
@@ -28,11 +31,11 @@ SIGNATURE = ((0, b"PK\x03\x04"), (30, b"__meta__.npy"))
 
 
 def save(session, path: str) -> None:
-    bundle, seq = session.bundle, session.gen.seq
+    bundle, seq = session.bundle, session.seq
     meta = {"edgekv_chat": FORMAT, "bundle_sha256": bundle.manifest["source"].get("sha256"),
             "bundle_scheme": bundle.scheme.name, "system": session.system, "messages": session.messages,
-            "ids": seq.ids, "ring": {"w": seq.w, "sinks": seq.sinks}}
-    snap = session.gen.snapshot()
+            "ids": seq.ids, "ring": {"w": seq.n, "sinks": seq.sinks}}
+    snap = session.engine.snapshot(seq)
     with atomic_open(path, "wb") as f:
         # __meta__ first: its name at a fixed offset is how a file is known to be ours (SIGNATURE)
         np.savez(f, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **snap)
@@ -75,15 +78,18 @@ def read(session, path: str) -> Saved:
     if (meta.get("bundle_sha256"), meta.get("bundle_scheme")) != (bundle.manifest["source"].get("sha256"),
                                                                  bundle.scheme.name):
         raise EdgeKVError(f"{path}: saved with another model or KV scheme")
-    n = session.gen.cache.slots_in(snap)  # every buffer, its shape and dtype
+    n = session.cache.slots_in(snap)  # every buffer, its shape and dtype
     ids, vocab = meta["ids"], bundle.model["vocab_size"]
     if any(not 0 <= t < vocab for t in ids):
         raise EdgeKVError(f"{path}: token ids outside the vocabulary of {vocab}")
-    ring = meta["ring"]
-    if ring.get("w") is not None and ring["w"] != len(ids) and not session.gen.seq.ring:
+    ring, seq = meta["ring"], session.seq
+    if len(ids) > n and not seq.ring:
         raise EdgeKVError(f"{path}: saved from a ring cache that has wrapped", setting="context_policy",
                           fix="load it with {} ring")
-    session.gen.seq.check_restore(n, ids, ring.get("w"))
+    w = ring.get("w")
+    if w is not None and w != n and not (seq.ring and seq.sinks <= w < n):
+        raise EdgeKVError(f"{path}: snapshot of a wrapped ring does not fit this cache")
+    seq.check_restore(n, ids)
     return Saved(meta, snap, n)
 
 
@@ -112,7 +118,7 @@ def check_meta(meta, path: str) -> None:
 def load(session, path: str) -> None:
     """Replace the session's conversation with the saved one; on any error nothing changes."""
     saved = read(session, path)
-    session.gen.restore(saved.snap, saved.meta["ids"], w=saved.meta["ring"].get("w"))
+    session.engine.restore(session.seq, saved.snap, saved.meta["ids"], w=saved.meta["ring"].get("w"))
     session.system, session.messages = saved.meta["system"], saved.meta["messages"]
 
 
@@ -135,8 +141,7 @@ def warm_system(session, prompt_cache: str | None) -> str:
             if restored:
                 return restored
     t0 = time.perf_counter()
-    session.gen.reset()
-    session.gen.prefill(ids)
+    session.prefill(ids)
     took = time.perf_counter() - t0
     if prompt_cache:
         save(session, prompt_cache)
@@ -154,5 +159,5 @@ def _restore(session, path: str, ids: list[int]) -> str | None:
     m = saved.meta
     if m["system"] != session.system or m["ids"] != ids or m["messages"]:
         return None
-    session.gen.restore(saved.snap, ids, w=m["ring"].get("w"))
+    session.engine.restore(session.seq, saved.snap, ids, w=m["ring"].get("w"))
     return f"restored {len(ids)} system-prompt tokens from {path} in {(time.perf_counter() - t0) * 1000:.0f} ms"

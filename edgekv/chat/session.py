@@ -1,8 +1,9 @@
 """ChatSession: multi-turn chat that keeps its KV cache between turns.
 
-Each turn renders the whole conversation with the bundle's chat template, finds the longest
-prefix the sequence already holds (it tracks its token ids) and prefills only the rest: the new
-message and the template glue. When the conversation outgrows the cache, its context policy
+The conversation is a held sequence of the runtime's Engine (the one `edgekv serve` runs), stepped
+on the caller's thread. Each turn renders the whole conversation with the bundle's chat template,
+finds the longest prefix the sequence already holds (it tracks its token ids) and sends only the
+rest, the new message and the template glue, as one request appending to it. When the conversation outgrows the cache, its context policy
 (policies.py: ring or drop-turns) decides what goes. The terminal front end is terminal.py, the
 saved-chat format persistence.py."""
 from __future__ import annotations
@@ -15,25 +16,27 @@ from edgekv.chat import persistence
 from edgekv.chat.conversation import Conversation, common_prefix
 from edgekv.chat.policies import CONTEXT_POLICIES, POLICIES
 from edgekv.errors import EdgeKVError
-from edgekv.runtime.generate import Generator, Stats
+from edgekv.runtime.engine import Engine, Request
+from edgekv.runtime.generate import Stats
 from edgekv.runtime.sampling import SamplingParams
 from edgekv.runtime.text import StreamDecoder
 
 
 class ChatSession:
-    def __init__(self, bundle, codec, gen: Generator, params: SamplingParams, system: str | None,
+    def __init__(self, bundle, codec, engine: Engine, params: SamplingParams, system: str | None,
                  max_new_tokens: int, context: str = "drop-turns"):
         if context not in CONTEXT_POLICIES:
             raise EdgeKVError(f"unknown context policy {context!r}; choose {' or '.join(CONTEXT_POLICIES)}")
-        self.bundle, self.codec, self.gen = bundle, codec, gen
+        self.bundle, self.codec, self.engine = bundle, codec, engine
+        self.seq = engine.hold()  # the conversation's cells in the engine's pool
         self.params, self.max_new = params, max_new_tokens
         self.rng = np.random.default_rng(params.seed)
-        runs = context if gen.backend.runs_ring or context != "ring" else "drop-turns"
+        runs = context if engine.backend.runs_ring or context != "ring" else "drop-turns"
         self.policy = POLICIES[runs]
         self.note = "" if runs == context else \
-            f"(context policy: drop-turns; the {gen.backend.name} backend cannot run a ring)"
+            f"(context policy: drop-turns; the {engine.backend.name} backend cannot run a ring)"
         self.conv = Conversation(codec, system)
-        self.policy.prepare(gen.seq, codec, system)
+        self.policy.prepare(self.seq, codec, system)
         self.last = Stats()
         self.last_prompt_ids: list[int] = []
 
@@ -61,7 +64,11 @@ class ChatSession:
     @property
     def ids(self) -> list[int]:
         """Token ids the cache holds (everything fed since the conversation started over)."""
-        return self.gen.seq.ids
+        return self.seq.ids
+
+    @property
+    def cache(self):
+        return self.engine.cache
 
     @property
     def dropped_turns(self) -> int:
@@ -69,49 +76,56 @@ class ChatSession:
 
     def prompt_ids(self, user: str) -> list[int]:
         """The ids the next turn with `user` would feed, before any policy drops turns."""
-        return self.conv.prompt_ids(user, self.gen.seq.ids)
+        return self.conv.prompt_ids(user, self.seq.ids)
 
     # -- the cache follows the conversation
     def _keep_common_prefix(self, target: list[int]) -> int:
         """Truncate the sequence to the longest prefix it shares with `target`; return its length.
-        A ring that has wrapped cannot be truncated (its slots are out of order): it starts over."""
-        held = self.gen.seq.ids
+        A ring that has wrapped cannot be truncated (its cells lost their first tokens): it starts over."""
+        held = self.seq.ids
         n = common_prefix(held, target)
         if n < len(held):
-            if self.gen.seq.wrapped:
-                self.gen.reset()
+            if self.seq.wrapped:
+                self.engine.reset(self.seq)
                 n = 0
             else:
-                self.gen.truncate(n)
+                self.engine.truncate(self.seq, n)
         return n
 
-    def _sync(self, target: list[int]) -> int:
-        """Make the cache hold `target`: keep the common prefix, prefill the rest. Returns the
-        number of tokens prefilled."""
+    def _common(self, target: list[int]) -> int:
+        """Keep what the cache holds of `target`; the model needs at least one new token to produce logits."""
         n = self._keep_common_prefix(target)
-        if n == len(target):  # the model needs at least one new token to produce logits
+        if n == len(target):
             n = self._keep_common_prefix(target[:-1])
-        self._logits = self.gen.prefill(target[n:]).copy()
-        return len(target) - n
+        return n
 
     def reply(self, user: str, write=None):
         """Answer one user message; stream text pieces to `write`. Returns (text, Stats).
         A turn is all or nothing: Ctrl-C (KeyboardInterrupt) or an error anywhere in it puts the
-        conversation back exactly as it was before it (messages, cache slots, ids, positions, the
+        conversation back exactly as it was before it (messages, cache cells, ids, positions, the
         sampler's state); an interrupted turn returns ("", stats with stop_reason "interrupted"),
         an error is raised after the rollback."""
         write = write or (lambda s: None)
         st = Stats()
-        t0 = time.perf_counter()
         dec = StreamDecoder(self.codec)
         pieces = []
+
+        def emit(kind, value):
+            if kind == "token":
+                piece = dec.push(value)
+                if piece:
+                    pieces.append(piece)
+                    write(piece)
+
         before = (list(self.conv.messages), self.conv.dropped_turns, self.rng.bit_generator.state)
-        self.gen.begin_turn()
+        self.engine.begin_turn()
         try:
-            target = self.policy.fit(self.conv, user, self.gen.seq, self.max_new)
-            st.prompt_tokens = self._sync(target)  # only what the cache did not already hold
-            st.prefill_s = time.perf_counter() - t0
-            self._decode(st, dec, pieces, write, t0)
+            target = self.policy.fit(self.conv, user, self.seq, self.max_new)
+            n = self._common(target)
+            # the stop token (or the last one) is fed too: the cache holds the turn as the template renders it
+            req = Request(target[n:], self.max_new, self.params, self.codec.stop_ids, emit=emit, held=self.seq,
+                          feed_last=True, rng=self.rng)
+            self.engine.run(req)
             tail = dec.flush()
         except BaseException as e:
             self._rollback(before)
@@ -120,51 +134,50 @@ class ChatSession:
             st.stop_reason = "interrupted"
             self.last = st
             return "", st
-        self.gen.end_turn()
+        self.engine.end_turn()
         if tail:
             pieces.append(tail)
             write(tail)
         text = "".join(pieces)
         self.conv.add_exchange(user, text)
         self.last_prompt_ids = list(target)
-        self.last = st
-        return text, st
+        self.last = stats_of(req)
+        return text, self.last
 
     def _rollback(self, before) -> None:
-        self.gen.rollback()
+        self.engine.rollback()
         self.conv.messages, self.conv.dropped_turns, self.rng.bit_generator.state = \
             before[0], before[1], before[2]
-
-    def _decode(self, st: Stats, dec: StreamDecoder, pieces: list, write, t0: float) -> None:
-        for tok in self.gen.decode(self._logits, self.max_new, self.params, self.rng, self.codec.stop_ids,
-                                   st, t0, keep_turn=True):
-            piece = dec.push(tok)
-            if piece:
-                pieces.append(piece)
-                write(piece)
 
     def undo(self) -> bool:
         if not self.conv.undo():
             return False
         # the cache keeps what still matches; the next turn prefills only the difference
-        self._keep_common_prefix(self.conv.render(self.conv.msgs(), self.gen.seq.ids))
+        self._keep_common_prefix(self.conv.render(self.conv.msgs(), self.seq.ids))
         return True
 
     def reset(self) -> None:
         self.conv.messages = []
-        self.gen.reset()
-        self.policy.prepare(self.gen.seq, self.codec, self.system)  # the system prompt may have changed
+        self.engine.reset(self.seq)
+        self.policy.prepare(self.seq, self.codec, self.system)  # the system prompt may have changed
 
     def set_system(self, text: str | None) -> None:
         """A new system prompt resets the conversation; one the policy refuses changes nothing."""
-        before = (self.system, list(self.conv.messages), self.gen.seq.checkpoint())
+        before = (self.system, list(self.conv.messages))
         self.system = text
+        self.engine.begin_turn()  # reset moves no KV data: going back is the turn's bookkeeping
         try:
-            self.reset()  # reset moves no KV data: going back is the sequence's checkpoint
+            self.reset()
         except EdgeKVError:
-            self.system, self.conv.messages = before[0], before[1]
-            self.gen.seq.rollback(before[2])
+            self.system, self.conv.messages = before
+            self.engine.rollback()
             raise
+        self.engine.end_turn()
+
+    def prefill(self, ids: list[int]) -> None:
+        """Feed `ids` to the empty conversation, sampling nothing (the system prompt alone)."""
+        self.engine.reset(self.seq)
+        self.engine.run(Request(ids, 0, held=self.seq))
 
     # -- persistence (persistence.py)
     def warm_system(self, prompt_cache: str | None) -> str:
@@ -175,3 +188,11 @@ class ChatSession:
 
     def load(self, path: str) -> None:
         persistence.load(self, path)
+
+
+def stats_of(req: Request) -> Stats:
+    """A finished request's stats, as generate prints them."""
+    first = req.t_submit + (req.ttft_s or 0.0)
+    return Stats(prompt_tokens=len(req.prompt), new_tokens=len(req.out), ttft_s=req.ttft_s or 0.0,
+                 prefill_s=req.ttft_s or 0.0, decode_s=max(0.0, req.t_last - first) if req.decode_steps else 0.0,
+                 decode_steps=req.decode_steps, stop_reason=req.finish_reason or "")

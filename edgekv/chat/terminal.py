@@ -22,7 +22,7 @@ HELP = """commands:
 
 
 def session_stats(s: ChatSession) -> str:
-    return stats_line(s.last, s.gen.cache, s.gen.seq) + (
+    return stats_line(s.last, s.cache, s.seq) + (
         f" | {s.dropped_turns} old turn(s) dropped" if s.dropped_turns else "")
 
 
@@ -33,8 +33,9 @@ def cmd_chat(args, explain=EdgeKVError.explain) -> int:
 
 
 def chat_loop(args, rt, explain) -> int:
-    gen = rt.generator()
-    session = ChatSession(rt.bundle, rt.codec, gen, sampling_from(args), args.system, args.max_new_tokens,
+    # one conversation: a pool of --ctx cells, no prefix cache (the conversation's cells are its own)
+    engine = rt.engine(parallel=1, max_queue=1, max_prefixes=0)
+    session = ChatSession(rt.bundle, rt.codec, engine, sampling_from(args), args.system, args.max_new_tokens,
                           args.context)
     interactive = sys.stdin.isatty() and not args.json
     if session.note:
@@ -49,7 +50,7 @@ def chat_loop(args, rt, explain) -> int:
         except ImportError:
             pass
         print(f"edgekv chat — {rt.bundle.manifest.get('name', rt.bundle.path.name)}, KV {rt.bundle.scheme.name}, "
-              f"ctx {gen.cache.capacity}. /help for commands, Ctrl-D to quit.", file=sys.stderr)
+              f"ctx {engine.capacity}. /help for commands, Ctrl-D to quit.", file=sys.stderr)
     dim = ("\033[2m", "\033[0m") if sys.stderr.isatty() else ("", "")
     # bytes that are not UTF-8 come through as surrogates: such a line is refused, not fatal
     if hasattr(sys.stdin, "reconfigure"):
@@ -85,7 +86,7 @@ def chat_loop(args, rt, explain) -> int:
             print(f"error: {explain(e)}", file=sys.stderr, flush=True)
             continue
         if args.json:
-            print(json.dumps({"user": line, "text": text, **stats_record(st, gen.cache, gen.seq),
+            print(json.dumps({"user": line, "text": text, **stats_record(st, session.cache, session.seq),
                               "dropped_turns": session.dropped_turns, "context": args.context}), flush=True)
         else:
             out.write("\n")
@@ -134,7 +135,7 @@ def handle_command(s: ChatSession, line: str, explain=EdgeKVError.explain):
             if not arg:
                 raise EdgeKVError("/load FILE")
             s.load(arg)
-            print(f"(loaded {arg}: {len(s.messages) // 2} exchange(s), {s.gen.seq.n} cached tokens)", file=err)
+            print(f"(loaded {arg}: {len(s.messages) // 2} exchange(s), {s.seq.n} cached tokens)", file=err)
         else:
             print(f"unknown command {cmd}; /help lists the commands", file=err)
     except EdgeKVError as e:

@@ -276,6 +276,8 @@ class Engine:
         for r in self.active:
             if r.fed < len(r.prompt) and budget > 0:
                 take = min(budget, len(r.prompt) - r.fed)
+                if r.held is not None and r.held.ring:  # a ring streams a longer prompt through its cells
+                    take = min(take, self.capacity - r.held.sinks)
                 pieces.append((r, r.prompt[r.fed: r.fed + take], False))
                 budget -= take
         self._place(deque(pieces))
@@ -343,14 +345,14 @@ class Engine:
 
     def _place(self, pieces: deque) -> None:
         """Run the step's pieces in as few calls as the free runs of cells allow (one, unless
-        the free cells are fragmented). A held ring with no free cell left overwrites its oldest
-        run of cells after the sinks."""
+        the free cells are fragmented). A held ring short of free cells first gives up its
+        oldest tokens after the sinks, as many as the piece lacks."""
         while pieces:
+            req, toks, _ = pieces[0]
+            if req.held is not None and req.held.ring and self.pool.free() < len(toks):
+                self._overwrite_oldest(req, len(toks) - self.pool.free())
             total = sum(len(t) for _, t, _ in pieces)
             start, length = self.pool.free_run(total)
-            if length == 0 and pieces[0][0].held is not None and pieces[0][0].held.ring:
-                self._overwrite_oldest(pieces[0][0], len(pieces[0][1]))
-                start, length = self.pool.free_run(total)
             if length == 0:
                 raise RuntimeError("no free cell although every request's cells were reserved")
             call = []
@@ -365,20 +367,17 @@ class Engine:
                     length = 0
             self._call(start, call)
 
-    def _overwrite_oldest(self, req: Request, want: int) -> None:
-        """Free a ring's oldest cells after its sinks, one run of consecutive cells, at most
-        `want`: they leave the context now (the call about to write there no longer sees them)."""
+    def _overwrite_oldest(self, req: Request, count: int) -> None:
+        """Free a ring's `count` oldest cells after its sinks: those tokens leave the context
+        now, before the call that overwrites them (which cells they are does not matter: what a
+        token sees is set by the mask, so a ring behaves the same in any layout of its cells)."""
         sinks = req.held.sinks
-        first = sinks
-        if first >= len(req.cells):
+        if sinks + count > len(req.cells):
             raise EdgeKVError("ring cache: no cell left to overwrite beside the sinks")
-        run = 1
-        while run < want and first + run < len(req.cells) and req.cells[first + run] == req.cells[first] + run:
-            run += 1
-        gone = req.cells[first: first + run]
-        del req.cells[first: first + run]
+        gone = req.cells[sinks: sinks + count]
+        del req.cells[sinks: sinks + count]
         self.pool.drop(gone)
-        req.budget += run
+        req.budget += count
 
     def _past(self) -> int:
         """Cells bound as the past: [0, high water) rounded up to the backend's bucket (ort), so

@@ -1,5 +1,7 @@
-"""Generation: chunked prefill, decode steps and the decode loop over one Sequence, and the
-per-turn stats (one line for the terminal, one record for --json) that generate and chat share."""
+"""Generation: chunked prefill, decode steps and the decode loop over one Sequence (generate,
+eval, bench: one stream, every logits row it asks for), and the per-turn stats (one line for the
+terminal, one record for --json) that generate and chat share. Chat and serve run on the Engine
+(engine.py)."""
 from __future__ import annotations
 
 import time
@@ -58,55 +60,6 @@ class Generator:
         self.backend, self.cache = backend, cache
         self.seq = seq if seq is not None else cache.new_sequence()
         self.prefill_chunk = min(prefill_chunk, backend.max_tokens_per_call)
-        self._turn = None  # an open turn (begin_turn): the sequence's checkpoint and overwritten slots
-
-    # -- turns: what a turn changes can be undone exactly (an interrupted or failed chat turn)
-    def begin_turn(self) -> None:
-        """Remember the sequence now; `rollback` returns to it, slots included. Before a call of
-        the turn overwrites slots the sequence held (a ring that wraps, a prefill after a
-        truncate), those slots are copied: just them where the memory reads row ranges (host
-        memory), else all held slots once. Appending copies nothing."""
-        n = self.seq.n
-        self._turn = {"seq": self.seq.checkpoint(), "n": n, "rows": [], "saved": np.zeros(n, np.bool_),
-                      "whole": None}
-
-    def end_turn(self) -> None:
-        self._turn = None
-
-    def rollback(self) -> None:
-        """Back to the state at `begin_turn`: the overwritten slots and the sequence."""
-        turn, self._turn = self._turn, None
-        if turn is None:
-            return
-        if turn["whole"] is not None:
-            self.cache.write(turn["whole"])
-        for start, rows in turn["rows"]:
-            self.cache.write_rows(start, rows)
-        self.seq.rollback(turn["seq"])
-
-    def _protect(self, s: int) -> None:
-        """Before a call writes slots [w, w + s): copy those the turn's start held, once each."""
-        turn = self._turn
-        if turn is None or turn["whole"] is not None:
-            return
-        lo, hi = self.seq.w, min(self.seq.w + s, turn["n"])
-        if lo >= hi:
-            return
-        if not self.cache.reads_rows:
-            turn["whole"] = self.cache.read(turn["n"])
-            return
-        saved = turn["saved"]
-        i = lo
-        while i < hi:  # each run of slots not copied yet
-            if saved[i]:
-                i += 1
-                continue
-            j = i
-            while j < hi and not saved[j]:
-                j += 1
-            turn["rows"].append((i, self.cache.read_rows(i, j)))
-            saved[i:j] = True
-            i = j
 
     def reset(self, pos: int = 0) -> None:
         self.seq.reset(pos)
@@ -128,7 +81,6 @@ class Generator:
     def _call(self, ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
         """One graph call: ids [1, S] at the sequence's write slot; logits [1, K, V] of the rows asked for."""
         self.seq.check_write(ids.shape[1])
-        self._protect(ids.shape[1])
         logits = self.backend.run(self.cache, self.seq, ids, logits_index)
         if not np.isfinite(logits).all():  # damaged weights or an overflow: never sample from it
             raise EdgeKVError("the model produced non-finite logits (NaN or infinity); the bundle's weights may "
@@ -177,12 +129,11 @@ class Generator:
                                stats, t0)
 
     def decode(self, logits: np.ndarray, max_new_tokens: int, params: SamplingParams, rng: np.random.Generator,
-               stop_ids: set[int], stats: Stats, t0: float, keep_turn: bool = False):
+               stop_ids: set[int], stats: Stats, t0: float):
         """The decode loop: sample from `logits` on and yield each new token id before it is fed.
         Stops at a stop token (not yielded), max_new_tokens, or when the sequence has no room
-        left. keep_turn (chat): the stop token and the last token are fed too, so the cache
-        holds the whole turn the way the template renders it. The repetition penalty looks at
-        the sequence's own ids (everything fed, the prompt included)."""
+        left. The repetition penalty looks at the sequence's own ids (everything fed, the prompt
+        included)."""
         seq = self.seq
         t_first = None
         for i in range(max_new_tokens):
@@ -192,12 +143,10 @@ class Generator:
                 stats.ttft_s = t_first - t0
             if tok in stop_ids:
                 stats.stop_reason = "stop"
-                if keep_turn and seq.room() > 0:
-                    self.decode_step(tok)
                 return
             stats.new_tokens += 1
             yield tok
-            if i == max_new_tokens - 1 and not keep_turn:
+            if i == max_new_tokens - 1:
                 break
             if seq.room() < 1:
                 stats.stop_reason = "context"

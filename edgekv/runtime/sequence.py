@@ -183,11 +183,3 @@ class Sequence:
         self._w = n if w is None else w
         self._ids = [int(t) for t in ids]
         self._pos = len(self._ids)  # positions run with the conversation, also past a ring's wrap
-
-    def checkpoint(self) -> tuple:
-        """Everything this sequence says, to go back to with `rollback`."""
-        return self._n, self._w, self._pos, list(self._ids), self._sinks
-
-    def rollback(self, cp: tuple) -> None:
-        self._n, self._w, self._pos, ids, self._sinks = cp
-        self._ids = list(ids)

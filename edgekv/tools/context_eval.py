@@ -95,8 +95,8 @@ def compare_policies(rt, ctx: int, turns: int, reply_tokens: int, system: str | 
 
     # 1. the reference conversation: greedy, the whole history in the cache
     big = bundle.max_context
-    full_gen = rt.generator(big)
-    sess = ChatSession(bundle, codec, full_gen, SamplingParams(temperature=0.0), system, reply_tokens)
+    engine = rt.engine(big, parallel=1, max_queue=1, max_prefixes=0)  # what `edgekv chat` runs
+    sess = ChatSession(bundle, codec, engine, SamplingParams(temperature=0.0), system, reply_tokens)
     t0 = time.time()
     for i, q in enumerate(questions):
         if len(sess.prompt_ids(q)) + reply_tokens + 1 > big:
@@ -118,7 +118,8 @@ def compare_policies(rt, ctx: int, turns: int, reply_tokens: int, system: str | 
     affected = [i for i, (s, e) in enumerate(spans) if e > ctx]  # turns whose history no longer fits
 
     # 2. full context (oracle), ring, drop-turns
-    full_gen.reset()
+    del sess, engine  # its cache: the oracle's takes the same memory
+    full_gen = rt.generator(big)
     ref = score(full_gen, full_ids, spans)
     k = sink_count(codec, system) if sinks is None else sinks
     ring_gen = rt.generator(ctx)
