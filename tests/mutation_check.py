@@ -239,7 +239,8 @@ MUTATIONS = [
     M("held: a ring overwrites its sinks", "chat", "edgekv/runtime/engine.py",
       "        sinks = req.held.sinks\n", "        sinks = 0\n", CHAT),
     M("chat: the last token of a turn is not fed", "chat", "edgekv/runtime/engine.py",
-      "        elif req.feed_last and self._can_feed(req):", "        elif False:", CHAT),
+      "        elif req.feed_last and self._can_feed(req):", "        elif False:",
+      ("tests/test_bench.py", "-k", "chat_turn")),
     # -- guards
     M("engine chooser prefers the largest engine", "guards", "edgekv/runtime/backends/engines.py",
       'info["ctx"] < best[1]["ctx"]', 'info["ctx"] > best[1]["ctx"]', GUARDS),
