@@ -6,6 +6,7 @@ import types
 import numpy as np
 import pytest
 
+import edgekv.chat.session as session
 import edgekv.runtime.engine as engine
 import edgekv.runtime.generate as generate
 import edgekv.tools.bench as bench
@@ -51,7 +52,7 @@ class ScriptedBackend:
     """Greedy picks `script` one token per call; each call advances the clock by its cost."""
     memory = HostMemory()
     name, device = "scripted", "cpu"
-    max_tokens_per_call, runs_ring, past_bucket = UNLIMITED, False, 1
+    max_tokens_per_call, past_bucket = UNLIMITED, 1
 
     def __init__(self, clock, vocab, script=(), cost=None):
         self.clock, self.vocab, self.script, self.calls = clock, vocab, list(script), 0
@@ -74,7 +75,7 @@ class ScriptedBackend:
 @pytest.fixture
 def clock(monkeypatch):
     c = Clock()
-    for mod in (generate, bench, engine):
+    for mod in (generate, bench, engine, session):
         monkeypatch.setattr(mod, "time", types.SimpleNamespace(perf_counter=c.perf_counter))
     return c
 

@@ -191,7 +191,7 @@ def test_batched_equals_alone_real_model_int8_greedy(real_bundle):
 
 def test_a_backend_without_run_cells_is_refused_in_one_line(rt_float):
     class OneSequenceBackend:  # every member of Backend, no run_cells
-        name, device, memory, max_tokens_per_call, runs_ring, past_bucket = "trt", "cuda", None, 64, False, 1
+        name, device, memory, max_tokens_per_call, past_bucket = "trt", "cuda", None, 64, 1
 
         def run(self, cache, seq, input_ids, logits_index):
             raise AssertionError("not called")
@@ -202,7 +202,7 @@ def test_a_backend_without_run_cells_is_refused_in_one_line(rt_float):
     class Rt:
         backend = OneSequenceBackend()
 
-    with pytest.raises(EdgeKVError, match="serving needs a backend that runs a pool of cells"):
+    with pytest.raises(EdgeKVError, match="needs a backend that runs a pool of cells"):
         Engine(Rt.backend, None)
 
 

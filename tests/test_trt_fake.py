@@ -45,7 +45,7 @@ def test_build_engine_caches_and_the_trt_backend_matches_ort_cpu(bundle_copy, mo
     be = make_backend("trt", b, ctx=64, max_logits_rows=16)
     with make_backend("auto", b, ctx=64) as auto:
         assert be.name == "trt" and auto.name == "trt"
-    assert isinstance(be, Backend) and isinstance(be.memory, KVMemory) and be.runs_ring
+    assert isinstance(be, Backend) and isinstance(be.memory, KVMemory)
     assert isinstance(be, BatchBackend)  # it serves (run_cells)
     assert make_backend("auto", b, ctx=128).name == "ort-cpu"  # no engine covers a 128-slot cache
     g = Generator(be, KVCache(b, 64, memory=be.memory))
@@ -93,7 +93,7 @@ def test_trt_runs_a_wrapped_ring_through_staging(bundle_copy, monkeypatch):
     assert g.seq.wrapped and g.seq.n == 32
     np.testing.assert_array_equal(g.prefill(ids(6, 2)), ref.prefill(ids(6, 2)))  # a staged prefill chunk
     s = ChatSession(b, TextCodec(b), chat_engine(be, b, 32), SamplingParams(), None, 8, context="ring")
-    assert s.ring and not s.note
+    assert s.ring
 
 
 def test_trt_serves_a_fragmented_pool_exactly_as_ort_cpu(bundle_copy, monkeypatch):

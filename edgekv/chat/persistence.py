@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edgekv.chat.conversation import sink_count
 from edgekv.errors import EdgeKVError
 from edgekv.format.files import atomic_open, kind_of
 from edgekv.runtime.text import system_turn
@@ -86,11 +87,26 @@ def read(session, path: str) -> Saved:
     if len(ids) > n and not seq.ring:
         raise EdgeKVError(f"{path}: saved from a ring cache that has wrapped", setting="context_policy",
                           fix="load it with {} ring")
+    sinks = sinks_for(session, meta)
     w = ring.get("w")
-    if w is not None and w != n and not (seq.ring and seq.sinks <= w < n):
+    if w is not None and w != n and not (seq.ring and sinks <= w < n):
         raise EdgeKVError(f"{path}: snapshot of a wrapped ring does not fit this cache")
     seq.check_restore(n, ids)
     return Saved(meta, snap, n)
+
+
+def sinks_for(session, meta: dict) -> int | None:
+    """The sinks a ring session takes from a file: the file's own (a ring's), else those of the
+    file's system prompt, as the ring policy counts them; None for a session without a ring."""
+    if not session.seq.ring:
+        return None
+    sinks = meta["ring"].get("sinks")
+    if sinks is None:
+        sinks = sink_count(session.codec, meta["system"])
+    if not 0 <= sinks <= session.seq.capacity // 2:
+        raise EdgeKVError(f"the saved system prompt takes {sinks} sink slots; this ring keeps at most "
+                          f"{session.seq.capacity // 2}", setting="capacity", fix="raise {}")
+    return sinks
 
 
 _META = {"edgekv_chat": int, "system": (str, type(None)), "messages": list, "ids": list, "ring": dict}
@@ -110,15 +126,17 @@ def check_meta(meta, path: str) -> None:
     for m in meta["messages"]:
         if not (isinstance(m, dict) and m.get("role") in ("user", "assistant") and isinstance(m.get("content"), str)):
             raise bad("a message is not a {role, content} pair")
-    w = meta["ring"].get("w")
-    if w is not None and (not isinstance(w, int) or isinstance(w, bool) or w < 0):
-        raise bad("ring.w is not a slot")
+    for key in ("w", "sinks"):
+        v = meta["ring"].get(key)
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise bad(f"ring.{key} is not a slot count")
 
 
 def load(session, path: str) -> None:
     """Replace the session's conversation with the saved one; on any error nothing changes."""
     saved = read(session, path)
-    session.engine.restore(session.seq, saved.snap, saved.meta["ids"], w=saved.meta["ring"].get("w"))
+    session.engine.restore(session.seq, saved.snap, saved.meta["ids"], w=saved.meta["ring"].get("w"),
+                           sinks=sinks_for(session, saved.meta))
     session.system, session.messages = saved.meta["system"], saved.meta["messages"]
 
 
@@ -159,5 +177,5 @@ def _restore(session, path: str, ids: list[int]) -> str | None:
     m = saved.meta
     if m["system"] != session.system or m["ids"] != ids or m["messages"]:
         return None
-    session.engine.restore(session.seq, saved.snap, ids, w=m["ring"].get("w"))
+    session.engine.restore(session.seq, saved.snap, ids, w=m["ring"].get("w"), sinks=sinks_for(session, m))
     return f"restored {len(ids)} system-prompt tokens from {path} in {(time.perf_counter() - t0) * 1000:.0f} ms"

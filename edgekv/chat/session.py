@@ -31,10 +31,7 @@ class ChatSession:
         self.seq = engine.hold()  # the conversation's cells in the engine's pool
         self.params, self.max_new = params, max_new_tokens
         self.rng = np.random.default_rng(params.seed)
-        runs = context if engine.backend.runs_ring or context != "ring" else "drop-turns"
-        self.policy = POLICIES[runs]
-        self.note = "" if runs == context else \
-            f"(context policy: drop-turns; the {engine.backend.name} backend cannot run a ring)"
+        self.policy = POLICIES[context]
         self.conv = Conversation(codec, system)
         self.policy.prepare(self.seq, codec, system)
         self.last = Stats()
@@ -117,9 +114,10 @@ class ChatSession:
                     pieces.append(piece)
                     write(piece)
 
+        t0 = time.perf_counter()
         before = (list(self.conv.messages), self.conv.dropped_turns, self.rng.bit_generator.state)
-        self.engine.begin_turn()
         try:
+            self.engine.begin_turn()
             target = self.policy.fit(self.conv, user, self.seq, self.max_new)
             n = self._common(target)
             # the stop token (or the last one) is fed too: the cache holds the turn as the template renders it
@@ -127,6 +125,14 @@ class ChatSession:
                           feed_last=True, rng=self.rng)
             self.engine.run(req)
             tail = dec.flush()
+            if tail:
+                pieces.append(tail)
+                write(tail)
+            text = "".join(pieces)
+            self.conv.add_exchange(user, text)
+            self.last_prompt_ids = list(target)
+            self.last = stats_of(req, t0)
+            self.engine.end_turn()
         except BaseException as e:
             self._rollback(before)
             if not isinstance(e, KeyboardInterrupt):
@@ -134,14 +140,6 @@ class ChatSession:
             st.stop_reason = "interrupted"
             self.last = st
             return "", st
-        self.engine.end_turn()
-        if tail:
-            pieces.append(tail)
-            write(tail)
-        text = "".join(pieces)
-        self.conv.add_exchange(user, text)
-        self.last_prompt_ids = list(target)
-        self.last = stats_of(req)
         return text, self.last
 
     def _rollback(self, before) -> None:
@@ -165,14 +163,14 @@ class ChatSession:
         """A new system prompt resets the conversation; one the policy refuses changes nothing."""
         before = (self.system, list(self.conv.messages))
         self.system = text
-        self.engine.begin_turn()  # reset moves no KV data: going back is the turn's bookkeeping
         try:
+            self.engine.begin_turn()  # reset moves no KV data: going back is the turn's bookkeeping
             self.reset()
-        except EdgeKVError:
+            self.engine.end_turn()
+        except BaseException:
             self.system, self.conv.messages = before
             self.engine.rollback()
             raise
-        self.engine.end_turn()
 
     def prefill(self, ids: list[int]) -> None:
         """Feed `ids` to the empty conversation, sampling nothing (the system prompt alone)."""
@@ -190,9 +188,9 @@ class ChatSession:
         persistence.load(self, path)
 
 
-def stats_of(req: Request) -> Stats:
-    """A finished request's stats, as generate prints them."""
-    first = req.t_submit + (req.ttft_s or 0.0)
-    return Stats(prompt_tokens=len(req.prompt), new_tokens=len(req.out), ttft_s=req.ttft_s or 0.0,
-                 prefill_s=req.ttft_s or 0.0, decode_s=max(0.0, req.t_last - first) if req.decode_steps else 0.0,
+def stats_of(req: Request, t0: float) -> Stats:
+    """A finished turn's stats, as generate prints them; t0: when the user's message came in."""
+    first = req.t_submit + (req.ttft_s or 0.0)  # the first token sampled
+    return Stats(prompt_tokens=len(req.prompt), new_tokens=len(req.out), ttft_s=first - t0, prefill_s=first - t0,
+                 decode_s=max(0.0, req.t_last - first) if req.decode_steps else 0.0,
                  decode_steps=req.decode_steps, stop_reason=req.finish_reason or "")

@@ -38,8 +38,6 @@ def chat_loop(args, rt, explain) -> int:
     session = ChatSession(rt.bundle, rt.codec, engine, sampling_from(args), args.system, args.max_new_tokens,
                           args.context)
     interactive = sys.stdin.isatty() and not args.json
-    if session.note:
-        print(session.note, file=sys.stderr)
     if args.system or args.prompt_cache:
         note = session.warm_system(args.prompt_cache)
         if interactive or args.prompt_cache:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -31,16 +32,23 @@ import numpy as np
 
 from edgekv.errors import ContextOverflow, EdgeKVError, QueueFull, note
 from edgekv.runtime.backends.base import PREFILL_CHUNK, BatchBackend
-from edgekv.runtime.cache import KVCache
+from edgekv.runtime.cache import KVCache, runs
 from edgekv.runtime.pool import CellPool
 from edgekv.runtime.sampling import SamplingParams, sample
 
 NO_LIMIT = 1 << 62
+NON_FINITE = ("the model produced non-finite logits (NaN or infinity); the bundle's weights may be damaged: "
+              "check them with `edgekv verify BUNDLE`")
+
+
+class NonFinite(EdgeKVError):
+    pass
 
 
 class Held:
     """A sequence whose cells stay in the engine's pool between requests: a chat conversation.
-    The engine is its only writer (through the methods marked so); everyone else reads it.
+    Its cells and ids are written by the engine only (the methods marked so); its owner chooses
+    the ring (`enable_ring` / `disable_ring`, on an empty sequence); everyone else reads it.
 
     `cells` are the cells of the tokens in context, in position order; `ids` every token fed
     since the last reset (a ring's overwritten ones too), so the next position is len(ids). A
@@ -110,8 +118,9 @@ class Held:
         if n > self.capacity:
             raise ContextOverflow(f"snapshot holds {n} tokens, more than the cache capacity {self.capacity}",
                                   setting="capacity", fix="raise {}")
-        if len(ids) != n and not (self.ring and len(ids) > n == self.capacity):
-            raise EdgeKVError(f"snapshot holds {n} slots but {len(ids)} token ids")
+        if len(ids) < n or (len(ids) > n and not self.ring):
+            raise EdgeKVError(f"snapshot holds {n} slots but {len(ids)} token ids"
+                              + (" (a wrapped ring: load it with the ring policy)" if len(ids) > n else ""))
         if len(ids) > self.max_positions:
             raise ContextOverflow(f"snapshot holds {len(ids)} positions, more than the {self.max_positions} "
                                   f"this bundle was verified for")
@@ -122,6 +131,9 @@ class Held:
 
     def _state(self) -> tuple:
         return list(self._cells), list(self._ids), self._sinks
+
+    def _set_sinks(self, sinks: int | None) -> None:
+        self._sinks = sinks
 
     def _restore_state(self, state: tuple) -> None:
         cells, ids, self._sinks = state
@@ -167,8 +179,8 @@ class Engine:
     def __init__(self, backend, cache: KVCache, parallel: int = 4, max_queue: int = 64,
                  prefill_chunk: int = PREFILL_CHUNK, max_prefixes: int = 32):
         if not isinstance(backend, BatchBackend):
-            raise EdgeKVError(f"serving needs a backend that runs a pool of cells (run_cells); {backend.name} "
-                              "here runs one sequence per call")
+            raise EdgeKVError(f"the engine (serve, chat) needs a backend that runs a pool of cells (run_cells); "
+                              f"{backend.name} here runs one sequence per call")
         self.backend, self.cache = backend, cache
         self.capacity = self.cache.capacity
         self.limit = min(self.capacity, self.cache.max_positions)  # cells and positions of one sequence
@@ -200,8 +212,9 @@ class Engine:
         else:
             room = req.held.room()
             if len(req.prompt) > room:
-                raise ContextOverflow(f"context full: {req.held.n} + {len(req.prompt)} tokens exceed the "
-                                      f"{self.limit} of this cache", setting="capacity", fix="raise {}")
+                raise ContextOverflow(f"context full: {len(req.prompt)} more tokens, room for {room} (cells, and "
+                                      f"positions of the {self.cache.max_positions} verified)", setting="capacity",
+                                      fix="raise {}")
             # the last sampled token needs no room when it is not fed (a reply cut at the context's end)
             cap = room - len(req.prompt) + 1
             if req.max_tokens > cap:
@@ -323,7 +336,8 @@ class Engine:
         h = req.held
         if any(r.held is h for r in self.active):
             raise EdgeKVError("a held sequence runs one request at a time")
-        need = min(len(req.prompt) + req.max_tokens - (0 if req.feed_last else 1), h.room())
+        # every prompt token is fed; of the sampled ones all but the last (feed_last: all)
+        need = min(len(req.prompt) + max(0, req.max_tokens - (0 if req.feed_last else 1)), h.room())
         free = self.pool.free() - self.reserved()
         while free < need and self.pool.evict_one():
             free = self.pool.free() - self.reserved()
@@ -404,12 +418,8 @@ class Engine:
                 rows.append(r + n - 1)  # the last token of a prompt, or a decode step: sample from it
             r += n
         idx = np.asarray([rows or [s - 1]], np.int64)
-        if self._turn is not None:
-            self._protect(w, s)
+        self._protect(w, s)
         logits = self.backend.run_cells(self.cache, p, w, ids, pos, mask, idx)
-        if not np.isfinite(logits[0, : len(rows)]).all():  # damaged weights or an overflow: never sample from it
-            raise EdgeKVError("the model produced non-finite logits (NaN or infinity); the bundle's weights may "
-                              "be damaged: check them with `edgekv verify BUNDLE`")
         self.pool.take(np.arange(w, w + s))
         self.counters["calls"] += 1
         now = time.perf_counter()
@@ -448,6 +458,12 @@ class Engine:
     def _sample(self, req: Request, row: np.ndarray) -> None:
         if req.cancelled:
             return  # dropped at the next step
+        if not np.isfinite(row).all():  # damaged weights or an overflow: never sample from it
+            if req.held is not None:  # chat: the turn is rolled back
+                raise NonFinite(NON_FINITE)
+            note(f"engine: {NON_FINITE}")
+            self._finish(req, "error")
+            return
         if req.record_logits:
             req.logits.append(row.copy())
         history = []
@@ -498,22 +514,27 @@ class Engine:
         self.held.append(h)
         return h
 
+    def release(self, h: Held) -> None:
+        """Give a held sequence's cells back to the pool; it is no longer the engine's."""
+        self.reset(h)
+        self.held.remove(h)
+
     def run(self, req: Request) -> Request:
-        """Submit `req` and step on the calling thread until it ends."""
+        """Submit `req` and step on the calling thread until it ends. Anything that stops it
+        half-way (Ctrl-C, an error) undoes it whole (inside a turn: the turn's rollback)."""
         if self._thread is not None:
             raise RuntimeError("run() steps on the caller's thread; this engine has its own")
-        self.submit(req)
-        while req.finish_reason is None:
-            if not self.step():
-                with self.cond:
-                    if req in self.waiting:
-                        self.waiting.remove(req)
-                raise ContextOverflow("the request does not fit in the free cells of the pool",
-                                      setting="capacity", fix="raise {}")
+        with self._transaction():
+            self.submit(req)
+            while req.finish_reason is None:
+                if not self.step():
+                    raise ContextOverflow("the request does not fit in the free cells of the pool",
+                                          setting="capacity", fix="raise {}")
         return req
 
     def truncate(self, h: Held, n: int) -> None:
         """Forget everything of `h` after its first n tokens (undo / regenerate)."""
+        self._check_idle(h)
         if not 0 <= n <= h.n or h.wrapped:
             raise ValueError(f"cannot truncate a sequence of {h.n} tokens to {n}"
                              + (" (the ring has wrapped)" if h.wrapped else ""))
@@ -523,6 +544,7 @@ class Engine:
 
     def reset(self, h: Held) -> None:
         """Forget everything `h` holds."""
+        self._check_idle(h)
         self.pool.drop(h.cells)
         h._set([], [])
 
@@ -530,35 +552,44 @@ class Engine:
         """Host copies of `h`'s cells, in position order (slot i of the snapshot: its i-th token in context)."""
         return self.cache.read_cells(h.cells)
 
-    def restore(self, h: Held, snap: dict[str, np.ndarray], ids: list[int], w: int | None = None) -> None:
-        """Replace what `h` holds with a snapshot and the token ids it was fed. `w`: the write slot
-        of a wrapped ring saved in slot order (its oldest token at slot w, after the sinks):
-        its slots are put in position order. Everything is checked before anything changes."""
+    def restore(self, h: Held, snap: dict[str, np.ndarray], ids: list[int], w: int | None = None,
+                sinks: int | None = None) -> None:
+        """Replace what `h` holds with a snapshot, the token ids it was fed and, for a ring, its
+        sinks. `w`: the write slot of a wrapped ring saved in slot order (its oldest token at
+        slot w, after the sinks): its slots are put in position order. All or nothing."""
+        self._check_idle(h)
         n = self.cache.slots_in(snap)
-        h.check_restore(n, ids)
-        if w is not None and w != n:
-            if not h.ring or not h.sinks <= w < n:
-                raise EdgeKVError("snapshot of a wrapped ring does not fit this cache")
-            order = np.r_[0: h.sinks, w: n, h.sinks: w]
-            snap = {k: v[order] for k, v in snap.items()}
-        self.pool.drop(h.cells)
-        free = np.flatnonzero(self.pool.refs == 0)
-        if free.size < n:
-            self.pool.take(h.cells)
-            raise ContextOverflow(f"snapshot holds {n} tokens, {free.size} cells are free", setting="capacity",
-                                  fix="raise {}")
-        cells = [int(c) for c in free[:n]]
-        self.pool.take(cells)
-        self.cache.write_cells(cells, snap)
-        h._set(cells, ids)
+        with self._transaction():
+            if h.ring:
+                self.reset(h)
+                h.enable_ring(h.sinks if sinks is None else sinks)
+            h.check_restore(n, ids)
+            if w is not None and w != n:
+                if not h.ring or not h.sinks <= w < n:
+                    raise EdgeKVError("snapshot of a wrapped ring does not fit this cache")
+                order = np.r_[0: h.sinks, w: n, h.sinks: w]
+                snap = {k: v[order] for k, v in snap.items()}
+            self.reset(h)
+            free = np.flatnonzero(self.pool.refs == 0)
+            if free.size < n:
+                raise ContextOverflow(f"snapshot holds {n} tokens, {free.size} cells are free", setting="capacity",
+                                      fix="raise {}")
+            cells = [int(c) for c in free[:n]]
+            self.pool.take(cells)
+            for a, b in runs(np.asarray(cells)):
+                self._protect(a, b - a)
+            self.cache.write_cells(cells, snap)
+            h._set(cells, ids)
+
+    def _check_idle(self, h: Held) -> None:
+        if any(r.held is h for r in self.active) or any(r.held is h for r in self.waiting):
+            raise EdgeKVError("a held sequence changes only between its requests")
 
     # -- turns: what a turn changes can be undone exactly (an interrupted or failed chat turn)
     def begin_turn(self) -> None:
         """Remember the pool and the held sequences now; `rollback` returns to this, the
         contents of cells it overwrote included (copied before each is first written)."""
-        self._turn = {"refs": self.pool.refs.copy(), "prefixes": dict(self.pool.prefixes),
-                      "held": [(h, h._state()) for h in self.held], "rows": [], "whole": None,
-                      "saved": np.zeros(self.capacity, np.bool_)}
+        self._turn = Turn(self.pool.state(), [(h, h._state()) for h in self.held], self.capacity)
 
     def end_turn(self) -> None:
         self._turn = None
@@ -572,36 +603,51 @@ class Engine:
         with self.cond:
             self.waiting.clear()
         self.active.clear()
-        if turn["whole"] is not None:
-            self.cache.write(turn["whole"])
-        for start, rows in turn["rows"]:
+        if turn.whole is not None:
+            self.cache.write(turn.whole)
+        for start, rows in turn.rows:
             self.cache.write_rows(start, rows)
-        self.pool.refs[:] = turn["refs"]
-        self.pool.prefixes.clear()
-        self.pool.prefixes.update(turn["prefixes"])
-        for h, state in turn["held"]:
+        self.pool.set_state(turn.pool)
+        for h, state in turn.held:
             h._restore_state(state)
+
+    @contextmanager
+    def _transaction(self):
+        """A turn around the block, unless one is open already (then that one undoes it)."""
+        if self._turn is not None:
+            yield
+            return
+        self.begin_turn()
+        try:
+            yield
+        except BaseException:
+            self.rollback()
+            raise
+        self.end_turn()
 
     def _protect(self, w: int, s: int) -> None:
         """Before a call writes cells [w, w + s): copy those in use at the turn's start, once
         each (where the memory reads row ranges; else the whole cache once)."""
         turn = self._turn
-        if turn["whole"] is not None:
+        if turn is None or turn.whole is not None:
             return
-        todo = (turn["refs"][w: w + s] > 0) & ~turn["saved"][w: w + s]
+        todo = (turn.pool[0][w: w + s] > 0) & ~turn.saved[w: w + s]
         if not todo.any():
             return
         if not self.cache.reads_rows:
-            turn["whole"] = self.cache.read(self.capacity)
+            turn.whole = self.cache.read(self.capacity)
             return
-        i = 0
-        while i < s:  # each run of cells not copied yet
-            if not todo[i]:
-                i += 1
-                continue
-            j = i
-            while j < s and todo[j]:
-                j += 1
-            turn["rows"].append((w + i, self.cache.read_rows(w + i, w + j)))
-            i = j
-        turn["saved"][w: w + s] |= todo
+        for a, b in runs(w + np.flatnonzero(todo)):
+            turn.rows.append((a, self.cache.read_rows(a, b)))
+        turn.saved[w: w + s] |= todo
+
+
+class Turn:
+    """What `Engine.rollback` restores: the pool's owners, the held sequences, and the rows of
+    cells written since (copied before their first write)."""
+
+    def __init__(self, pool: tuple, held: list, capacity: int):
+        self.pool, self.held = pool, held
+        self.rows: list[tuple[int, dict]] = []
+        self.whole: dict | None = None  # the whole cache, where the memory cannot copy row ranges
+        self.saved = np.zeros(capacity, np.bool_)

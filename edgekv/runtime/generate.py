@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -14,6 +15,9 @@ from edgekv.runtime.backends.base import PREFILL_CHUNK, Backend
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.sampling import SamplingParams, sample
 from edgekv.runtime.sequence import Sequence
+
+if TYPE_CHECKING:
+    from edgekv.runtime.engine import Held
 
 
 @dataclass
@@ -35,7 +39,7 @@ class Stats:
         return self.decode_steps / self.decode_s if self.decode_s > 0 else 0.0
 
 
-def stats_line(st: Stats, cache: KVCache, seq: Sequence) -> str:
+def stats_line(st: Stats, cache: KVCache, seq: "Sequence | Held") -> str:
     mib = 2 ** 20
     return (f"TTFT {st.ttft_s * 1000:.0f} ms | prefill {st.prompt_tokens} tok @ {st.prefill_tps:.1f} tok/s | "
             f"decode {st.new_tokens} tok @ {st.decode_tps:.1f} tok/s | KV {seq.n}/{cache.capacity} slots, "
@@ -43,7 +47,7 @@ def stats_line(st: Stats, cache: KVCache, seq: Sequence) -> str:
             + (" | ring: oldest tokens overwritten" if seq.wrapped else ""))
 
 
-def stats_record(st: Stats, cache: KVCache, seq: Sequence) -> dict:
+def stats_record(st: Stats, cache: KVCache, seq: "Sequence | Held") -> dict:
     """The stats of one reply as JSON fields."""
     return {**asdict(st), "prefill_tps": st.prefill_tps, "decode_tps": st.decode_tps, "kv_slots": seq.n,
             "kv_capacity": cache.capacity, "kv_bytes_used": cache.used_bytes(seq.n),

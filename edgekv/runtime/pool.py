@@ -48,6 +48,15 @@ class CellPool:
         return held
 
     # -- ownership
+    def state(self) -> tuple:
+        """A copy of who holds what (reference counts, prefix cache), for `set_state`."""
+        return self.refs.copy(), OrderedDict(self.prefixes)
+
+    def set_state(self, state: tuple) -> None:
+        refs, prefixes = state
+        self.refs[:] = refs
+        self.prefixes = OrderedDict(prefixes)
+
     def take(self, cells) -> None:
         np.add.at(self.refs, np.asarray(cells, np.int64), 1)
 

@@ -36,7 +36,6 @@ class Backend(Protocol):
     device: str  # where its KV memory is: "cpu" | "cuda"
     memory: KVMemory  # what its caches are allocated from: KVCache(bundle, ctx, memory=backend.memory)
     max_tokens_per_call: int  # the most tokens one run takes (a TensorRT engine's prefill profile)
-    runs_ring: bool  # can it run a wrapped ring (its past and present slots overlap)?
     past_bucket: int  # the past is bound rounded up to this many slots (1: exactly the filled ones)
 
     def run(self, cache: KVCache, seq: Sequence, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:

@@ -68,7 +68,6 @@ class OrtBackend:
     """onnxruntime with IOBinding; the CPU provider (subclassed for CUDA)."""
     name = "ort-cpu"
     device = "cpu"
-    runs_ring = True  # onnxruntime runs the ring's aliased past/present (the aliased slots are masked)
     max_tokens_per_call = UNLIMITED
     stage_present = True  # a one-token call writes present.* to staging buffers, copied to the cache after
 

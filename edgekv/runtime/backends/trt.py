@@ -42,7 +42,6 @@ def gpu_name(rt) -> str:
 class TrtBackend:
     name = "trt"
     device = "cuda"
-    runs_ring = True  # a wrapped ring's write slots lie inside its past: staged (run_cells)
     past_bucket = 1  # the engine's addresses are set per call: binding the exact past costs nothing
 
     def __init__(self, bundle: Bundle, ctx: int, max_logits_rows: int = 1):

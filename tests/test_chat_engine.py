@@ -1,0 +1,391 @@
+"""Chat on the engine, hostile: Ctrl-C at every line of a turn, random operations against oracles
+(a fresh prefill; the pool owning exactly the conversation's cells), the engine's ring = the
+Generator's ring Sequence token by token, save files from before the engine, and a held
+sequence's guards (busy, reservations, restore half-way, a prefill outside a turn)."""
+import random
+import sys
+
+import numpy as np
+import pytest
+
+from edgekv.chat.session import ChatSession
+from edgekv.errors import EdgeKVError
+from edgekv.format.bundle import load_bundle
+from edgekv.runtime.backends import OrtBackend
+from edgekv.runtime.cache import KVCache
+from edgekv.runtime.engine import Request
+from edgekv.runtime.generate import Generator
+from edgekv.runtime.sampling import SamplingParams
+from edgekv.runtime.text import TextCodec
+from tests.conftest import chat_engine
+from tests.test_chat_invariants import Interrupting, check, small_bundle  # noqa: F401  (fixture)
+
+SYSTEM = "You are terse."
+END_TURN_LINE = next(i for i, l in enumerate(open(ChatSession.reply.__code__.co_filename), 1)
+                     if "self.engine.end_turn()" in l and i > ChatSession.reply.__code__.co_firstlineno)
+QS = ["What is the capital of France?", "And of Germany?", "Tell me about trains and tea.", "Go on.",
+      "robots?", "Café 東京 🙂", "x", "Der schnelle braune Fuchs."]
+
+
+def make(path, ctx, context, max_new=12, chunk=8, params=None):
+    b = load_bundle(path)
+    engine = chat_engine(Interrupting(OrtBackend(b, threads=1)), b, ctx, chunk)
+    return ChatSession(b, TextCodec(b), engine, params or SamplingParams(), SYSTEM, max_new, context)
+
+
+class NoRows:
+    """Host memory that only reads/writes from slot 0 (like a device memory): the `whole` paths."""
+
+    def __init__(self, inner):
+        self.inner, self.device = inner, inner.device
+
+    def free_bytes(self):
+        return self.inner.free_bytes()
+
+    def alloc(self, shape, dtype):
+        return self.inner.alloc(shape, dtype)
+
+    def ptr(self, buf):
+        return self.inner.ptr(buf)
+
+    def read(self, buf, n):
+        return self.inner.read(buf, n)
+
+    def write(self, buf, arr):
+        self.inner.write(buf, arr)
+
+
+def state(s: ChatSession):
+    """Everything a rolled-back turn must leave exactly as it was."""
+    e, h = s.engine, s.seq
+    snap = e.snapshot(h)
+    return dict(refs=e.pool.refs.copy().tolist(), cells=h.cells, ids=h.ids, sinks=h.sinks,
+                msgs=[dict(m) for m in s.messages], dropped=s.dropped_turns,
+                rng=repr(s.rng.bit_generator.state), kv={k: v.tobytes() for k, v in snap.items()},
+                waiting=len(e.waiting), active=len(e.active), turn=e._turn)
+
+
+def refs_ok(s: ChatSession):
+    refs = s.engine.pool.refs
+    assert sorted(s.seq.cells) == np.flatnonzero(refs).tolist() and refs.max(initial=0) <= 1, \
+        (s.seq.cells, np.flatnonzero(refs).tolist())
+
+
+# -- 1. KeyboardInterrupt at *every* line of the engine during a turn ------------------------------
+
+class LineInterrupt:
+    """Raise KeyboardInterrupt at the k-th traced line executed in engine.py / session.py / cache.py."""
+
+    FILES = ("edgekv/runtime/engine.py", "edgekv/runtime/cache.py", "edgekv/runtime/pool.py",
+             "edgekv/chat/session.py", "edgekv/chat/policies.py", "edgekv/chat/conversation.py")
+
+    def __init__(self, k):
+        self.k, self.seen, self.fired = k, 0, False
+
+    def __call__(self, frame, event, arg):
+        if self.fired:
+            return None
+        if not frame.f_code.co_filename.endswith(self.FILES):
+            return None
+        return self.local
+
+    def local(self, frame, event, arg):
+        if self.fired:
+            return None
+        if event == "line":
+            self.seen += 1
+            if self.seen == self.k:
+                self.fired = True
+                self.where = (frame.f_code.co_filename.split("edgekv/")[-1], frame.f_lineno, frame.f_code.co_name)
+                raise KeyboardInterrupt
+        return self.local
+
+
+@pytest.mark.parametrize("context", ["ring", "drop-turns"])
+def test_interrupt_at_every_engine_line_rolls_back_exactly(tiny_bundle_int8, context):
+    """A ring that wraps in the interrupted turn (ctx 48, small chunks), interrupted at each line."""
+    s = make(tiny_bundle_int8, 56, context, max_new=10, chunk=5)
+    ref = make(tiny_bundle_int8, 56, context, max_new=10, chunk=5)
+    for q in QS[:3]:
+        assert s.reply(q)[0] == ref.reply(q)[0]
+    q = QS[3]
+    want = ref.reply(q)[0]
+    before = state(s)
+    k, fired_any, escaped, late = 1, 0, [], None
+    while True:
+        tr = LineInterrupt(k)
+        sys.settrace(tr)
+        try:
+            text, st = s.reply(q)
+        except KeyboardInterrupt:
+            text, st = None, None  # landed outside the try (begin_turn)
+        finally:
+            sys.settrace(None)
+        if not tr.fired:
+            break  # k is past the whole turn: it completed
+        fired_any += 1
+        if tr.where[2] == "reply" and tr.where[1] >= END_TURN_LINE:
+            late = tr.where  # the turn is committed, the messages not yet (nit, reported): stop here
+            break
+        after = state(s)
+        for key in before:
+            if key == "turn" and st is None:  # escaped between begin_turn() and try: (nit, reported)
+                escaped.append(k)
+                s.engine.end_turn()
+                continue
+            assert after[key] == before[key], (k, key, tr.where)
+        k += 1
+    assert fired_any > 20
+    print("FIRED", context, fired_any, s.seq.wrapped, "escaped with the turn open at", escaped)
+    print("late interrupt escaped at", late)
+    # the turn that finally ran uninterrupted gave the reference's reply
+    assert late or text == want
+
+
+# -- 2. random operations against oracles --------------------------------------------------------
+
+def fresh_greedy(path, prompt_ids, n, ctx):
+    b = load_bundle(path)
+    g = Generator(OrtBackend(b, threads=1), KVCache(b, ctx))
+    logits, out = g.prefill(prompt_ids), []
+    for _ in range(n):
+        out.append(int(np.argmax(logits)))
+        logits = g.decode_step(out[-1])
+    return out
+
+
+@pytest.mark.parametrize("rows", [True, False])
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("context", ["ring", "drop-turns"])
+def test_random_operations(small_bundle, tmp_path, context, seed, rows):  # noqa: F811
+    rnd = random.Random(seed)
+    ctx = 56
+
+    def fresh():
+        t = make(small_bundle, ctx, context, max_new=rnd.choice([6, 20, 60]), chunk=rnd.choice([3, 8, 128]))
+        if not rows:
+            t.engine.cache.memory = NoRows(t.engine.cache.memory)
+            assert not t.engine.cache.reads_rows
+        return t
+    s = fresh()
+    if rnd.random() < 0.5:
+        s.warm_system(str(tmp_path / "pc.npz"))
+    for i in range(40):
+        op = rnd.choice(["reply"] * 4 + ["interrupt", "undo", "reset", "saveload", "raise", "system", "warm"])
+        if op == "system":
+            try:
+                s.set_system(rnd.choice([SYSTEM, None, "Be brief.", "trains " * 20]))
+            except EdgeKVError:
+                pass
+        elif op == "warm":
+            s.reset()
+            s.warm_system(str(tmp_path / "pc.npz"))
+        if op == "reply":
+            wrapped = s.seq.wrapped
+            text, st = s.reply(rnd.choice(QS))
+            if not wrapped and not s.seq.wrapped:
+                p = s.last_prompt_ids
+                new = s.ids[len(p):]
+                assert new == fresh_greedy(small_bundle, p, len(new), ctx), (i, op)
+        elif op in ("interrupt", "raise"):
+            before = state(s)
+            be = s.engine.backend
+            if op == "interrupt":
+                be.arm(rnd.randint(1, 12), rnd.random() < 0.5)
+                _, st = s.reply(rnd.choice(QS))
+                fired = be.at is None
+                be.at = None
+                if fired:
+                    assert st.stop_reason == "interrupted"
+            else:  # an error from the backend after it wrote the cells
+                real = be.inner.run_cells
+                n = [0]
+                at = rnd.randint(1, 12)
+
+                def boom(*a):
+                    n[0] += 1
+                    out = real(*a)
+                    if n[0] == at:
+                        raise EdgeKVError("boom")
+                    return out
+                be.inner.run_cells = boom
+                try:
+                    s.reply(rnd.choice(QS))
+                    fired = False
+                except EdgeKVError:
+                    fired = True
+                finally:
+                    del be.inner.run_cells
+            if fired:
+                after = state(s)
+                for key in before:
+                    assert after[key] == before[key], (i, op, key)
+        elif op == "undo":
+            s.undo()
+        elif op == "reset":
+            s.reset()
+        elif op == "saveload":
+            s.save(tmp_path / "c.npz")
+            t = fresh()
+            t.max_new = s.max_new
+            t.set_system(s.system)  # (a different one: see test_load_takes_the_files_sinks)
+            t.load(tmp_path / "c.npz")
+            assert (t.seq.ids, t.seq.sinks, t.messages) == (s.seq.ids, s.seq.sinks, s.messages)
+            a, b = s.engine.snapshot(s.seq), t.engine.snapshot(t.seq)
+            assert all(np.array_equal(a[k], b[k]) for k in a)
+            s = t
+        refs_ok(s)
+        assert s.seq.pos <= s.bundle.max_context
+        assert s.engine._turn is None and not s.engine.active and not s.engine.waiting
+
+
+# -- 3. a ring on the engine against the Sequence ring, token by token (chunk 1) -------------------
+
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(repeat_penalty=1.3, repeat_last_n=20),
+                                    SamplingParams(temperature=0.8, top_k=20, repeat_penalty=1.2, seed=5)])
+def test_ring_matches_sequence_ring_token_by_token(tiny_bundle_int8, params):
+    """With one token per call both rings overwrite the same (oldest) token at each step: the
+    engine's held ring must give the same tokens (sampler, repetition history and rng included)
+    as the Generator's ring Sequence."""
+    from edgekv.runtime.sampling import sample
+
+    ctx = 56
+    s = make(tiny_bundle_int8, ctx, "ring", max_new=100, chunk=1, params=params)
+    b = s.bundle
+    g = Generator(OrtBackend(b, threads=1), KVCache(b, ctx), prefill_chunk=1)
+    g.seq.enable_ring(s.seq.sinks)
+    rng = np.random.default_rng(params.seed)
+    log = []
+    real = s.engine.submit
+
+    def submit(req):
+        log.append((req.held.ids, list(req.prompt)))
+        return real(req)
+    s.engine.submit = submit
+    compared = 0
+    for q in QS[:5]:
+        s.reply(q)
+        held_before, prompt = log[-1]
+        if held_before != g.seq.ids:
+            break  # the session truncated / reset: stop comparing
+        logits = g.prefill(prompt)
+        fed = s.seq.ids[len(held_before) + len(prompt):]
+        for t in fed:
+            assert sample(logits, params, rng, g.seq.recent(params.repeat_last_n)) == t, (q, compared)
+            logits = g.decode_step(t)
+            compared += 1
+        assert g.seq.ids == s.seq.ids
+    assert compared > 80 and s.seq.wrapped
+
+
+# -- 4. restore that fails half-way --------------------------------------------------------------
+
+def test_restore_interrupted_half_way_keeps_pool_consistent(tiny_bundle_int8, tmp_path):
+    s = make(tiny_bundle_int8, 128, "drop-turns")
+    s.reply("What is the capital of France?")
+    s.save(tmp_path / "c.npz")
+    t = make(tiny_bundle_int8, 128, "drop-turns")  # holds only the system prompt
+    cache = t.engine.cache
+    real = cache.write_rows
+
+    def write_rows(start, rows):  # Ctrl-C while the snapshot is copied in
+        raise KeyboardInterrupt
+    cache.write_rows = write_rows
+    with pytest.raises(KeyboardInterrupt):
+        t.load(tmp_path / "c.npz")
+    cache.write_rows = real
+    refs_ok(t)  # the pool must own exactly the held cells
+
+
+# -- 5. held sequences used beside one another / while a request is running -----------------------
+
+def test_truncate_while_a_request_runs_is_refused(tiny_bundle_int8):
+    b = load_bundle(tiny_bundle_int8)
+    e = chat_engine(OrtBackend(b, threads=1), b, 64, 4)
+    h = e.hold()
+    e.run(Request(list(range(10, 30)), 0, held=h))
+    req = Request(list(range(40, 50)), 5, held=h, feed_last=True)
+    e.submit(req)
+    e.step()
+    e.step()
+    with pytest.raises((ValueError, EdgeKVError)):
+        e.truncate(h, 5)  # the running request still lists the cells this drops
+
+
+def test_prefill_only_request_reserves_its_whole_prompt(tiny_bundle_int8):
+    """A held request with max_tokens=0 (ChatSession.prefill) feeds every prompt token: its
+    admission must reserve them all, or a pool shared with another held sequence runs dry."""
+    b = load_bundle(tiny_bundle_int8)
+    e = chat_engine(OrtBackend(b, threads=1), b, 32, 128)
+    a, c = e.hold(), e.hold()
+    e.run(Request(list(range(10, 20)), 0, held=a))  # 10 cells
+    with pytest.raises(EdgeKVError):  # 23 tokens, 22 free cells: refused, not a RuntimeError
+        e.run(Request(list(range(40, 63)), 0, held=c))
+
+
+def test_stats_of_decode_rate_is_sane(tiny_bundle_int8):
+    s = make(tiny_bundle_int8, 256, "drop-turns", max_new=20)
+    s.reply("Tell me about trains and tea.")
+    st = s.last
+    assert st.ttft_s > 0 and st.prefill_s > 0
+    if st.new_tokens > 1:
+        assert st.decode_steps == st.new_tokens - 1 or st.stop_reason == "stop"
+        assert st.decode_s > 0
+
+
+def test_load_takes_the_files_sinks(tiny_bundle_int8, tmp_path):
+    """/load replaces the system prompt with the file's; a ring's sinks must follow (they are the
+    system prompt's cells), else the ring keeps part of a user turn forever or overwrites part
+    of the system prompt."""
+    s = make(tiny_bundle_int8, 64, "ring")
+    s.set_system("Be brief.")
+    s.reply("hello")
+    s.save(tmp_path / "c.npz")
+    t = make(tiny_bundle_int8, 64, "ring")  # SYSTEM: more sink tokens
+    t.load(tmp_path / "c.npz")
+    assert t.system == "Be brief."
+    assert t.seq.sinks == s.seq.sinks, (t.seq.sinks, s.seq.sinks)
+
+
+def test_interrupted_prefill_outside_a_turn_leaves_the_engine_usable(tiny_bundle_int8):
+    """warm_system's prefill runs outside a turn: an error or Ctrl-C in it must not leave the
+    request active (every later turn then fails) nor its cells owned by nobody."""
+    s = make(tiny_bundle_int8, 64, "drop-turns", chunk=4)
+    s.engine.backend.arm(3, True)
+    with pytest.raises(KeyboardInterrupt):
+        s.warm_system(None)
+    assert not s.engine.active and not s.engine.waiting
+    refs_ok(s)
+    s.reply("hello")  # must not raise "a held sequence runs one request at a time"
+    refs_ok(s)
+
+
+@pytest.mark.parametrize("wrapped_at", [0, 5, 29])
+def test_old_format_wrapped_ring_file_loads_in_position_order(tiny_bundle_int8, tmp_path, wrapped_at):
+    """A file written before the engine (a Generator ring's slots in slot order, ring.w its write
+    slot) loads and continues exactly as the Generator ring it came from."""
+    import json
+
+    from edgekv.chat import persistence
+
+    ctx = 56
+    t = make(tiny_bundle_int8, ctx, "ring")
+    sinks = t.seq.sinks
+    b = t.bundle
+    g = Generator(OrtBackend(b, threads=1), KVCache(b, ctx), prefill_chunk=7)
+    g.seq.enable_ring(sinks)
+    rs = np.random.default_rng(wrapped_at)
+    g.prefill(rs.integers(3, 300, ctx + (ctx - sinks) + wrapped_at).tolist())
+    assert g.seq.n == ctx and g.seq.pos > ctx
+    meta = {"edgekv_chat": persistence.FORMAT, "bundle_sha256": b.manifest["source"].get("sha256"),
+            "bundle_scheme": b.scheme.name, "system": SYSTEM, "messages": [], "ids": g.seq.ids,
+            "ring": {"w": g.seq.w, "sinks": sinks}}
+    with open(tmp_path / "old.npz", "wb") as f:
+        np.savez(f, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **g.cache.read(g.seq.n))
+    t.load(tmp_path / "old.npz")
+    assert t.seq.ids == g.seq.ids and t.seq.wrapped
+    req = t.engine.run(Request([7], 30, held=t.seq, feed_last=True, record_logits=True))
+    want = [g.decode_step(7).copy()] + [g.decode_step(tok).copy() for tok in req.out[:-1]]
+    assert [int(np.argmax(x)) for x in want] == req.out
+    np.testing.assert_allclose(np.stack(req.logits), np.stack(want), atol=2e-2)
+    refs_ok(t)
