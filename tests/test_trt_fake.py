@@ -92,8 +92,12 @@ def test_trt_runs_a_wrapped_ring_through_staging(bundle_copy, monkeypatch):
         np.testing.assert_array_equal(g.decode_step(t), ref.decode_step(t))
     assert g.seq.wrapped and g.seq.n == 32
     np.testing.assert_array_equal(g.prefill(ids(6, 2)), ref.prefill(ids(6, 2)))  # a staged prefill chunk
-    s = ChatSession(b, TextCodec(b), chat_engine(be, b, 32), SamplingParams(), None, 8, context="ring")
-    assert s.ring
+    # chat's ring on the engine, wrapping within its turns: the same replies on trt as on ort-cpu
+    sessions = [ChatSession(b, TextCodec(b), chat_engine(backend, b, 32, 8), SamplingParams(), None, 8, context="ring")
+                for backend in (be, OrtBackend(b, threads=1))]
+    for q in ("hello there", "and again, please", "once more"):
+        assert sessions[0].reply(q)[0] == sessions[1].reply(q)[0]
+    assert all(s.ring and s.seq.wrapped for s in sessions)
 
 
 def test_trt_serves_a_fragmented_pool_exactly_as_ort_cpu(bundle_copy, monkeypatch):

@@ -197,7 +197,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = False
         self._paused = False
-        self._turn: dict | None = None
+        self._turn: Turn | None = None
 
     # -- from any thread
     def submit(self, req: Request) -> Request:
