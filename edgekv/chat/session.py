@@ -3,8 +3,9 @@
 The conversation is a held sequence of the runtime's Engine (the one `edgekv serve` runs), stepped
 on the caller's thread. Each turn renders the whole conversation with the bundle's chat template,
 finds the longest prefix the sequence already holds (it tracks its token ids) and sends only the
-rest, the new message and the template glue, as one request appending to it. When the conversation outgrows the cache, its context policy
-(policies.py: ring or drop-turns) decides what goes. The terminal front end is terminal.py, the
+rest, the new message and the template glue, as one request appending to it. When the
+conversation outgrows the cache, its context policy (policies.py: ring or drop-turns) decides
+what goes. The terminal front end is terminal.py, the
 saved-chat format persistence.py."""
 from __future__ import annotations
 

@@ -2,9 +2,10 @@
 
 Layout per graph tensor: [capacity, 1, Hkv, D] (values) or [capacity, 1, Hkv] (scales). Slot
 `i` of every buffer belongs to the same token. The cache is only the buffers; which slots a
-conversation fills, where it writes next and its positions are its Sequence's
-(edgekv/runtime/sequence.py; `new_sequence`). The filled prefix buf[:n] is contiguous, so a
-backend binds only that as `past.*` (ort: rounded up to a bucket, the tail masked), and the new tokens' region buf[w:w+S] is contiguous, so
+stream fills, where it writes next and its positions are its Sequence's (sequence.py;
+`new_sequence`), and for the engine (chat, serve) its cells' owners are the CellPool's (pool.py).
+The filled prefix buf[:n] is contiguous, so a backend binds only that as `past.*` (ort: rounded
+up to a bucket, the tail masked), and the new tokens' region buf[w:w+S] is contiguous, so
 `present.*` is written there directly (zero-copy append).
 
 Where the buffers live is the backend's choice (`backend.memory`, a KVMemory): host memory
