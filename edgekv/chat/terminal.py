@@ -89,9 +89,10 @@ def chat_loop(args, rt, explain) -> int:
         else:
             out.write("\n")
             out.flush()
-            if st.stop_reason == "interrupted":
-                print("[stopped] (the turn is discarded; the conversation is as before it)", file=sys.stderr)
-            print(f"{dim[0]}{session_stats(session)}{dim[1]}", file=sys.stderr, flush=True)
+            if st.stop_reason == "interrupted":  # nothing was said: no stats of it
+                print("[stopped] (the turn is discarded; the conversation is as before it)", file=sys.stderr, flush=True)
+            else:
+                print(f"{dim[0]}{session_stats(session)}{dim[1]}", file=sys.stderr, flush=True)
 
 
 def is_utf8(line: str) -> bool:
