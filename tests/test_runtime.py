@@ -70,6 +70,7 @@ def test_truncate_then_regenerate_matches(tiny_bundle_int8):
     g.decode_step(7)
     g.decode_step(8)
     g.truncate(19)
+    assert g.seq.ids == ids(20)[:19] and g.seq.pos == g.seq.n == 19  # the ids and positions follow the slots
     b = g.prefill(ids(20)[19:]).copy()
     np.testing.assert_allclose(a, b, atol=1e-5)
 
