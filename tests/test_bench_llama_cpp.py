@@ -139,6 +139,8 @@ def test_several_bundles_one_table_and_llama_cpp_timed_once(tiny_bundle_int8, ti
         assert set(by) == {8, 12}
         theirs = {x["prompt_tokens"]: x for x in d["llama_cpp"]["runs"]}
         assert by[12]["decode_ratio"] == pytest.approx(by[12]["decode_tps"] / theirs[12]["decode_tps"])
+        own = max((x for x in b["runs"] if x["prompt_tokens"] == 12), key=lambda x: x["capacity"])
+        assert by[12]["decode_tps"] == own["decode_tps"]  # this bundle's own run, not another's
         assert b["vs_llama_cpp"]["peak_rss_ratio"] == pytest.approx(b["peak_rss_mib"] / d["llama_cpp"]["peak_rss_mib"])
     table = r.stdout[r.stdout.index("tok/s@8"):]
     rows = [line for line in table.splitlines() if line.startswith((tiny_bundle_float.name, tiny_bundle_int8.name,
