@@ -58,6 +58,7 @@ class Saved:
     meta: dict
     snap: dict
     n: int
+    sinks: int | None  # the ring's sinks it loads with (sinks_for)
 
 
 def read(session, path: str) -> Saved:
@@ -92,7 +93,7 @@ def read(session, path: str) -> Saved:
     if w is not None and w != n and not (seq.ring and sinks <= w < n):
         raise EdgeKVError(f"{path}: snapshot of a wrapped ring does not fit this cache")
     seq.check_restore(n, ids)
-    return Saved(meta, snap, n)
+    return Saved(meta, snap, n, sinks)
 
 
 def sinks_for(session, meta: dict) -> int | None:
@@ -136,7 +137,7 @@ def load(session, path: str) -> None:
     """Replace the session's conversation with the saved one; on any error nothing changes."""
     saved = read(session, path)
     session.engine.restore(session.seq, saved.snap, saved.meta["ids"], w=saved.meta["ring"].get("w"),
-                           sinks=sinks_for(session, saved.meta))
+                           sinks=saved.sinks)
     session.system, session.messages = saved.meta["system"], saved.meta["messages"]
 
 
@@ -177,5 +178,5 @@ def _restore(session, path: str, ids: list[int]) -> str | None:
     m = saved.meta
     if m["system"] != session.system or m["ids"] != ids or m["messages"]:
         return None
-    session.engine.restore(session.seq, saved.snap, ids, w=m["ring"].get("w"), sinks=sinks_for(session, m))
+    session.engine.restore(session.seq, saved.snap, ids, w=m["ring"].get("w"), sinks=saved.sinks)
     return f"restored {len(ids)} system-prompt tokens from {path} in {(time.perf_counter() - t0) * 1000:.0f} ms"

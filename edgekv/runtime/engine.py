@@ -35,8 +35,8 @@ from edgekv.runtime.backends.base import PREFILL_CHUNK, BatchBackend
 from edgekv.runtime.cache import KVCache, runs
 from edgekv.runtime.pool import CellPool
 from edgekv.runtime.sampling import SamplingParams, sample
+from edgekv.runtime.sequence import NO_LIMIT, FedTokens
 
-NO_LIMIT = 1 << 62
 NON_FINITE = ("the model produced non-finite logits (NaN or infinity); the bundle's weights may be damaged: "
               "check them with `edgekv verify BUNDLE`")
 
@@ -45,7 +45,7 @@ class NonFinite(EdgeKVError):
     pass
 
 
-class Held:
+class Held(FedTokens):
     """A sequence whose cells stay in the engine's pool between requests: a chat conversation.
     Its cells and ids are written by the engine only (the methods marked so); its owner chooses
     the ring (`enable_ring` / `disable_ring`, on an empty sequence); everyone else reads it.
@@ -55,11 +55,8 @@ class Held:
     ring keeps its first `sinks` cells forever and overwrites the oldest of the rest."""
 
     def __init__(self, capacity: int, max_positions: int):
-        self.capacity = capacity  # cells it may hold (the pool's)
-        self.max_positions = max_positions  # positions the bundle was verified for
+        super().__init__(capacity, max_positions)  # capacity: the pool's cells
         self._cells: list[int] = []
-        self._ids: list[int] = []
-        self._sinks: int | None = None
 
     # -- what it holds (read-only)
     @property
@@ -75,55 +72,22 @@ class Held:
         return list(self._cells)
 
     @property
-    def ids(self) -> list[int]:
-        """A copy of the token ids fed since the last reset."""
-        return list(self._ids)
-
-    @property
-    def sinks(self) -> int | None:
-        return self._sinks
-
-    @property
-    def ring(self) -> bool:
-        return self._sinks is not None
-
-    @property
     def wrapped(self) -> bool:
         """A ring that has overwritten tokens (its cells no longer hold every id)."""
         return len(self._ids) > len(self._cells)
-
-    def recent(self, k: int) -> list[int]:
-        return self._ids[-k:] if k > 0 else []
 
     def room(self) -> int:
         """Tokens it may still be fed: free cells (a ring always has some) and verified positions."""
         cells = NO_LIMIT if self.ring else self.capacity - self.n
         return min(cells, self.max_positions - self.pos)
 
-    def enable_ring(self, sinks: int) -> None:
-        """Make this (empty) sequence a ring that keeps its first `sinks` cells."""
-        if self._cells:
-            raise ValueError("a ring is set up on an empty sequence")
-        if not 0 <= sinks < self.capacity - 1:
-            raise EdgeKVError(f"ring cache: {sinks} sink slots leave no ring in a capacity of {self.capacity}")
-        self._sinks = sinks
-
-    def disable_ring(self) -> None:
-        if self.ring and self._cells:
-            raise ValueError("a ring is set up on an empty sequence")
-        self._sinks = None
-
     def check_restore(self, n: int, ids: list[int]) -> None:
         """`Engine.restore` would accept n cells holding the last n of `ids` (an error saying why not)."""
-        if n > self.capacity:
-            raise ContextOverflow(f"snapshot holds {n} tokens, more than the cache capacity {self.capacity}",
-                                  setting="capacity", fix="raise {}")
+        self._check_capacity(n)
         if len(ids) < n or (len(ids) > n and not self.ring):
             raise EdgeKVError(f"snapshot holds {n} slots but {len(ids)} token ids"
                               + (" (a wrapped ring: load it with the ring policy)" if len(ids) > n else ""))
-        if len(ids) > self.max_positions:
-            raise ContextOverflow(f"snapshot holds {len(ids)} positions, more than the {self.max_positions} "
-                                  f"this bundle was verified for")
+        self._check_positions(ids)
 
     # -- the engine's
     def _set(self, cells: list[int], ids: list[int]) -> None:
@@ -131,9 +95,6 @@ class Held:
 
     def _state(self) -> tuple:
         return list(self._cells), list(self._ids), self._sinks
-
-    def _set_sinks(self, sinks: int | None) -> None:
-        self._sinks = sinks
 
     def _restore_state(self, state: tuple) -> None:
         cells, ids, self._sinks = state
@@ -560,8 +521,8 @@ class Engine:
         self._check_idle(h)
         n = self.cache.slots_in(snap)
         with self._transaction():
+            self.reset(h)
             if h.ring:
-                self.reset(h)
                 h.enable_ring(h.sinks if sinks is None else sinks)
             h.check_restore(n, ids)
             if w is not None and w != n:
@@ -569,7 +530,6 @@ class Engine:
                     raise EdgeKVError("snapshot of a wrapped ring does not fit this cache")
                 order = np.r_[0: h.sinks, w: n, h.sinks: w]
                 snap = {k: v[order] for k, v in snap.items()}
-            self.reset(h)
             free = np.flatnonzero(self.pool.refs == 0)
             if free.size < n:
                 raise ContextOverflow(f"snapshot holds {n} tokens, {free.size} cells are free", setting="capacity",

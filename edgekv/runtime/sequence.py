@@ -19,15 +19,69 @@ from edgekv.errors import ContextOverflow, EdgeKVError
 NO_LIMIT = 1 << 62
 
 
-class Sequence:
+class FedTokens:
+    """What a Sequence (slots of its own cache) and the engine's Held (cells of a shared pool)
+    share: the token ids fed since the last reset, a ring's sinks, and the size checks of a saved
+    state. A subclass says how many tokens it holds now (`n`)."""
+
     def __init__(self, capacity: int, max_positions: int):
-        self.capacity = capacity  # slots this sequence may fill
+        self.capacity = capacity  # slots (cells) it may fill
         self.max_positions = max_positions  # positions the bundle was verified for
+        self._ids: list[int] = []  # token ids fed since the last reset, in order
+        self._sinks: int | None = None  # ring: the first `sinks` slots are kept forever, the rest wrap
+
+    @property
+    def n(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def ids(self) -> list[int]:
+        """A copy of the token ids fed since the last reset."""
+        return list(self._ids)
+
+    @property
+    def sinks(self) -> int | None:
+        return self._sinks
+
+    @property
+    def ring(self) -> bool:
+        return self._sinks is not None
+
+    def recent(self, k: int) -> list[int]:
+        """The last k token ids fed (the sampler's repetition window)."""
+        return self._ids[-k:] if k > 0 else []
+
+    def enable_ring(self, sinks: int) -> None:
+        """Make this (empty) sequence a ring that keeps its first `sinks` slots."""
+        if self.n:
+            raise ValueError("a ring is set up on an empty sequence")
+        if not 0 <= sinks < self.capacity - 1:
+            raise EdgeKVError(f"ring cache: {sinks} sink slots leave no ring in a capacity of {self.capacity}")
+        self._sinks = sinks
+
+    def disable_ring(self) -> None:
+        """Make this sequence linear again (a ring only while it is empty)."""
+        if self.ring and self.n:
+            raise ValueError("a ring is set up on an empty sequence")
+        self._sinks = None
+
+    def _check_capacity(self, n: int) -> None:
+        if n > self.capacity:
+            raise ContextOverflow(f"snapshot holds {n} tokens, more than the cache capacity {self.capacity}",
+                                  setting="capacity", fix="raise {}")
+
+    def _check_positions(self, ids: list[int]) -> None:
+        if len(ids) > self.max_positions:
+            raise ContextOverflow(f"snapshot holds {len(ids)} positions, more than the {self.max_positions} "
+                                  f"this bundle was verified for")
+
+
+class Sequence(FedTokens):
+    def __init__(self, capacity: int, max_positions: int):
+        super().__init__(capacity, max_positions)
         self._n = 0  # filled slots: the past the graph sees is slots [0, n)
         self._w = 0  # write slot: the next call's new tokens go to [w, w + S) (== n unless a ring wrapped)
         self._pos = 0  # the next token's RoPE position
-        self._ids: list[int] = []  # token ids fed since the last reset, in order
-        self._sinks: int | None = None  # ring: slots [0, sinks) are kept forever, [sinks, capacity) wrap
         # the graph's key_mask of a decode step, rewritten in place each step (key_mask): the filled
         # past and itself; slots past n (the backend's bucket) and a ring's slots about to be
         # overwritten are masked
@@ -47,25 +101,8 @@ class Sequence:
         return self._pos
 
     @property
-    def ids(self) -> list[int]:
-        """A copy of the token ids fed since the last reset."""
-        return list(self._ids)
-
-    @property
-    def sinks(self) -> int | None:
-        return self._sinks
-
-    @property
-    def ring(self) -> bool:
-        return self._sinks is not None
-
-    @property
     def wrapped(self) -> bool:
         return self.ring and self._n == self.capacity and self._w < self._n
-
-    def recent(self, k: int) -> list[int]:
-        """The last k token ids fed (the sampler's repetition window)."""
-        return self._ids[-k:] if k > 0 else []
 
     # -- what the next call may do
     def room(self) -> int:
@@ -130,20 +167,6 @@ class Sequence:
         if self.ring and self._w == self.capacity:
             self._w = self._sinks
 
-    def enable_ring(self, sinks: int) -> None:
-        """Make this (empty) sequence a ring that keeps its first `sinks` slots."""
-        if self._n:
-            raise ValueError("a ring is set up on an empty sequence")
-        if not 0 <= sinks < self.capacity - 1:
-            raise EdgeKVError(f"ring cache: {sinks} sink slots leave no ring in a capacity of {self.capacity}")
-        self._sinks = sinks
-
-    def disable_ring(self) -> None:
-        """Make this sequence linear again (a ring only while it is empty)."""
-        if self.ring and self._n:
-            raise ValueError("a ring is set up on an empty sequence")
-        self._sinks = None
-
     def reset(self, pos: int = 0) -> None:
         """Forget everything; the next token gets position `pos`."""
         self._n = self._w = 0
@@ -161,9 +184,7 @@ class Sequence:
 
     def check_restore(self, n: int, ids: list[int], w: int | None = None) -> None:
         """`restore` would accept this saved state (an error saying why not; nothing changes)."""
-        if n > self.capacity:
-            raise ContextOverflow(f"snapshot holds {n} tokens, more than the cache capacity {self.capacity}",
-                                  setting="capacity", fix="raise {}")
+        self._check_capacity(n)
         if w is not None and w != n:  # a ring that had wrapped: the next write goes to its old slot
             if not self.ring or not self._sinks <= w < n == self.capacity:
                 raise EdgeKVError("snapshot of a wrapped ring does not fit this cache")
@@ -171,9 +192,7 @@ class Sequence:
                 raise EdgeKVError("snapshot holds more slots than token ids")
         elif len(ids) != n:  # slot i holds the token fed at position i
             raise EdgeKVError(f"snapshot holds {n} slots but {len(ids)} token ids")
-        if len(ids) > self.max_positions:
-            raise ContextOverflow(f"snapshot holds {len(ids)} positions, more than the {self.max_positions} "
-                                  f"this bundle was verified for")
+        self._check_positions(ids)
 
     def restore(self, n: int, ids: list[int], w: int | None = None) -> None:
         """Take the state of a saved sequence whose first n slots were just restored: the token
