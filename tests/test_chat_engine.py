@@ -18,7 +18,8 @@ from edgekv.runtime.generate import Generator
 from edgekv.runtime.sampling import SamplingParams
 from edgekv.runtime.text import TextCodec
 from tests.conftest import chat_engine
-from tests.test_chat_invariants import Interrupting, check, small_bundle  # noqa: F401  (fixture)
+from tests.test_chat_invariants import Interrupting, fresh_greedy, small_bundle  # noqa: F401  (fixture)
+from tests.test_chat_invariants import pool_holds_exactly_the_conversation as refs_ok
 
 SYSTEM = "You are terse."
 END_TURN_LINE = next(i for i, l in enumerate(open(ChatSession.reply.__code__.co_filename), 1)
@@ -63,12 +64,6 @@ def state(s: ChatSession):
                 msgs=[dict(m) for m in s.messages], dropped=s.dropped_turns,
                 rng=repr(s.rng.bit_generator.state), kv={k: v.tobytes() for k, v in snap.items()},
                 waiting=len(e.waiting), active=len(e.active), turn=e._turn)
-
-
-def refs_ok(s: ChatSession):
-    refs = s.engine.pool.refs
-    assert sorted(s.seq.cells) == np.flatnonzero(refs).tolist() and refs.max(initial=0) <= 1, \
-        (s.seq.cells, np.flatnonzero(refs).tolist())
 
 
 # -- 1. KeyboardInterrupt at *every* line of the engine during a turn ------------------------------
@@ -143,16 +138,6 @@ def test_interrupt_at_every_engine_line_rolls_back_exactly(tiny_bundle_int8, con
 
 
 # -- 2. random operations against oracles --------------------------------------------------------
-
-def fresh_greedy(path, prompt_ids, n, ctx):
-    b = load_bundle(path)
-    g = Generator(OrtBackend(b, threads=1), KVCache(b, ctx))
-    logits, out = g.prefill(prompt_ids), []
-    for _ in range(n):
-        out.append(int(np.argmax(logits)))
-        logits = g.decode_step(out[-1])
-    return out
-
 
 @pytest.mark.parametrize("rows", [True, False])
 @pytest.mark.parametrize("seed", range(8))

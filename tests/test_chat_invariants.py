@@ -93,8 +93,7 @@ def check(s: ChatSession, history: list[dict] | None = None):
         assert c.n == c.capacity
     else:
         assert c.n == len(s.ids), (c.n, len(s.ids))
-    refs = s.engine.pool.refs
-    assert sorted(c.cells) == np.flatnonzero(refs).tolist() and refs.max(initial=0) <= 1  # nothing leaked or shared
+    pool_holds_exactly_the_conversation(s)
     if c.ring and c.n >= c.sinks:
         assert c.cells[: c.sinks] == list(range(c.sinks))  # a ring's sinks are never overwritten
     if s.ring:
@@ -127,6 +126,13 @@ def undo_checked(s: ChatSession, hist: list[dict], times: int = 1):
     check(s, hist)
     conv = s.codec.render(s.conv.msgs(), add_generation_prompt=True)
     assert conv.startswith(raw(s, s.ids)), (raw(s, s.ids)[-40:], conv[-40:])
+
+
+def pool_holds_exactly_the_conversation(s: ChatSession):
+    """The engine's cells in use are the conversation's, each held once: none leaked or shared."""
+    refs = s.engine.pool.refs
+    assert sorted(s.seq.cells) == np.flatnonzero(refs).tolist() and refs.max(initial=0) <= 1, \
+        (s.seq.cells, np.flatnonzero(refs).tolist())
 
 
 def fresh_greedy(path, prompt_ids, n, ctx):
