@@ -356,3 +356,37 @@ def test_command_lines(work):
             assert_ok_or_one_line(rc, e)
 
     check()
+
+
+@FUZZ
+@given(st.integers(1, 48).flatmap(lambda cap: st.tuples(
+    st.just(cap),
+    st.lists(st.lists(st.integers(0, cap - 1), max_size=8), max_size=4),  # sequences' cells
+    st.lists(st.lists(st.integers(0, cap - 1), min_size=1, max_size=8), max_size=4))))  # cached entries
+def test_pool_compaction_puts_sequences_first_cache_last_moving_only_what_must_move(case):
+    """Any pool: after compaction the sequences' cells are [0, n_live), the cells only the cache
+    holds are the top of the pool, the free ones one run between; every owner keeps the contents
+    it had (followed through the permutation), and no cell moves that did not have to."""
+    from edgekv.runtime.pool import CellPool
+    cap, seqs, entries = case
+    pool = CellPool(cap)
+    seqs = [np.unique(c) for c in seqs]
+    for cells in seqs:
+        pool.take(cells)
+    for i, cells in enumerate(entries):
+        pool.remember([1000 + i], np.unique(cells))
+    before = {k: v.copy() for k, v in pool.prefixes.items()}
+    live, used = pool.live(), pool.refs > 0
+    n_live, top = int(live.sum()), cap - int((used & ~live).sum())
+    must = int(live[n_live:].sum()) + int((used & ~live)[:top].sum())
+    perm = pool.compaction()
+    assert sorted(perm.tolist()) == list(range(cap))
+    assert int(((perm != np.arange(cap)) & used).sum()) == must
+    refs, cache_refs = pool.refs.copy(), pool.cache_refs.copy()
+    pool.relabel(perm)
+    assert pool.live().tolist() == [True] * n_live + [False] * (cap - n_live)
+    cached = (pool.refs > 0) & ~pool.live()
+    assert cached.tolist() == [False] * top + [True] * (cap - top)
+    assert (pool.refs[perm] == refs).all() and (pool.cache_refs[perm] == cache_refs).all()
+    for key, cells in pool.prefixes.items():
+        assert (cells == perm[before[key]]).all()

@@ -142,15 +142,36 @@ def test_queue_bound_and_waiting_for_cells(rt_float):
         engine.submit(Request(ids(64, 4), 5))
 
 
-def test_fragmented_pool_splits_a_step_and_stays_exact(rt_float):
-    """Small pool, many short requests coming and going: free cells end up in holes, steps are
-    split over several runs, and every sequence still equals its lone decode."""
-    engine = rt_float.engine(capacity=96, parallel=6, max_queue=64, prefill_chunk=8, max_prefixes=4)
+def churn(engine):
+    """Many short requests coming and going in a small pool: without compaction its free cells
+    end up in holes between running and cached ones."""
     reqs = [Request(ids(5 + (i * 7) % 13, 100 + i), 3 + (i * 5) % 9) for i in range(14)]
-    for i, r in enumerate(reqs):
+    for r in reqs:
         engine.submit(r)
         engine.step()
     run_until_done(engine, reqs)
+    return reqs
+
+
+def test_a_churning_pool_is_compacted_and_stays_exact(rt_float):
+    """Cells are moved (compaction) so every step is one call, and every sequence still equals
+    its lone decode: the moved K/V rows and every owner's renamed cells agree."""
+    engine = rt_float.engine(capacity=96, parallel=6, max_queue=64, prefill_chunk=8, max_prefixes=4)
+    reqs = churn(engine)
+    assert engine.counters["moved_cells"] > 0
+    assert engine.counters["calls"] == engine.counters["steps"]
+    for r in reqs:
+        assert r.out == alone(rt_float, r.prompt, len(r.out))[0]
+
+
+def test_inside_a_turn_a_fragmented_step_is_split_and_stays_exact(rt_float):
+    """A turn (chat) never moves cells (its rollback restores owners, not moved rows): the step
+    is split over the free runs there are instead."""
+    engine = rt_float.engine(capacity=96, parallel=6, max_queue=64, prefill_chunk=8, max_prefixes=4)
+    engine.begin_turn()
+    reqs = churn(engine)
+    engine.end_turn()
+    assert engine.counters["moved_cells"] == 0
     assert engine.counters["calls"] > engine.counters["steps"]  # some steps ran as several calls
     for r in reqs:
         assert r.out == alone(rt_float, r.prompt, len(r.out))[0]
@@ -263,17 +284,32 @@ def test_a_prompt_gets_a_contiguous_run_when_cached_prefixes_fragment_the_pool(r
     assert long.out == alone(rt_float, long.prompt, 4)[0]
 
 
-def test_the_cache_gives_way_for_a_run_only_where_that_makes_one(rt_float):
-    engine = rt_float.engine(capacity=64, parallel=4, prefill_chunk=16)
-    pool = engine.pool
-    pool.take(np.arange(0, 64, 4))  # running sequences' cells: every 4th, free runs of 3 at most
-    pool.remember([5, 6, 7], np.array([1, 2, 3]))
-    engine._make_run(8)
-    assert list(pool.prefixes) == [(5, 6, 7)]  # evicting it would not make a run of 8: kept
-    pool.drop(np.arange(32, 64, 4))  # the upper half freed of running sequences...
-    pool.remember([9, 9], np.array([40, 50]))  # ...but two cached cells cut it into short runs
-    pool.lookup([5, 6, 7])  # used again: (9, 9) is now the least recently used
-    assert pool.free_run(16)[1] < 16 <= pool.run_without_cache(16)
-    engine._make_run(16)
-    assert pool.free_run(16)[1] == 16 and (9, 9) not in pool.prefixes
-    assert (5, 6, 7) in pool.prefixes  # evicting the least recently used entry was enough
+def test_cached_conversations_do_not_lengthen_the_past_a_step_binds(rt_float, monkeypatch):
+    """Eight finished conversations stay cached; a new request's steps bind only its own cells
+    (rounded to the bucket), the cached cells moved above them, and a later turn of a cached
+    conversation, its cells moved, still equals a fresh prefill."""
+    monkeypatch.setattr(rt_float.backend, "past_bucket", 8)
+    engine = rt_float.engine(capacity=256, parallel=8, prefill_chunk=16)
+    first = [Request(ids(12, 60 + i), 10) for i in range(8)]
+    for r in first:
+        engine.submit(r)
+    run_until_done(engine, first)
+    assert engine.pool.cached_only() >= 8 * 20
+    bound = []
+    run = rt_float.backend.run_cells
+    monkeypatch.setattr(rt_float.backend, "run_cells", lambda cache, p, *a: bound.append(p) or run(cache, p, *a))
+    new = Request(ids(10, 70), 20, record_logits=True)
+    engine.submit(new)
+    run_until_done(engine, [new])
+    assert engine.counters["moved_cells"] > 0
+    assert max(bound) <= 32, f"bound {max(bound)} cells for a sequence of at most 30"
+    assert new.out == alone(rt_float, new.prompt, 20)[0]
+    # the fourth conversation's next turn takes its moved cells and equals a fresh prefill
+    turn = first[3].prompt + first[3].out + ids(4, 71)
+    again = Request(turn, 6, record_logits=True)
+    engine.submit(again)
+    run_until_done(engine, [again])
+    assert again.reused == len(first[3].prompt) + len(first[3].out) - 1
+    want_toks, want_rows = alone(rt_float, turn, 6)
+    assert again.out == want_toks
+    np.testing.assert_allclose(np.stack(again.logits), np.stack(want_rows), atol=1e-4, rtol=1e-4)

@@ -154,7 +154,7 @@ class Engine:
         self.held: list[Held] = []
         self.cond = threading.Condition()
         self.counters = dict.fromkeys(("requests", "prompt_tokens", "reused_tokens", "prefilled_tokens",
-                                       "generated_tokens", "steps", "calls"), 0)
+                                       "generated_tokens", "steps", "calls", "moved_cells"), 0)
         self._thread: threading.Thread | None = None
         self._stop = False
         self._paused = False
@@ -198,7 +198,7 @@ class Engine:
         with self.cond:
             waiting = len(self.waiting)
         return {**self.counters, "waiting": waiting, "active": len(self.active), "cells_used": self.pool.used(),
-                "cells_free": self.pool.free(), "cells_cached_only": self.pool.cached_only(),
+                "cells_free": self.pool.free(), "cells_cached_only": self.pool.cached_only(), "cells_bound": self._past(),
                 "capacity": self.capacity, "reserved": self.reserved()}
 
     # -- the engine thread
@@ -254,6 +254,7 @@ class Engine:
                     take = min(take, self.capacity - r.held.sinks)
                 pieces.append((r, r.prompt[r.fed: r.fed + take], False))
                 budget -= take
+        self._tidy(sum(len(t) for _, t, _ in pieces))
         self._place(deque(pieces))
         self.counters["steps"] += 1
         return True
@@ -279,10 +280,6 @@ class Engine:
                     if self.pool.free() - self.reserved() < need:
                         self.pool.drop(cells)
                         return  # it waits until running sequences free their cells
-                    # cached prefixes scattered over the pool would cut its prompt into many small
-                    # calls (each binding the whole past): give way until one chunk (with the running
-                    # sequences' next tokens, placed first) fits in one run, while that helps
-                    self._make_run(min(len(req.prompt) - k, self.prefill_chunk) + len(self.active))
                     req.cells, req.fed, req.reused, req.budget, req.pos = [int(c) for c in cells], k, k, need, k
                 self.waiting.popleft()
                 self.active.append(req)
@@ -308,15 +305,6 @@ class Engine:
             return False
         req.cells, req.fed, req.reused, req.budget, req.pos = h.cells, 0, 0, need, h.pos
         return True
-
-    def _make_run(self, want: int) -> None:
-        """Evict cached prefixes, least recently used first, until `want` free cells lie in one
-        run; none at all when even an empty cache would leave no such run (running sequences'
-        cells fragment the pool: evicting would empty the cache for nothing)."""
-        if self.pool.free_run(want)[1] >= want or self.pool.run_without_cache(want) < want:
-            return
-        while self.pool.free_run(want)[1] < want and self.pool.evict_one():
-            pass
 
     def _place(self, pieces: deque) -> None:
         """Run the step's pieces in as few calls as the free runs of cells allow (one, unless
@@ -355,11 +343,41 @@ class Engine:
         req.budget += count
 
     def _past(self) -> int:
-        """Cells bound as the past: [0, high water) rounded up to the backend's bucket (ort), so
-        the past binding changes once per bucket, not every step; the cells above the high water
-        belong to no sequence and stay masked."""
+        """Cells bound as the past: up to the highest cell a sequence holds, rounded up to the
+        backend's bucket (ort), so the binding changes once per bucket, not every step; free and
+        cached cells inside it stay masked, cached ones above it cost the call nothing."""
+        return self._bucket(self.pool.live_high_water())
+
+    def _bucket(self, n: int) -> int:
         b = self.backend.past_bucket
-        return min(-(-self.pool.high_water() // b) * b, self.capacity)
+        return min(-(-n // b) * b, self.capacity)
+
+    def _tidy(self, want: int) -> None:
+        """Compact the pool before a step when that shortens the past it binds, or when the
+        step's `want` new cells would not lie in one free run (several calls, each reading all
+        the weights). Not for chat (held sequences, turns: a rollback restores owners, not moved
+        cells): one conversation's pool fragments only where its ring overwrites."""
+        if self._turn is not None or self.held:
+            return
+        pool = self.pool
+        shorter = self._bucket(pool.live_high_water()) > self._bucket(int(pool.live().sum()))
+        if shorter or pool.free_run(want)[1] < min(want, pool.free()):
+            self._compact()
+
+    def _compact(self) -> None:
+        """Move cells to the pool's compaction layout (their K/V rows copied) and rename every
+        owner's cells: the pool's and the running requests'."""
+        perm = self.pool.compaction()
+        src = np.flatnonzero((perm != np.arange(self.capacity)) & (self.pool.refs > 0))
+        if not src.size:
+            return
+        dst = perm[src]
+        order = np.argsort(dst)  # written in runs
+        self.cache.write_cells(dst[order], self.cache.read_cells(src[order]))
+        self.pool.relabel(perm)
+        for req in self.active:
+            req.cells = perm[req.cells].tolist() if req.cells else []
+        self.counters["moved_cells"] += int(src.size)
 
     def _call(self, w: int, call: list) -> None:
         s = sum(len(t) for _, t, _ in call)

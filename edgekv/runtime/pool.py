@@ -5,7 +5,9 @@ several sequences (a shared prefix: the K/V of a token depend only on the tokens
 each cell has a reference count; a cell with none is free. The prefix cache keeps the cells of
 prompts already computed (token ids -> cells) so a later request starting with the same tokens
 takes those cells instead of prefilling them again; its entries are dropped, least recently
-used first, when the cells are needed. See docs/serve.md."""
+used first, when the cells are needed. The engine keeps the layout tidy with `compaction`: the
+sequences' cells first (they are the past every call binds), then the free run, then the cells
+only the prefix cache holds (never bound: no call's cost grows with the cache). See docs/serve.md."""
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -16,7 +18,8 @@ import numpy as np
 class CellPool:
     def __init__(self, capacity: int, max_prefixes: int = 32):
         self.capacity = capacity
-        self.refs = np.zeros(capacity, np.int32)
+        self.refs = np.zeros(capacity, np.int32)  # every owner: sequences and prefix-cache entries
+        self.cache_refs = np.zeros(capacity, np.int32)  # of which prefix-cache entries
         self.max_prefixes = max_prefixes
         self.prefixes: OrderedDict[tuple[int, ...], np.ndarray] = OrderedDict()  # LRU first
 
@@ -27,34 +30,27 @@ class CellPool:
     def free(self) -> int:
         return self.capacity - self.used()
 
-    def high_water(self) -> int:
-        """One past the highest cell in use: the past a call binds is cells [0, high_water)."""
-        nz = np.flatnonzero(self.refs)
+    def live(self) -> np.ndarray:
+        """Cells a sequence holds (not only the prefix cache), as a mask."""
+        return self.refs > self.cache_refs
+
+    def live_high_water(self) -> int:
+        """One past the highest cell a sequence holds: a call binds the past [0, this)."""
+        nz = np.flatnonzero(self.live())
         return int(nz[-1]) + 1 if nz.size else 0
 
     def cached_only(self) -> int:
         """Cells held by nothing but the prefix cache (freed by evicting it)."""
-        held = self._cache_holds()
-        return int(np.count_nonzero((held > 0) & (held == self.refs)))
-
-    def run_without_cache(self, want: int) -> int:
-        """The free run free_run(want) would find if the whole prefix cache were evicted."""
-        return self.free_run(want, self.refs - self._cache_holds())[1]
-
-    def _cache_holds(self) -> np.ndarray:
-        held = np.zeros(self.capacity, np.int32)
-        for cells in self.prefixes.values():
-            held[cells] += 1
-        return held
+        return int(np.count_nonzero((self.cache_refs > 0) & ~self.live()))
 
     # -- ownership
     def state(self) -> tuple:
         """A copy of who holds what (reference counts, prefix cache), for `set_state`."""
-        return self.refs.copy(), OrderedDict(self.prefixes)
+        return self.refs.copy(), self.cache_refs.copy(), OrderedDict(self.prefixes)
 
     def set_state(self, state: tuple) -> None:
-        refs, prefixes = state
-        self.refs[:] = refs
+        refs, cache_refs, prefixes = state
+        self.refs[:], self.cache_refs[:] = refs, cache_refs
         self.prefixes = OrderedDict(prefixes)
 
     def take(self, cells) -> None:
@@ -64,11 +60,10 @@ class CellPool:
         np.add.at(self.refs, np.asarray(cells, np.int64), -1)
         assert self.refs.min() >= 0, "a cell was dropped more often than taken"
 
-    def free_run(self, want: int, refs: np.ndarray | None = None) -> tuple[int, int]:
+    def free_run(self, want: int) -> tuple[int, int]:
         """(start, length) of the lowest run of free cells at least `want` long (low cells keep
-        the bound past short), else the longest run; length 0 when the pool is full. `refs`:
-        other reference counts to read instead of the pool's own."""
-        free = np.concatenate([[False], (self.refs if refs is None else refs) == 0, [False]])
+        the bound past short), else the longest run; length 0 when the pool is full."""
+        free = np.concatenate([[False], self.refs == 0, [False]])
         edges = np.flatnonzero(free[1:] != free[:-1])
         starts, ends = edges[::2], edges[1::2]
         if starts.size == 0:
@@ -103,11 +98,12 @@ class CellPool:
         if not key:
             return
         for old in [k for k in self.prefixes if len(k) <= len(key) and key[: len(k)] == k]:
-            self.drop(self.prefixes.pop(old))
+            self._forget(old)
         if any(len(k) > len(key) and k[: len(key)] == key for k in self.prefixes):
             return  # a longer entry already holds these cells
         cells = np.asarray(cells, np.int64).copy()
         self.take(cells)
+        np.add.at(self.cache_refs, cells, 1)
         self.prefixes[key] = cells
         while len(self.prefixes) > self.max_prefixes:
             self.evict_one()
@@ -116,6 +112,39 @@ class CellPool:
         """Drop the least recently used prefix; False when there is none."""
         if not self.prefixes:
             return False
-        _, cells = self.prefixes.popitem(last=False)
-        self.drop(cells)
+        self._forget(next(iter(self.prefixes)))
         return True
+
+    def _forget(self, key: tuple[int, ...]) -> None:
+        cells = self.prefixes.pop(key)
+        np.add.at(self.cache_refs, cells, -1)
+        self.drop(cells)
+
+    # -- layout
+    def compaction(self) -> np.ndarray:
+        """The permutation (cell i's contents go to cell perm[i]) that puts the sequences' cells
+        in [0, n_live), the cells only the prefix cache holds at the top of the pool and the free
+        cells in one run between, moving as few cells as it can (each in-use cell that moves is
+        a copy of its K/V rows)."""
+        cap = self.capacity
+        perm = np.arange(cap)
+        live = self.live()
+        cached = (self.refs > 0) & ~live
+        n_live, top = int(live.sum()), cap - int(cached.sum())
+        # sequences' cells above n_live trade places with the cached or free cells below it
+        up, down = np.flatnonzero(live[n_live:]) + n_live, np.flatnonzero(~live[:n_live])
+        perm[up], perm[down] = down, up
+        moved = np.empty_like(cached)
+        moved[perm] = cached
+        # then cached cells below the top region trade places with the free cells inside it
+        low, high = np.flatnonzero(moved[n_live:top]) + n_live, np.flatnonzero(~moved[top:]) + top
+        where = np.argsort(perm)  # cell now at position j came from where[j]
+        perm[where[low]], perm[where[high]] = high, low
+        return perm
+
+    def relabel(self, perm: np.ndarray) -> None:
+        """Follow a compaction: every owner's cells renamed (the engine moved their contents)."""
+        for arr in (self.refs, self.cache_refs):
+            arr[perm] = arr.copy()
+        for key, cells in self.prefixes.items():
+            self.prefixes[key] = perm[cells]

@@ -22,7 +22,8 @@ class EngineCollector:
                            ("reused_tokens", "prompt tokens taken from the prefix cache (not prefilled)"),
                            ("prefilled_tokens", "prompt tokens run through the model"),
                            ("generated_tokens", "tokens generated"),
-                           ("steps", "engine steps (one batched graph call each, more when cells are fragmented)")):
+                           ("steps", "engine steps (one batched graph call each, more when cells are fragmented)"),
+                           ("moved_cells", "KV cells copied by compaction (sequences' cells kept low, cached ones high)")):
             yield CounterMetricFamily(f"edgekv_{key}", help_, value=st[key])
         now, n = time.monotonic(), st["generated_tokens"]
         t0, n0 = self.last
@@ -33,6 +34,7 @@ class EngineCollector:
                            ("cells_used", "KV cells in use (sequences and the prefix cache)"),
                            ("cells_free", "free KV cells"),
                            ("cells_cached_only", "KV cells held only by the prefix cache (reclaimable)"),
+                           ("cells_bound", "KV cells a step binds as its past (its attention's length)"),
                            ("capacity", "KV cells in the pool")):
             yield GaugeMetricFamily(f"edgekv_{key}", help_, value=st[key])
 
