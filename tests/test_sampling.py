@@ -166,3 +166,40 @@ def test_seed_reproduces_through_the_cli(tiny_bundle_int8):
     assert len(a) >= 4
     assert generated_tokens(tiny_bundle_int8, 11) == a
     assert generated_tokens(tiny_bundle_int8, 12) != a
+
+
+# -- a real vocabulary: the block-wise inverse CDF and the partial sort of top-p -----------------
+
+@pytest.mark.parametrize("n", [700, 5000, 49152])
+def test_draw_is_the_inverse_cdf_at_every_bin(n):
+    """Equal weights: u lands in bin floor(u * n), at the start, inside and at the end of every
+    block of the running sum (the last one padded)."""
+    from edgekv.runtime.sampling import BLOCK, draw
+    w = np.ones(n, np.float32)
+    bins = sorted({0, 1, BLOCK - 1, BLOCK, BLOCK + 1, n // 2, n - BLOCK - 1, n - 2, n - 1} & set(range(n)))
+    for k in bins:
+        for u in ((k + 1e-6) / n, (k + 0.5) / n, (k + 1 - 1e-6) / n):
+            assert draw(w, u) == k, (k, u)
+
+
+def test_a_large_vocabulary_is_sampled_with_its_frequencies():
+    rng = np.random.default_rng(5)
+    logits = rng.standard_normal(49152).astype(np.float32) - 8  # a long, thin tail in every block
+    hot = [0, 255, 256, 30000, 49151]
+    logits[hot] = [2.0, 1.0, 0.5, 1.5, 0.0]
+    counts = draw(logits, SamplingParams(temperature=1.0), n=4000)
+    p = softmax(logits)
+    assert_frequencies(np.r_[counts[hot], counts.sum() - counts[hot].sum()], np.r_[p[hot], 1 - p[hot].sum()])
+
+
+@pytest.mark.parametrize("seed, scale, top_p", [(0, 3.0, 0.9), (1, 0.5, 0.9), (2, 6.0, 0.5), (3, 0.1, 0.99)])
+def test_top_p_on_a_large_vocabulary_keeps_exactly_the_nucleus(seed, scale, top_p):
+    """The nucleus from sorting only the head equals the one from sorting every token (peaked
+    logits: a few tokens; flat ones: thousands, past the first head of 256)."""
+    from edgekv.runtime.sampling import nucleus
+    w = np.exp(np.random.default_rng(seed).standard_normal(49152) * scale).astype(np.float32)
+    order = np.argsort(-w.astype(np.float64), kind="stable")
+    cum = np.cumsum(w[order], dtype=np.float64) / w.sum(dtype=np.float64)
+    want = order[: int(np.searchsorted(cum, top_p)) + 1]
+    got = nucleus(w, top_p)
+    assert set(got.tolist()) == set(want.tolist()) and len(got) == len(want)

@@ -24,20 +24,50 @@ def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator, hist
         logits[recent] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
     if p.temperature <= 0:
         return int(np.argmax(logits))
-    x = logits.astype(np.float64) / p.temperature
+    x = np.asarray(logits) / p.temperature  # the logits' own precision (float32 from a graph)
+    ids = None  # the candidates' token ids (None: every token)
     if p.top_k and p.top_k < x.shape[0]:
-        kth = np.partition(x, -p.top_k)[-p.top_k]
-        x = np.where(x < kth, -np.inf, x)
-    probs = np.exp(x - x.max())
-    probs /= probs.sum()
+        ids = np.flatnonzero(x >= np.partition(x, -p.top_k)[-p.top_k])  # ties at the k-th all stay
+        x = x[ids]
+    w = np.exp(x - x.max())  # unnormalized probabilities
     if p.top_p < 1.0:
-        order = np.argsort(-probs)
-        cum = np.cumsum(probs[order])
-        keep = order[: int(np.searchsorted(cum, p.top_p)) + 1]  # smallest set with mass >= top_p
-        mask = np.zeros_like(probs)
-        mask[keep] = probs[keep]
-        probs = mask / mask.sum()
-    return int(rng.choice(probs.shape[0], p=probs))
+        keep = nucleus(w, p.top_p)
+        ids, w = (keep if ids is None else ids[keep]), w[keep]
+    i = draw(w, rng.random())
+    return int(i if ids is None else ids[i])
+
+
+BLOCK = 256
+
+
+def draw(w: np.ndarray, u: float) -> int:
+    """The index whose bin of the cumulative weights holds u · total (inverse CDF; one uniform,
+    as Generator.choice(p=...) draws), in float64. A running sum over a whole vocabulary costs
+    ~5 ns a token (a quarter of a ms for 49k): sum blocks first, then run through one block."""
+    n = w.shape[0]
+    if n <= 4 * BLOCK:
+        cdf = np.cumsum(w, dtype=np.float64)
+        return min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), n - 1)
+    blocks = np.pad(w, (0, -n % BLOCK)).reshape(-1, BLOCK)
+    ends = np.cumsum(blocks.sum(axis=1, dtype=np.float64))
+    target = u * ends[-1]
+    b = min(int(np.searchsorted(ends, target, side="right")), ends.shape[0] - 1)
+    inner = np.cumsum(blocks[b], dtype=np.float64) + (ends[b - 1] if b else 0.0)
+    return min(b * BLOCK + int(np.searchsorted(inner, target, side="right")), b * BLOCK + BLOCK - 1, n - 1)
+
+
+def nucleus(w: np.ndarray, top_p: float) -> np.ndarray:
+    """Indices of the smallest set of the largest weights whose share of the total is >= top_p.
+    Sorts only the head: the m largest (argpartition, linear), m doubled until they hold top_p."""
+    total = w.sum(dtype=np.float64)
+    m = min(256, w.shape[0])
+    while True:
+        head = np.argpartition(w, -m)[-m:] if m < w.shape[0] else np.arange(w.shape[0])
+        head = head[np.argsort(-w[head], kind="stable")]
+        cum = np.cumsum(w[head], dtype=np.float64) / total
+        if m == w.shape[0] or cum[-1] >= top_p:
+            return head[: min(int(np.searchsorted(cum, top_p)) + 1, m)]
+        m = min(4 * m, w.shape[0])
 
 
 def sampling_from(args) -> SamplingParams:
