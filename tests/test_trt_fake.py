@@ -101,9 +101,9 @@ def test_trt_runs_a_wrapped_ring_through_staging(bundle_copy, monkeypatch):
 
 
 def test_trt_serves_a_fragmented_pool_exactly_as_ort_cpu(bundle_copy, monkeypatch):
-    """The serving engine on trt (run_cells): many short requests in a small pool, so calls write
-    into freed runs below the high water (staged, as TensorRT may not overlap input and output)
-    and the past reaches every cell; tokens and logits equal the engine on ort-cpu bit for bit."""
+    """The serving engine on trt (run_cells): many short requests in a small pool, so the pool is
+    compacted (cells moved through the device memory's row copies) and the past reaches every
+    cell; tokens and logits equal the engine on ort-cpu bit for bit."""
     fake_gpu.install(monkeypatch)
     from edgekv.runtime.assemble import Runtime
     from edgekv.runtime.engine import Request
@@ -125,6 +125,7 @@ def test_trt_serves_a_fragmented_pool_exactly_as_ort_cpu(bundle_copy, monkeypatc
                 break
             engine.step()
         runs[name] = ([r.out for r in reqs], [np.stack(r.logits) for r in reqs], engine.counters["calls"])
+        assert engine.counters["moved_cells"] > 0 and engine.cache.reads_rows
         be.close()
     assert runs["trt"][0] == runs["ort"][0] and all(len(o) for o in runs["trt"][0])
     for got, want in zip(runs["trt"][1], runs["ort"][1]):
@@ -176,3 +177,22 @@ def test_selftest_checks_every_bundle_it_is_given(bundle_copy, monkeypatch, tmp_
     assert all(any(r["backend"] == "trt" and r["status"] == "pass" for r in b["parity"]) for b in d["bundles"])
     (second / "edgekv.json").write_text("{}")  # a broken second bundle fails the run
     assert main([str(bundle_copy), str(second), "--ctx", "96", "--skip-bench", "--report", str(report)]) == 1
+
+
+def test_device_memory_copies_row_ranges_and_refuses_rows_outside(monkeypatch):
+    fake_gpu.install(monkeypatch)
+    from edgekv.runtime.backends.gpu import CudaMemory
+    mem = CudaMemory()
+    buf = mem.alloc((10, 1, 3, 4), np.int8)
+    rows = np.arange(10 * 12, dtype=np.int64).reshape(10, 1, 3, 4).astype(np.int8)
+    mem.write(buf, rows)
+    np.testing.assert_array_equal(mem.read_rows(buf, 3, 7), rows[3:7])
+    mem.write_rows(buf, 6, rows[:4])
+    want = rows.copy()
+    want[6:10] = rows[:4]
+    np.testing.assert_array_equal(mem.read(buf, 10), want)
+    for bad in (lambda: mem.read_rows(buf, 8, 11), lambda: mem.write_rows(buf, 8, rows[:3]),
+                lambda: mem.write_rows(buf, 0, rows[:2, :, :2])):
+        with pytest.raises(EdgeKVError):
+            bad()
+    mem.close()

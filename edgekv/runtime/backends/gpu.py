@@ -112,6 +112,26 @@ class CudaMemory:
             check(self.rt.cudaMemcpy(buf.ptr, arr.ctypes.data, arr.nbytes,
                                      self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice))
 
+    def read_rows(self, buf: CudaBuffer, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) to the host: a chat turn's undo and the serving pool's compaction
+        copy only the cells they move, not the whole cache."""
+        if not 0 <= start <= stop <= buf.shape[0]:
+            raise EdgeKVError(f"rows [{start}, {stop}) outside a buffer of {buf.shape[0]}")
+        host = np.empty((stop - start,) + buf.shape[1:], buf.dtype)
+        if host.nbytes:
+            check(self.rt.cudaMemcpy(host.ctypes.data, buf.ptr + start * (buf.nbytes // buf.shape[0]), host.nbytes,
+                                     self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost))
+        return host
+
+    def write_rows(self, buf: CudaBuffer, start: int, arr: np.ndarray) -> None:
+        arr = np.ascontiguousarray(arr, buf.dtype)
+        if arr.shape[1:] != buf.shape[1:] or not 0 <= start <= start + len(arr) <= buf.shape[0]:
+            raise EdgeKVError(f"rows [{start}, {start + len(arr)}) of shape {arr.shape[1:]} do not fit a buffer "
+                              f"of {buf.shape}")
+        if arr.nbytes:
+            check(self.rt.cudaMemcpy(buf.ptr + start * (buf.nbytes // buf.shape[0]), arr.ctypes.data, arr.nbytes,
+                                     self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice))
+
     def close(self) -> None:
         """Free every buffer this memory allocated (the trt backend's close calls it)."""
         for buf in self.buffers:
