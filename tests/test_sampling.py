@@ -11,7 +11,8 @@ import json
 import numpy as np
 import pytest
 
-from edgekv.runtime.sampling import SamplingParams, sample
+from edgekv.runtime.sampling import BLOCK, SamplingParams, sample
+from edgekv.runtime.sampling import draw as inverse_cdf
 from tests.conftest import run_edgekv
 
 N = 8000
@@ -174,12 +175,11 @@ def test_seed_reproduces_through_the_cli(tiny_bundle_int8):
 def test_draw_is_the_inverse_cdf_at_every_bin(n):
     """Equal weights: u lands in bin floor(u * n), at the start, inside and at the end of every
     block of the running sum (the last one padded)."""
-    from edgekv.runtime.sampling import BLOCK, draw
     w = np.ones(n, np.float32)
     bins = sorted({0, 1, BLOCK - 1, BLOCK, BLOCK + 1, n // 2, n - BLOCK - 1, n - 2, n - 1} & set(range(n)))
     for k in bins:
         for u in ((k + 1e-6) / n, (k + 0.5) / n, (k + 1 - 1e-6) / n):
-            assert draw(w, u) == k, (k, u)
+            assert inverse_cdf(w, u) == k, (k, u)
 
 
 def test_a_large_vocabulary_is_sampled_with_its_frequencies():
@@ -203,3 +203,64 @@ def test_top_p_on_a_large_vocabulary_keeps_exactly_the_nucleus(seed, scale, top_
     want = order[: int(np.searchsorted(cum, top_p)) + 1]
     got = nucleus(w, top_p)
     assert set(got.tolist()) == set(want.tolist()) and len(got) == len(want)
+
+
+# -- edge cases of the inverse CDF and the temperature (a hostile review's findings) -------------
+
+def test_draw_never_returns_a_zero_weight_index_at_a_block_end():
+    """Block sums (pairwise) and the running sum inside a block (sequential) round differently:
+    a u whose target lies between the two ends of a block ran off the block and was clamped to
+    its last index, whatever that index's weight."""
+    rng = np.random.default_rng(0)
+    checked = 0
+    for _ in range(50):
+        n = 8 * BLOCK
+        w = np.exp(rng.standard_normal(n) * 8 - 20).astype(np.float32)  # weights of many magnitudes
+        w[BLOCK - 1:: BLOCK] = 0  # every block ends with a zero weight (a masked token)
+        ends = np.cumsum(w.reshape(-1, BLOCK).sum(axis=1, dtype=np.float64))
+        for b in range(len(ends)):
+            inner_end = np.cumsum(w[b * BLOCK: (b + 1) * BLOCK], dtype=np.float64)[-1] + (ends[b - 1] if b else 0.0)
+            if not inner_end < ends[b]:
+                continue
+            u = ends[b] / ends[-1]
+            while u * ends[-1] >= ends[b]:
+                u = np.nextafter(u, 0)
+            if u * ends[-1] < inner_end:
+                continue
+            checked += 1
+            i = inverse_cdf(w, float(u))
+            assert w[i] > 0, f"drew index {i} (weight 0) at u={u!r}"
+    assert checked
+
+
+class FixedU:
+    def __init__(self, u):
+        self.u = u
+
+    def random(self):
+        return self.u
+
+
+def test_a_low_temperature_keeps_float64_precision():
+    """Two logits one float32 ulp apart at temperature 1e-5: P(first) = 1 / (1 + e^0.19).
+    Dividing float32 logits near 20 by 1e-5 rounds them to 0.125: P drifts by 1.5 points."""
+    logits = np.array([20.0, np.nextafter(np.float32(20.0), np.float32(30.0))], np.float32)
+    t = 1e-5
+    x = logits.astype(np.float64) / t
+    p0 = 1 / (1 + np.exp(x[1] - x[0]))
+    lo, hi = 0.0, 1.0  # the u where the draw switches from token 0 to token 1 is P(token 0)
+    for _ in range(50):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if sample(logits, SamplingParams(temperature=t), FixedU(mid), []) == 0 else (lo, mid)
+    assert abs(lo - p0) < 1e-4, (lo, p0)
+
+
+def test_non_finite_logits_are_refused_not_sampled():
+    """The engine and the Generator check first; a direct caller gets an error, never a token."""
+    rng = np.random.default_rng(0)
+    for bad in (np.nan, np.inf):
+        for n in (6, 5000):
+            logits = np.zeros(n, np.float32)
+            logits[n // 2] = bad
+            with pytest.raises(ValueError), np.errstate(invalid="ignore"):
+                sample(logits, SamplingParams(temperature=1.0), rng, [])

@@ -24,12 +24,15 @@ def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator, hist
         logits[recent] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
     if p.temperature <= 0:
         return int(np.argmax(logits))
-    x = np.asarray(logits) / p.temperature  # the logits' own precision (float32 from a graph)
+    logits = np.asarray(logits)
+    # in the logits' own precision (float32 from a graph), the max subtracted before dividing:
+    # exact for close logits, and no overflow at a tiny temperature
+    x = (logits - logits.max()) / p.temperature
     ids = None  # the candidates' token ids (None: every token)
     if p.top_k and p.top_k < x.shape[0]:
         ids = np.flatnonzero(x >= np.partition(x, -p.top_k)[-p.top_k])  # ties at the k-th all stay
         x = x[ids]
-    w = np.exp(x - x.max())  # unnormalized probabilities
+    w = np.exp(x)  # unnormalized probabilities (x <= 0, its max 0)
     if p.top_p < 1.0:
         keep = nucleus(w, p.top_p)
         ids, w = (keep if ids is None else ids[keep]), w[keep]
@@ -42,18 +45,28 @@ BLOCK = 256
 
 def draw(w: np.ndarray, u: float) -> int:
     """The index whose bin of the cumulative weights holds u · total (inverse CDF; one uniform,
-    as Generator.choice(p=...) draws), in float64. A running sum over a whole vocabulary costs
-    ~5 ns a token (a quarter of a ms for 49k): sum blocks first, then run through one block."""
+    as Generator.choice(p=...) draws), in float64; never a zero weight. A running sum over a whole
+    vocabulary costs ~5 ns a token (a quarter of a ms for 49k): sum blocks first, then run
+    through one block."""
     n = w.shape[0]
     if n <= 4 * BLOCK:
         cdf = np.cumsum(w, dtype=np.float64)
-        return min(int(np.searchsorted(cdf, u * cdf[-1], side="right")), n - 1)
+        return inside(cdf, u * cdf[-1])
     blocks = np.pad(w, (0, -n % BLOCK)).reshape(-1, BLOCK)
     ends = np.cumsum(blocks.sum(axis=1, dtype=np.float64))
+    if not (np.isfinite(ends[-1]) and ends[-1] > 0):
+        raise ValueError("sampling weights are not finite and positive (non-finite logits)")
     target = u * ends[-1]
     b = min(int(np.searchsorted(ends, target, side="right")), ends.shape[0] - 1)
-    inner = np.cumsum(blocks[b], dtype=np.float64) + (ends[b - 1] if b else 0.0)
-    return min(b * BLOCK + int(np.searchsorted(inner, target, side="right")), b * BLOCK + BLOCK - 1, n - 1)
+    return b * BLOCK + inside(np.cumsum(blocks[b], dtype=np.float64), target - (ends[b - 1] if b else 0.0))
+
+
+def inside(cdf: np.ndarray, target: float) -> int:
+    """The first bin of `cdf` ending above `target`, the target kept below the last bin's end (a
+    sum rounded differently, or u · total rounded up, must not land past it on a zero weight)."""
+    if not (np.isfinite(cdf[-1]) and cdf[-1] > 0):
+        raise ValueError("sampling weights are not finite and positive (non-finite logits)")
+    return int(np.searchsorted(cdf, min(max(target, 0.0), np.nextafter(cdf[-1], -np.inf)), side="right"))
 
 
 def nucleus(w: np.ndarray, top_p: float) -> np.ndarray:
