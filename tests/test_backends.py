@@ -325,3 +325,37 @@ def test_only_unit_scalar_dq_reads_of_int8_inputs_become_casts(tmp_path):
     got = {n.output[0]: n.op_type for n in onnx.load_from_string(cast_cache_reads(path)).graph.node}
     assert got == {"unit": "Cast", "scaled": "DequantizeLinear", "per_axis": "DequantizeLinear",
                    "shifted": "DequantizeLinear", "weight": "DequantizeLinear"}
+
+
+class RowsOnly(OpaqueMemory):
+    """Device-like memory that also copies row ranges (as the trt backend's CudaMemory)."""
+
+    def read_rows(self, buf, start, stop):
+        return buf._arr[start:stop].copy()
+
+    def write_rows(self, buf, start, arr):
+        buf._arr[start: start + len(arr)] = arr
+
+
+@pytest.mark.parametrize("memory", ["host", "rows", "opaque"])
+def test_move_cells_is_a_simultaneous_copy_in_every_memory(tiny_bundle_int8, memory):
+    """Compaction's copy: slot src[i] -> dst[i] with swaps and chains, every source read before
+    any slot is written, in host memory, memory that copies row ranges, and memory that reads
+    only from slot 0."""
+    b = load_bundle(tiny_bundle_int8)
+    mem = {"host": None, "rows": RowsOnly(), "opaque": OpaqueMemory()}[memory]
+    cache = KVCache(b, 40, memory=mem)
+    rng = np.random.default_rng(7)
+    before = {}
+    for name, buf in cache.buffers.items():
+        vals = rng.integers(-100, 100, cache.shapes[name]).astype(cache.dtypes[name])
+        cache.memory.write(buf, vals)
+        before[name] = vals
+    perm = np.arange(40)
+    perm[[3, 9, 20, 21, 30]] = [9, 3, 30, 20, 21]  # a swap and a 3-cycle
+    src = np.flatnonzero(perm != np.arange(40))
+    cache.move_cells(src, perm[src])
+    for name, buf in cache.buffers.items():
+        want = before[name].copy()
+        want[perm[src]] = before[name][src]
+        np.testing.assert_array_equal(cache.memory.read(buf, 40), want)

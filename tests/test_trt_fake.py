@@ -196,3 +196,44 @@ def test_device_memory_copies_row_ranges_and_refuses_rows_outside(monkeypatch):
         with pytest.raises(EdgeKVError):
             bad()
     mem.close()
+
+
+def test_trt_serving_with_prefix_reuse_and_compaction_equals_ort_cpu(bundle_copy, monkeypatch):
+    """Conversations cached, moved to the top, reused (moved down), cancelled mid-prefill and
+    mid-decode: trt (stand-in) gives ort-cpu's tokens and logits bit for bit."""
+    fake_gpu.install(monkeypatch)
+    from edgekv.runtime.assemble import Runtime
+    from edgekv.runtime.engine import Request
+    from jetson.build_engine import build_engine
+
+    build_engine(str(bundle_copy), ctx=64, max_prefill=16)
+    b = load_bundle(bundle_copy)
+    runs = {}
+    for name, be in (("trt", make_backend("trt", b, ctx=64, max_logits_rows=16)),
+                     ("ort", OrtBackend(b, threads=1, max_logits_rows=16, past_bucket=1))):
+        be.max_tokens_per_call = 16
+        engine = Runtime(b, be, 64).engine(capacity=64, parallel=4, prefill_chunk=5, max_prefixes=4)
+        rng = np.random.default_rng(3)
+        reqs, convs = [], []
+        for i in range(40):
+            if convs and rng.random() < 0.5:
+                prompt = (convs[int(rng.integers(len(convs)))] + ids(3, 900 + i))[:40]
+            else:
+                prompt = ids(int(rng.integers(2, 20)), 50 + i)
+            reqs.append(engine.submit(Request(prompt, int(rng.integers(1, 8)), record_logits=True)))
+            engine.step()
+            if i % 7 == 3:
+                engine.cancel(reqs[-2])
+            engine.step()
+            convs += [r.prompt + r.out for r in reqs if r.finish_reason == "length" and r.prompt + r.out not in convs]
+        for _ in range(2000):
+            if all(r.finish_reason for r in reqs):
+                break
+            engine.step()
+        runs[name] = ([r.out for r in reqs], [r.logits for r in reqs], dict(engine.counters))
+        be.close()
+    assert runs["trt"][2]["moved_cells"] > 0 and runs["trt"][2]["reused_tokens"] > 0
+    assert runs["trt"][0] == runs["ort"][0]
+    for got, want in zip(runs["trt"][1], runs["ort"][1]):
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w)

@@ -118,6 +118,27 @@ class KVCache:
             self.write_rows(int(a), {name: snap[name][i: i + b - a] for name in self.names})
             i += b - a
 
+    def move_cells(self, src, dst) -> None:
+        """Copy slot src[i] to slot dst[i] in every buffer, every source read before any is
+        written (a permutation's swaps are safe). Host buffers gather and scatter in place;
+        device memory copies the span of rows involved through the host once per buffer (cells
+        of sequences decoded together interleave: a copy per run would be one per cell)."""
+        src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
+        if not src.size:
+            return
+        lo, hi = int(min(src.min(), dst.min())), int(max(src.max(), dst.max())) + 1
+        for name, buf in self.buffers.items():
+            if isinstance(buf, np.ndarray):
+                buf[dst] = buf[src]
+                continue
+            rows = self.memory.read_rows(buf, lo, hi) if self.reads_rows else self.memory.read(buf, self.capacity)
+            base = lo if self.reads_rows else 0
+            rows[dst - base] = rows[src - base]
+            if self.reads_rows:
+                self.memory.write_rows(buf, lo, rows)
+            else:
+                self.memory.write(buf, rows)
+
     def slots_in(self, snap: dict[str, np.ndarray]) -> int:
         """The slots a snapshot holds; an error unless it fits this cache's layout."""
         n = {v.shape[0] for v in snap.values()}

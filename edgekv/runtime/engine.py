@@ -1,13 +1,15 @@
 """Engine: several sequences decoded together over one pool of KV cells (continuous batching).
 
 The pool is one KVCache allocated once; a CellPool (pool.py) says which cells hold what. Each
-`step` is one graph call (more only when the free cells are fragmented) with B = 1 and a batch
-of S tokens drawn from every active sequence: the next token of each decoding sequence, then up
-to `prefill_chunk` prompt tokens of those still prefilling, so a new request joins at the next
-step and running streams never wait for a whole prompt. The past is the pool's cells
-[0, high water); the mask [1, S, P + S] says per token which cells are its own sequence's and
-which earlier tokens of the batch it sees. The new tokens' K/V land in a contiguous run of free
-cells. A finished or cancelled sequence drops its cells at once; its prompt's cells stay in the
+`step` is one graph call with B = 1 and a batch of S tokens drawn from every active sequence:
+the next token of each decoding sequence, then up to `prefill_chunk` prompt tokens of those
+still prefilling, so a new request joins at the next step and running streams never wait for a
+whole prompt. Before a step the pool is compacted where that helps (`_tidy`): the running
+sequences' cells low, the cells only the prefix cache holds at the top, the free cells one run
+between. The past is cells [0, the highest a running sequence holds); the mask [1, S, P + S]
+says per token which cells are its own sequence's and which earlier tokens of the batch it
+sees. The new tokens' K/V land in a contiguous run of free cells (in a chat turn, which does
+not compact, a step may be split over several runs). A finished or cancelled sequence drops its cells at once; its prompt's cells stay in the
 prefix cache for the next request that starts the same way.
 
 Admission reserves every cell a request may need (prompt + max_tokens), so a running sequence
@@ -308,7 +310,7 @@ class Engine:
 
     def _place(self, pieces: deque) -> None:
         """Run the step's pieces in as few calls as the free runs of cells allow (one, unless
-        the free cells are fragmented). A held ring short of free cells first gives up its
+        the free cells are fragmented: only in a chat turn, which does not compact). A held ring short of free cells first gives up its
         oldest tokens after the sinks, as many as the piece lacks."""
         while pieces:
             req, toks, _ = pieces[0]
@@ -371,9 +373,12 @@ class Engine:
         src = np.flatnonzero((perm != np.arange(self.capacity)) & (self.pool.refs > 0))
         if not src.size:
             return
-        dst = perm[src]
-        order = np.argsort(dst)  # written in runs
-        self.cache.write_cells(dst[order], self.cache.read_cells(src[order]))
+        try:
+            self.cache.move_cells(src, perm[src])
+        except BaseException:  # rows half moved: no cached prefix may be trusted (the step's error fails the requests)
+            while self.pool.evict_one():
+                pass
+            raise
         self.pool.relabel(perm)
         for req in self.active:
             req.cells = perm[req.cells].tolist() if req.cells else []

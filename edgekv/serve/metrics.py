@@ -22,7 +22,7 @@ class EngineCollector:
                            ("reused_tokens", "prompt tokens taken from the prefix cache (not prefilled)"),
                            ("prefilled_tokens", "prompt tokens run through the model"),
                            ("generated_tokens", "tokens generated"),
-                           ("steps", "engine steps (one batched graph call each, more when cells are fragmented)"),
+                           ("steps", "engine steps (one batched graph call each)"),
                            ("moved_cells", "KV cells copied by compaction (sequences' cells kept low, cached ones high)")):
             yield CounterMetricFamily(f"edgekv_{key}", help_, value=st[key])
         now, n = time.monotonic(), st["generated_tokens"]

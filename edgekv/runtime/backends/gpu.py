@@ -35,7 +35,7 @@ class OrtValueMemory:
         return buf.data_ptr()
 
     def read(self, buf, n: int) -> np.ndarray:
-        return buf.numpy()[:n].copy()  # whole-buffer copy: only for snapshots (prompt cache, /save)
+        return buf.numpy()[:n].copy()  # a whole-buffer copy: snapshots (/save), serve's compaction
 
     def write(self, buf, arr: np.ndarray) -> None:
         full = buf.numpy()
