@@ -199,9 +199,10 @@ class Engine:
     def stats(self) -> dict:
         with self.cond:
             waiting = len(self.waiting)
-        return {**self.counters, "waiting": waiting, "active": len(self.active), "cells_used": self.pool.used(),
-                "cells_free": self.pool.free(), "cells_cached_only": self.pool.cached_only(), "cells_bound": self._past(),
-                "capacity": self.capacity, "reserved": self.reserved()}
+        used = self.pool.used()  # read once: used + free = capacity even while the engine thread steps
+        return {**self.counters, "waiting": waiting, "active": len(self.active), "cells_used": used,
+                "cells_free": self.capacity - used, "cells_cached_only": self.pool.cached_only(),
+                "cells_bound": self._past(), "capacity": self.capacity, "reserved": self.reserved()}
 
     # -- the engine thread
     def start(self) -> "Engine":
