@@ -179,11 +179,14 @@ def serve_check(bundle, ctx: int, backend: str = "trt") -> tuple[dict, bool]:
         n = 64 if ctx >= len(prompts) * (max(map(len, prompts)) + 65) else new
         one = decode_rate(engine, [Request(prompts[0], n)])
         four = decode_rate(engine, [Request(p, n) for p in prompts])
+        moved, secs = engine.counters["moved_cells"], engine.counters["compaction_seconds"]
     res = {"backend": backend, "status": "pass" if ok else "fail", "sequences": rows, "decode_tps_1": one,
-           "decode_tps_4": four, "ratio_4_vs_1": four / one if one > 0 else None}
+           "decode_tps_4": four, "ratio_4_vs_1": four / one if one > 0 else None,
+           "compaction_moved_cells": moved, "compaction_ms": secs * 1e3}
     say(f"  {'✓' if ok else '✗'} serve on {backend}: 4 joining sequences = alone "
         f"({sum(r['identical'] for r in rows)}/{len(rows) * new} greedy tokens identical); aggregate decode "
-        f"{four:.1f} tok/s with 4 vs {one:.1f} with 1 ({res['ratio_4_vs_1'] or 0:.2f}x)")
+        f"{four:.1f} tok/s with 4 vs {one:.1f} with 1 ({res['ratio_4_vs_1'] or 0:.2f}x); compaction moved "
+        f"{moved} cells in {secs * 1e3:.1f} ms")
     return res, ok
 
 

@@ -327,23 +327,17 @@ def test_only_unit_scalar_dq_reads_of_int8_inputs_become_casts(tmp_path):
                    "shifted": "DequantizeLinear", "weight": "DequantizeLinear"}
 
 
-class RowsOnly(OpaqueMemory):
-    """Device-like memory that also copies row ranges (as the trt backend's CudaMemory)."""
-
-    def read_rows(self, buf, start, stop):
-        return buf._arr[start:stop].copy()
-
-    def write_rows(self, buf, start, arr):
-        buf._arr[start: start + len(arr)] = arr
-
-
-@pytest.mark.parametrize("memory", ["host", "rows", "opaque"])
+@pytest.mark.parametrize("memory", ["host", "ortvalue", "opaque"])
 def test_move_cells_is_a_simultaneous_copy_in_every_memory(tiny_bundle_int8, memory):
     """Compaction's copy: slot src[i] -> dst[i] with swaps and chains, every source read before
-    any slot is written, in host memory, memory that copies row ranges, and memory that reads
-    only from slot 0."""
+    any slot is written: host memory's and ort-cuda's OrtValues' own moves (on the CPU here), and
+    the whole-buffer fallback of a memory that only reads from slot 0."""
+    import onnxruntime as ort
+
+    from edgekv.runtime.backends.gpu import OrtValueMemory
+    from edgekv.runtime.memory import MovesRows
     b = load_bundle(tiny_bundle_int8)
-    mem = {"host": None, "rows": RowsOnly(), "opaque": OpaqueMemory()}[memory]
+    mem = {"host": None, "ortvalue": OrtValueMemory(ort, "cpu"), "opaque": OpaqueMemory()}[memory]
     cache = KVCache(b, 40, memory=mem)
     rng = np.random.default_rng(7)
     before = {}
@@ -354,6 +348,7 @@ def test_move_cells_is_a_simultaneous_copy_in_every_memory(tiny_bundle_int8, mem
     perm = np.arange(40)
     perm[[3, 9, 20, 21, 30]] = [9, 3, 30, 20, 21]  # a swap and a 3-cycle
     src = np.flatnonzero(perm != np.arange(40))
+    assert isinstance(cache.memory, MovesRows) == (memory != "opaque")
     cache.move_cells(src, perm[src])
     for name, buf in cache.buffers.items():
         want = before[name].copy()

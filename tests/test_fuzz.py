@@ -370,7 +370,7 @@ def test_pool_compaction_puts_sequences_first_cache_last_moving_only_what_must_m
     from edgekv.runtime.pool import CellPool
     cap, seqs, entries = case
     pool = CellPool(cap)
-    seqs = [np.unique(c) for c in seqs]
+    seqs = [np.unique(np.asarray(c, np.int64)) for c in seqs]
     for cells in seqs:
         pool.take(cells)
     for i, cells in enumerate(entries):
@@ -379,14 +379,20 @@ def test_pool_compaction_puts_sequences_first_cache_last_moving_only_what_must_m
     live, used = pool.live(), pool.refs > 0
     n_live, top = int(live.sum()), cap - int((used & ~live).sum())
     must = int(live[n_live:].sum()) + int((used & ~live)[:top].sum())
-    perm = pool.compaction()
+    perm, moved = pool.compaction()
     assert sorted(perm.tolist()) == list(range(cap))
-    assert int(((perm != np.arange(cap)) & used).sum()) == must
-    refs, cache_refs = pool.refs.copy(), pool.cache_refs.copy()
+    assert sorted(moved.tolist()) == np.flatnonzero((perm != np.arange(cap)) & used).tolist() and moved.size == must
     pool.relabel(perm)
     assert pool.live().tolist() == [True] * n_live + [False] * (cap - n_live)
     cached = (pool.refs > 0) & ~pool.live()
     assert cached.tolist() == [False] * top + [True] * (cap - top)
-    assert (pool.refs[perm] == refs).all() and (pool.cache_refs[perm] == cache_refs).all()
+    # every owner's cells followed through the permutation: the counts are the owners' again
     for key, cells in pool.prefixes.items():
         assert (cells == perm[before[key]]).all()
+    owners, cache_owners = np.zeros(cap, np.int64), np.zeros(cap, np.int64)
+    for cells in seqs:
+        np.add.at(owners, perm[cells], 1)
+    for cells in pool.prefixes.values():
+        np.add.at(owners, cells, 1)
+        np.add.at(cache_owners, cells, 1)
+    assert (pool.refs == owners).all() and (pool.cache_refs == cache_owners).all()

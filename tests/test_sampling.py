@@ -205,7 +205,7 @@ def test_top_p_on_a_large_vocabulary_keeps_exactly_the_nucleus(seed, scale, top_
     assert set(got.tolist()) == set(want.tolist()) and len(got) == len(want)
 
 
-# -- edge cases of the inverse CDF and the temperature (a hostile review's findings) -------------
+# -- edge cases of the inverse CDF and the temperature ------------------------------------------
 
 def test_draw_never_returns_a_zero_weight_index_at_a_block_end():
     """Block sums (pairwise) and the running sum inside a block (sequential) round differently:
@@ -241,7 +241,7 @@ class FixedU:
         return self.u
 
 
-def test_a_low_temperature_keeps_float64_precision():
+def test_a_low_temperature_keeps_the_odds_of_close_logits():
     """Two logits one float32 ulp apart at temperature 1e-5: P(first) = 1 / (1 + e^0.19).
     Dividing float32 logits near 20 by 1e-5 rounds them to 0.125: P drifts by 1.5 points."""
     logits = np.array([20.0, np.nextafter(np.float32(20.0), np.float32(30.0))], np.float32)
@@ -255,12 +255,13 @@ def test_a_low_temperature_keeps_float64_precision():
     assert abs(lo - p0) < 1e-4, (lo, p0)
 
 
-def test_non_finite_logits_are_refused_not_sampled():
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (5, 1.0), (0, 0.9), (5, 0.9)])
+def test_non_finite_logits_are_refused_not_sampled(top_k, top_p):
     """The engine and the Generator check first; a direct caller gets an error, never a token."""
     rng = np.random.default_rng(0)
-    for bad in (np.nan, np.inf):
+    for bad in (np.nan, np.inf, -np.inf):
         for n in (6, 5000):
-            logits = np.zeros(n, np.float32)
+            logits = np.full(n, -np.inf if bad == -np.inf else 0.0, np.float32)
             logits[n // 2] = bad
-            with pytest.raises(ValueError), np.errstate(invalid="ignore"):
-                sample(logits, SamplingParams(temperature=1.0), rng, [])
+            with pytest.raises(ValueError, match="non-finite"):
+                sample(logits, SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p), rng, [])

@@ -59,10 +59,10 @@ def instrument(engine, calls):
     engine._call = call
 
 
-def random_schedule(rt, seed, record, caps=(40, 64, 96, 128), stop_ids=frozenset()):
+def random_schedule(rt, seed, record, monkeypatch, caps=(40, 64, 96, 128), stop_ids=frozenset()):
     rng = np.random.default_rng(seed)
     cap = int(rng.choice(caps))
-    rt.backend.past_bucket = int(rng.choice([1, 3, 8, 128]))  # (the tests' monkeypatch restores it)
+    monkeypatch.setattr(rt.backend, "past_bucket", int(rng.choice([1, 3, 8, 128])))
     engine = rt.engine(capacity=cap, parallel=int(rng.integers(1, 7)), max_queue=64,
                        prefill_chunk=int(rng.integers(1, 17)), max_prefixes=int(rng.integers(0, 6)))
     calls, reqs, convs = [], [], []
@@ -107,8 +107,7 @@ def lone(rt, prompt, n):
 
 @pytest.mark.parametrize("seed", range(16))
 def test_random_schedules_float_equal_alone(rt_float, seed, monkeypatch):
-    monkeypatch.setattr(rt_float.backend, "past_bucket", rt_float.backend.past_bucket)
-    engine, reqs, _ = random_schedule(rt_float, seed, True)
+    engine, reqs, _ = random_schedule(rt_float, seed, True, monkeypatch)
     for r in reqs:
         if r.out:
             want, rows = lone(rt_float, r.prompt, len(r.out))
@@ -118,8 +117,7 @@ def test_random_schedules_float_equal_alone(rt_float, seed, monkeypatch):
 
 @pytest.mark.parametrize("seed", range(100, 106))
 def test_random_schedules_int8_greedy_equal_alone(rt_int8, seed, monkeypatch):
-    monkeypatch.setattr(rt_int8.backend, "past_bucket", rt_int8.backend.past_bucket)
-    _, reqs, _ = random_schedule(rt_int8, seed, False)
+    _, reqs, _ = random_schedule(rt_int8, seed, False, monkeypatch)
     for r in reqs:
         if r.out:
             assert r.out == lone(rt_int8, r.prompt, len(r.out))[0]
@@ -128,8 +126,7 @@ def test_random_schedules_int8_greedy_equal_alone(rt_int8, seed, monkeypatch):
 @pytest.mark.parametrize("seed", range(300, 310))
 def test_random_schedules_in_tiny_pools(rt_float, seed, monkeypatch):
     """8 to 24 cells: admission evicts cached conversations, compaction every few steps."""
-    monkeypatch.setattr(rt_float.backend, "past_bucket", rt_float.backend.past_bucket)
-    _, reqs, _ = random_schedule(rt_float, seed, True, caps=(8, 12, 16, 24))
+    _, reqs, _ = random_schedule(rt_float, seed, True, monkeypatch, caps=(8, 12, 16, 24))
     for r in reqs:
         if r.out:
             want, rows = lone(rt_float, r.prompt, len(r.out))
@@ -141,10 +138,9 @@ def test_random_schedules_in_tiny_pools(rt_float, seed, monkeypatch):
 def test_random_schedules_with_a_call_limit_and_stop_tokens(rt_float, seed, monkeypatch):
     """A TensorRT-like limit of tokens per call, and stop tokens (early finishes, cached replies)."""
     rng = np.random.default_rng(seed)
-    monkeypatch.setattr(rt_float.backend, "past_bucket", rt_float.backend.past_bucket)
     monkeypatch.setattr(rt_float.backend, "max_tokens_per_call", int(rng.integers(2, 9)))
     stop = frozenset(int(t) for t in rng.integers(3, 300, 25))
-    _, reqs, calls = random_schedule(rt_float, seed, False, stop_ids=stop)
+    _, reqs, calls = random_schedule(rt_float, seed, False, monkeypatch, stop_ids=stop)
     assert max(s for _, _, s in calls) <= rt_float.backend.max_tokens_per_call
     for r in reqs:
         want = lone(rt_float, r.prompt, r.max_tokens)[0]
@@ -163,7 +159,9 @@ def test_engine_thread_with_concurrent_submits_cancels_and_stats(rt_float, monke
     def poll():
         try:
             while not done.is_set():
-                assert 0 <= engine.stats()["cells_bound"] <= 80
+                st = engine.stats()
+                assert st["cells_used"] + st["cells_free"] == st["capacity"] == 80
+                assert 0 <= st["cells_bound"] <= 80
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(e)
     t = threading.Thread(target=poll)

@@ -300,6 +300,10 @@ def test_cached_conversations_do_not_lengthen_the_past_a_step_binds(rt_float, mo
     monkeypatch.setattr(rt_float.backend, "run_cells", lambda cache, p, *a: bound.append(p) or run(cache, p, *a))
     new = Request(ids(10, 70), 20, record_logits=True)
     engine.submit(new)
+    engine.step()  # the cached cells make way before the new prompt is written, not after
+    landed = list(new.cells)
+    engine.step()
+    assert new.cells[: len(landed)] == landed, "the new prompt was written above the cached cells, then moved"
     run_until_done(engine, [new])
     assert engine.counters["moved_cells"] > 0
     assert max(bound) <= 32, f"bound {max(bound)} cells for a sequence of at most 30"

@@ -98,12 +98,28 @@ def test_trt_runs_a_wrapped_ring_through_staging(bundle_copy, monkeypatch):
     for q in ("hello there", "and again, please", "once more"):
         assert sessions[0].reply(q)[0] == sessions[1].reply(q)[0]
     assert all(s.ring and s.seq.wrapped for s in sessions)
+    # a turn interrupted after its calls overwrote ring cells: undone through the device memory's
+    # row copies (CudaMemory reads row ranges), cells, ids and KV bytes as before the turn
+    from tests.test_chat_engine import state
+    s = sessions[0]
+    assert s.engine.cache.reads_rows
+    before, calls, run = state(s), [0], be.run_cells
+
+    def interrupted(*a):
+        calls[0] += 1
+        out = run(*a)
+        if calls[0] == 3:
+            raise KeyboardInterrupt
+        return out
+    monkeypatch.setattr(be, "run_cells", interrupted)
+    text, stats = s.reply("and one more time")  # chat's reply catches the interrupt: "[stopped]"
+    assert stats.stop_reason == "interrupted" and calls[0] == 3 and state(s) == before
 
 
-def test_trt_serves_a_fragmented_pool_exactly_as_ort_cpu(bundle_copy, monkeypatch):
+def test_trt_serves_a_churning_pool_exactly_as_ort_cpu(bundle_copy, monkeypatch):
     """The serving engine on trt (run_cells): many short requests in a small pool, so the pool is
-    compacted (cells moved through the device memory's row copies) and the past reaches every
-    cell; tokens and logits equal the engine on ort-cpu bit for bit."""
+    compacted (cells moved through the device memory's own move); tokens and logits equal the
+    engine on ort-cpu bit for bit."""
     fake_gpu.install(monkeypatch)
     from edgekv.runtime.assemble import Runtime
     from edgekv.runtime.engine import Request
@@ -128,6 +144,7 @@ def test_trt_serves_a_fragmented_pool_exactly_as_ort_cpu(bundle_copy, monkeypatc
         assert engine.counters["moved_cells"] > 0 and engine.cache.reads_rows
         be.close()
     assert runs["trt"][0] == runs["ort"][0] and all(len(o) for o in runs["trt"][0])
+    assert len(runs["trt"][1]) == len(runs["ort"][1])
     for got, want in zip(runs["trt"][1], runs["ort"][1]):
         np.testing.assert_array_equal(got, want)
 
@@ -191,6 +208,10 @@ def test_device_memory_copies_row_ranges_and_refuses_rows_outside(monkeypatch):
     want = rows.copy()
     want[6:10] = rows[:4]
     np.testing.assert_array_equal(mem.read(buf, 10), want)
+    src, dst = np.array([2, 7, 8]), np.array([7, 2, 5])  # a swap and a move
+    mem.move_rows(buf, src, dst)
+    want[dst] = want[src].copy()
+    np.testing.assert_array_equal(mem.read(buf, 10), want)
     for bad in (lambda: mem.read_rows(buf, 8, 11), lambda: mem.write_rows(buf, 8, rows[:3]),
                 lambda: mem.write_rows(buf, 0, rows[:2, :, :2])):
         with pytest.raises(EdgeKVError):
@@ -234,6 +255,7 @@ def test_trt_serving_with_prefix_reuse_and_compaction_equals_ort_cpu(bundle_copy
         be.close()
     assert runs["trt"][2]["moved_cells"] > 0 and runs["trt"][2]["reused_tokens"] > 0
     assert runs["trt"][0] == runs["ort"][0]
+    assert [len(g) for g in runs["trt"][1]] == [len(w) for w in runs["ort"][1]]
     for got, want in zip(runs["trt"][1], runs["ort"][1]):
         for g, w in zip(got, want):
             np.testing.assert_array_equal(g, w)

@@ -16,7 +16,7 @@ import numpy as np
 
 from edgekv.errors import EdgeKVError
 from edgekv.format.bundle import Bundle, io_names
-from edgekv.runtime.memory import HostMemory, KVMemory, RowMemory
+from edgekv.runtime.memory import HostMemory, KVMemory, MovesRows, RowMemory
 from edgekv.runtime.sequence import Sequence
 
 NP_DTYPES = {"int8": np.int8, "uint8": np.uint8, "float16": np.float16, "float32": np.float32}
@@ -97,7 +97,7 @@ class KVCache:
     def read_cells(self, cells) -> dict[str, np.ndarray]:
         """Host copies of the given slots of every buffer, in that order."""
         cells = np.asarray(cells, np.int64)
-        if not self.reads_rows:  # device memory reads from the start only
+        if not self.reads_rows:  # a memory that reads from the start only (ort-cuda's OrtValues)
             whole = self.read(int(cells.max()) + 1 if cells.size else 0)
             return {name: v[cells] for name, v in whole.items()}
         parts = [self.read_rows(int(a), int(b)) for a, b in runs(cells)]
@@ -120,24 +120,18 @@ class KVCache:
 
     def move_cells(self, src, dst) -> None:
         """Copy slot src[i] to slot dst[i] in every buffer, every source read before any is
-        written (a permutation's swaps are safe). Host buffers gather and scatter in place;
-        device memory copies the span of rows involved through the host once per buffer (cells
-        of sequences decoded together interleave: a copy per run would be one per cell)."""
+        written (a permutation's swaps are safe): the memory's own move where it has one, else
+        the whole buffer through the host."""
         src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
         if not src.size:
             return
-        lo, hi = int(min(src.min(), dst.min())), int(max(src.max(), dst.max())) + 1
-        for name, buf in self.buffers.items():
-            if isinstance(buf, np.ndarray):
-                buf[dst] = buf[src]
-                continue
-            rows = self.memory.read_rows(buf, lo, hi) if self.reads_rows else self.memory.read(buf, self.capacity)
-            base = lo if self.reads_rows else 0
-            rows[dst - base] = rows[src - base]
-            if self.reads_rows:
-                self.memory.write_rows(buf, lo, rows)
+        for buf in self.buffers.values():
+            if isinstance(self.memory, MovesRows):
+                self.memory.move_rows(buf, src, dst)
             else:
-                self.memory.write(buf, rows)
+                whole = self.memory.read(buf, self.capacity)
+                whole[dst] = whole[src]
+                self.memory.write(buf, whole)
 
     def slots_in(self, snap: dict[str, np.ndarray]) -> int:
         """The slots a snapshot holds; an error unless it fits this cache's layout."""

@@ -157,6 +157,7 @@ class Engine:
         self.cond = threading.Condition()
         self.counters = dict.fromkeys(("requests", "prompt_tokens", "reused_tokens", "prefilled_tokens",
                                        "generated_tokens", "steps", "calls", "moved_cells"), 0)
+        self.counters["compaction_seconds"] = 0.0
         self._thread: threading.Thread | None = None
         self._stop = False
         self._paused = False
@@ -199,7 +200,9 @@ class Engine:
     def stats(self) -> dict:
         with self.cond:
             waiting = len(self.waiting)
-        used = self.pool.used()  # read once: used + free = capacity even while the engine thread steps
+        # read without a lock while the engine thread steps: gauges, not a snapshot (used + free
+        # = capacity holds: one read)
+        used = self.pool.used()
         return {**self.counters, "waiting": waiting, "active": len(self.active), "cells_used": used,
                 "cells_free": self.capacity - used, "cells_cached_only": self.pool.cached_only(),
                 "cells_bound": self._past(), "capacity": self.capacity, "reserved": self.reserved()}
@@ -356,34 +359,40 @@ class Engine:
         return min(-(-n // b) * b, self.capacity)
 
     def _tidy(self, want: int) -> None:
-        """Compact the pool before a step when that shortens the past it binds, or when the
-        step's `want` new cells would not lie in one free run (several calls, each reading all
-        the weights). Not for chat (held sequences, turns: a rollback restores owners, not moved
-        cells): one conversation's pool fragments only where its ring overwrites."""
+        """Compact the pool before a step when the past, now or once the step's `want` new cells
+        are written where they would land, runs beyond what the sequences' cells need (rounded
+        to the bucket), or when those cells would not lie in one free run (several calls, each
+        reading all the weights). Not for chat (held sequences, turns: a rollback restores
+        owners, not moved cells): one conversation's pool fragments only where its ring overwrites."""
         if self._turn is not None or self.held:
             return
         pool = self.pool
-        shorter = self._bucket(pool.live_high_water()) > self._bucket(int(pool.live().sum()))
-        if shorter or pool.free_run(want)[1] < min(want, pool.free()):
+        start, length = pool.free_run(want)
+        reach = max(pool.live_high_water(), start + length)
+        if self._bucket(reach) > self._bucket(int(pool.live().sum()) + want) or length < min(want, pool.free()):
             self._compact()
 
     def _compact(self) -> None:
         """Move cells to the pool's compaction layout (their K/V rows copied) and rename every
-        owner's cells: the pool's and the running requests'."""
-        perm = self.pool.compaction()
-        src = np.flatnonzero((perm != np.arange(self.capacity)) & (self.pool.refs > 0))
-        if not src.size:
+        owner's cells: the pool's and the running requests' (chat's held sequences never move)."""
+        assert self._turn is None and not self.held, "compaction would leave a turn or a held sequence stale"
+        perm, moved = self.pool.compaction()
+        if not moved.size:
             return
+        t0 = time.perf_counter()
         try:
-            self.cache.move_cells(src, perm[src])
-        except BaseException:  # rows half moved: no cached prefix may be trusted (the step's error fails the requests)
+            self.cache.move_cells(moved, perm[moved])
+        except BaseException:  # rows half moved: neither a cached prefix nor a running request can be trusted
             while self.pool.evict_one():
                 pass
+            for req in list(self.active):
+                self._finish(req, "error")
             raise
         self.pool.relabel(perm)
         for req in self.active:
             req.cells = perm[req.cells].tolist() if req.cells else []
-        self.counters["moved_cells"] += int(src.size)
+        self.counters["moved_cells"] += int(moved.size)
+        self.counters["compaction_seconds"] += time.perf_counter() - t0
 
     def _call(self, w: int, call: list) -> None:
         s = sum(len(t) for _, t, _ in call)
@@ -615,7 +624,7 @@ class Engine:
         turn = self._turn
         if turn is None or turn.whole is not None:
             return
-        todo = (turn.pool[0][w: w + s] > 0) & ~turn.saved[w: w + s]
+        todo = (turn.pool.refs[w: w + s] > 0) & ~turn.saved[w: w + s]
         if not todo.any():
             return
         if not self.cache.reads_rows:

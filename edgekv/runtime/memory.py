@@ -1,7 +1,9 @@
 """Where KV buffers live: the `KVMemory` protocol every backend's memory follows, and host memory.
 
-The cache and the backends only use a memory's four operations (alloc, ptr, read, write), so the
-pointer arithmetic the GPU backends rely on is the same code the CPU tests run. Device memories
+The cache and the backends use a memory's four operations (alloc, ptr, read, write), so the
+pointer arithmetic the GPU backends rely on is the same code the CPU tests run; memories that
+can do better also copy row ranges (`RowMemory`: a chat turn's undo, /save, /load) and move rows
+(`MovesRows`: the serving pool's compaction). Device memories
 (onnxruntime OrtValues, cuda-python) are in edgekv/runtime/backends/gpu.py."""
 from __future__ import annotations
 
@@ -40,6 +42,14 @@ class RowMemory(KVMemory, Protocol):
 
     def write_rows(self, buf: Any, start: int, arr: np.ndarray) -> None:
         """Copy `arr` into rows [start, start + len(arr))."""
+
+
+@runtime_checkable
+class MovesRows(KVMemory, Protocol):
+    """Memory that moves rows itself (the serving pool's compaction), without a whole-buffer copy."""
+
+    def move_rows(self, buf: Any, src: np.ndarray, dst: np.ndarray) -> None:
+        """Copy row src[i] to row dst[i], every source read before any row is written."""
 
 
 def available_memory() -> int | None:
@@ -81,3 +91,7 @@ class HostMemory:
 
     def write_rows(self, buf: np.ndarray, start: int, arr: np.ndarray) -> None:
         buf[start: start + len(arr)] = arr
+
+    # MovesRows: gathered, then scattered, in place
+    def move_rows(self, buf: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
+        buf[dst] = buf[src]

@@ -7,12 +7,21 @@ prompts already computed (token ids -> cells) so a later request starting with t
 takes those cells instead of prefilling them again; its entries are dropped, least recently
 used first, when the cells are needed. The engine keeps the layout tidy with `compaction`: the
 sequences' cells first (they are the past every call binds), then the free run, then the cells
-only the prefix cache holds (never bound: no call's cost grows with the cache). See docs/serve.md."""
+only the prefix cache holds (above the bound past: no call's cost grows with the cache). See
+docs/serve.md."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import NamedTuple
 
 import numpy as np
+
+
+class PoolState(NamedTuple):
+    """A copy of who holds what (`CellPool.state`)."""
+    refs: np.ndarray
+    cache_refs: np.ndarray
+    prefixes: OrderedDict
 
 
 class CellPool:
@@ -44,14 +53,13 @@ class CellPool:
         return int(np.count_nonzero((self.cache_refs > 0) & ~self.live()))
 
     # -- ownership
-    def state(self) -> tuple:
+    def state(self) -> PoolState:
         """A copy of who holds what (reference counts, prefix cache), for `set_state`."""
-        return self.refs.copy(), self.cache_refs.copy(), OrderedDict(self.prefixes)
+        return PoolState(self.refs.copy(), self.cache_refs.copy(), OrderedDict(self.prefixes))
 
-    def set_state(self, state: tuple) -> None:
-        refs, cache_refs, prefixes = state
-        self.refs[:], self.cache_refs[:] = refs, cache_refs
-        self.prefixes = OrderedDict(prefixes)
+    def set_state(self, state: PoolState) -> None:
+        self.refs[:], self.cache_refs[:] = state.refs, state.cache_refs
+        self.prefixes = OrderedDict(state.prefixes)
 
     def take(self, cells) -> None:
         np.add.at(self.refs, np.asarray(cells, np.int64), 1)
@@ -121,11 +129,11 @@ class CellPool:
         self.drop(cells)
 
     # -- layout
-    def compaction(self) -> np.ndarray:
-        """The permutation (cell i's contents go to cell perm[i]) that puts the sequences' cells
-        in [0, n_live), the cells only the prefix cache holds at the top of the pool and the free
-        cells in one run between, moving as few cells as it can (each in-use cell that moves is
-        a copy of its K/V rows)."""
+    def compaction(self) -> tuple[np.ndarray, np.ndarray]:
+        """(perm, moved): the permutation (cell i's contents go to cell perm[i]) that puts the
+        sequences' cells in [0, n_live), the cells only the prefix cache holds at the top of the
+        pool and the free cells in one run between, and the cells in use it moves (each a copy
+        of its K/V rows) — as few as there can be."""
         cap = self.capacity
         perm = np.arange(cap)
         live = self.live()
@@ -140,7 +148,7 @@ class CellPool:
         low, high = np.flatnonzero(moved[n_live:top]) + n_live, np.flatnonzero(~moved[top:]) + top
         where = np.argsort(perm)  # cell now at position j came from where[j]
         perm[where[low]], perm[where[high]] = high, low
-        return perm
+        return perm, np.flatnonzero((perm != np.arange(cap)) & (self.refs > 0))
 
     def relabel(self, perm: np.ndarray) -> None:
         """Follow a compaction: every owner's cells renamed (the engine moved their contents)."""

@@ -25,9 +25,12 @@ def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator, hist
     if p.temperature <= 0:
         return int(np.argmax(logits))
     logits = np.asarray(logits)
+    top = logits.max()  # NaN if any logit is
+    if not np.isfinite(top):
+        raise ValueError("cannot sample from non-finite logits")
     # in the logits' own precision (float32 from a graph), the max subtracted before dividing:
     # exact for close logits, and no overflow at a tiny temperature
-    x = (logits - logits.max()) / p.temperature
+    x = (logits - top) / p.temperature
     ids = None  # the candidates' token ids (None: every token)
     if p.top_k and p.top_k < x.shape[0]:
         ids = np.flatnonzero(x >= np.partition(x, -p.top_k)[-p.top_k])  # ties at the k-th all stay
@@ -45,17 +48,15 @@ BLOCK = 256
 
 def draw(w: np.ndarray, u: float) -> int:
     """The index whose bin of the cumulative weights holds u · total (inverse CDF; one uniform,
-    as Generator.choice(p=...) draws), in float64; never a zero weight. A running sum over a whole
-    vocabulary costs ~5 ns a token (a quarter of a ms for 49k): sum blocks first, then run
-    through one block."""
+    as Generator.choice(p=...) draws), in float64; never a zero weight. Block sums first, then a
+    running sum through one block: a running sum over a whole vocabulary is slow
+    (docs/benchmarks.md)."""
     n = w.shape[0]
     if n <= 4 * BLOCK:
         cdf = np.cumsum(w, dtype=np.float64)
         return inside(cdf, u * cdf[-1])
     blocks = np.pad(w, (0, -n % BLOCK)).reshape(-1, BLOCK)
     ends = np.cumsum(blocks.sum(axis=1, dtype=np.float64))
-    if not (np.isfinite(ends[-1]) and ends[-1] > 0):
-        raise ValueError("sampling weights are not finite and positive (non-finite logits)")
     target = u * ends[-1]
     b = min(int(np.searchsorted(ends, target, side="right")), ends.shape[0] - 1)
     return b * BLOCK + inside(np.cumsum(blocks[b], dtype=np.float64), target - (ends[b - 1] if b else 0.0))
@@ -71,7 +72,7 @@ def inside(cdf: np.ndarray, target: float) -> int:
 
 def nucleus(w: np.ndarray, top_p: float) -> np.ndarray:
     """Indices of the smallest set of the largest weights whose share of the total is >= top_p.
-    Sorts only the head: the m largest (argpartition, linear), m doubled until they hold top_p."""
+    Sorts only the head: the m largest (argpartition, linear), m grown 4× until they hold top_p."""
     total = w.sum(dtype=np.float64)
     m = min(256, w.shape[0])
     while True:

@@ -23,7 +23,8 @@ class EngineCollector:
                            ("prefilled_tokens", "prompt tokens run through the model"),
                            ("generated_tokens", "tokens generated"),
                            ("steps", "engine steps (one batched graph call each)"),
-                           ("moved_cells", "KV cells copied by compaction (sequences' cells kept low, cached ones high)")):
+                           ("moved_cells", "KV cells copied by compaction (sequences' cells kept low, cached ones high)"),
+                           ("compaction_seconds", "time spent copying cells for compaction")):
             yield CounterMetricFamily(f"edgekv_{key}", help_, value=st[key])
         now, n = time.monotonic(), st["generated_tokens"]
         t0, n0 = self.last

@@ -35,11 +35,17 @@ class OrtValueMemory:
         return buf.data_ptr()
 
     def read(self, buf, n: int) -> np.ndarray:
-        return buf.numpy()[:n].copy()  # a whole-buffer copy: snapshots (/save), serve's compaction
+        return buf.numpy()[:n].copy()  # a whole-buffer copy (snapshots: /save)
 
     def write(self, buf, arr: np.ndarray) -> None:
         full = buf.numpy()
         full[: len(arr)] = arr
+        buf.update_inplace(full)
+
+    def move_rows(self, buf, src: np.ndarray, dst: np.ndarray) -> None:
+        """Compaction: the buffer to the host and back once (an OrtValue copies whole)."""
+        full = buf.numpy()
+        full[dst] = full[src]
         buf.update_inplace(full)
 
 
@@ -73,6 +79,7 @@ class CudaBuffer:
     def __init__(self, ptr: int, shape: tuple, dtype):
         self.ptr, self.shape, self.dtype = int(ptr), tuple(shape), np.dtype(dtype)
         self.nbytes = int(np.prod(shape)) * self.dtype.itemsize
+        self.row_bytes = self.nbytes // max(self.shape[0], 1)
 
 
 class CudaMemory:
@@ -113,13 +120,13 @@ class CudaMemory:
                                      self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice))
 
     def read_rows(self, buf: CudaBuffer, start: int, stop: int) -> np.ndarray:
-        """Rows [start, stop) to the host: a chat turn's undo and the serving pool's compaction
-        copy only the cells they move, not the whole cache."""
+        """Rows [start, stop) to the host: a chat turn's undo, /save and /load copy only the
+        cells they touch, not the whole cache."""
         if not 0 <= start <= stop <= buf.shape[0]:
             raise EdgeKVError(f"rows [{start}, {stop}) outside a buffer of {buf.shape[0]}")
         host = np.empty((stop - start,) + buf.shape[1:], buf.dtype)
         if host.nbytes:
-            check(self.rt.cudaMemcpy(host.ctypes.data, buf.ptr + start * (buf.nbytes // buf.shape[0]), host.nbytes,
+            check(self.rt.cudaMemcpy(host.ctypes.data, buf.ptr + start * buf.row_bytes, host.nbytes,
                                      self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost))
         return host
 
@@ -129,8 +136,17 @@ class CudaMemory:
             raise EdgeKVError(f"rows [{start}, {start + len(arr)}) of shape {arr.shape[1:]} do not fit a buffer "
                               f"of {buf.shape}")
         if arr.nbytes:
-            check(self.rt.cudaMemcpy(buf.ptr + start * (buf.nbytes // buf.shape[0]), arr.ctypes.data, arr.nbytes,
+            check(self.rt.cudaMemcpy(buf.ptr + start * buf.row_bytes, arr.ctypes.data, arr.nbytes,
                                      self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice))
+
+    def move_rows(self, buf: CudaBuffer, src: np.ndarray, dst: np.ndarray) -> None:
+        """Compaction: the span of rows involved to the host and back, one copy each way (the
+        cells of sequences decoded together interleave: a copy per run of cells would be a copy
+        per cell). The span is often most of the pool: ~2 × the buffer per compaction."""
+        lo, hi = int(min(src.min(), dst.min())), int(max(src.max(), dst.max())) + 1
+        rows = self.read_rows(buf, lo, hi)
+        rows[dst - lo] = rows[src - lo]
+        self.write_rows(buf, lo, rows)
 
     def close(self) -> None:
         """Free every buffer this memory allocated (the trt backend's close calls it)."""
