@@ -113,7 +113,7 @@ MUTATIONS = [
       "(ref_lp.argmax(-1) == lp.argmax(-1))", "(ref_lp.argmax(-1) == ref_lp.argmax(-1))", EVAL),
     # -- sampling
     M("temperature multiplies", "sampling", "edgekv/runtime/sampling.py",
-      "x = (logits - logits.max()) / p.temperature", "x = (logits - logits.max()) * p.temperature", SAMPLING),
+      "x = (logits - top) / p.temperature", "x = (logits - top) * p.temperature", SAMPLING),
     M("top-p keeps one token too few", "sampling", "edgekv/runtime/sampling.py",
       "return head[: min(int(np.searchsorted(cum, top_p)) + 1, m)]",
       "return head[: max(1, min(int(np.searchsorted(cum, top_p)), m))]", SAMPLING),
@@ -123,6 +123,8 @@ MUTATIONS = [
       "np.partition(x, -p.top_k)[-p.top_k]", "np.partition(x, -p.top_k - 1)[-p.top_k - 1]", SAMPLING),
     M("the inverse CDF forgets the blocks before", "sampling", "edgekv/runtime/sampling.py",
       "target - (ends[b - 1] if b else 0.0))", "target)", SAMPLING),
+    M("non-finite logits sampled", "sampling", "edgekv/runtime/sampling.py",
+      "    if not np.isfinite(top):\n        raise", "    if False:\n        raise", SAMPLING),
     M("the inverse CDF may land past the last weight", "sampling", "edgekv/runtime/sampling.py",
       "min(max(target, 0.0), np.nextafter(cdf[-1], -np.inf))", "target", SAMPLING),
     M("repeat penalty raises negative logits", "sampling", "edgekv/runtime/sampling.py",
