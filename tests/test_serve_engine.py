@@ -119,12 +119,13 @@ def test_cancel_frees_cells_at_the_next_step(rt_float):
     engine.cancel(a)
     engine.step()
     assert a.finish_reason == "cancelled"
-    # its cells were freed before the step ran: b's new token already took the lowest of them
-    assert b.cells[-1] == min(a_cells)
-    assert (engine.pool.refs[sorted(set(a_cells) - set(b.cells))] == 0).all()
+    # its cells were freed before the step ran (the step may have moved b into them): the pool
+    # holds exactly b's cells, and b goes on exactly
+    assert set(np.flatnonzero(engine.pool.refs).tolist()) == set(b.cells)
     assert engine.pool.used() == len(b.cells)
     run_until_done(engine, [b])
     assert engine.pool.used() == 0
+    assert b.out == alone(rt_float, b.prompt, 50)[0]
 
 
 def test_queue_bound_and_waiting_for_cells(rt_float):
@@ -262,7 +263,10 @@ def test_a_cancelled_reply_is_not_cached(rt_float):
     assert k == len(req.prompt)  # the prompt was cached when it was prefilled; the reply was not
 
 
-def test_a_prompt_gets_a_contiguous_run_when_cached_prefixes_fragment_the_pool(rt_float):
+def test_a_prompt_gets_a_contiguous_run_when_cached_prefixes_fragment_the_pool(rt_float, monkeypatch):
+    # a bucket past the capacity: no compaction shortens the past, so the pool stays fragmented
+    # until a prompt needs a run
+    monkeypatch.setattr(rt_float.backend, "past_bucket", 128)
     engine = rt_float.engine(capacity=100, parallel=4, prefill_chunk=32)
     # four requests decoded together: their cells interleave, one token of each per step
     reqs = [Request(ids(6, 40 + i), 20) for i in range(4)]

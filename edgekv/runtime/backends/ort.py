@@ -19,7 +19,7 @@ from edgekv.runtime.cache import KVCache
 from edgekv.runtime.memory import HostMemory, KVMemory
 from edgekv.runtime.sequence import Sequence
 
-PAST_BUCKET = 128  # slots: the past is bound at a multiple of this (1: exactly the filled slots)
+PAST_BUCKET = 16  # slots: the past is bound at a multiple of this (1: exactly the filled slots; docs/runtime.md)
 
 
 def _import_ort():
@@ -133,6 +133,7 @@ class OrtBackend:
         logits = self._ensure_logits(b, k)
         key = (logits.ctypes.data, logits.shape)
         if self._bound.get("logits") != key:
+            self._bound.pop("logits", None)
             self.io.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
             self._bound["logits"] = key
         return logits
@@ -193,6 +194,7 @@ class OrtBackend:
     def _bind_small(self, s: int, k: int, past: int) -> dict[str, np.ndarray]:
         """The small inputs' own arrays for this call's shapes, bound once per shape."""
         if self._bound.get("small") != (s, k, past):
+            self._bound.pop("small", None)  # an interrupt half-way must not leave a stale key
             self._small = {"input_ids": np.zeros((1, s), np.int64), "position_ids": np.zeros((1, s), np.int64),
                            "logits_index": np.zeros((1, k), np.int64), "key_mask": np.zeros((1, s, past + s), np.bool_)}
             for name, a in self._small.items():  # by address: the arrays are overwritten in place
@@ -206,6 +208,7 @@ class OrtBackend:
         bound = self._bound.get("past")
         if bound and bound[0] is cache and bound[1] == past:
             return
+        self._bound.pop("past", None)  # a Ctrl-C half-way through leaves some bound, some not: rebind all next time
         for name in cache.names:
             self.io.bind_input(name, self.device, 0, cache.dtypes[name], cache.slots_shape(name, past),
                                cache.ptr(name, 0))
@@ -213,10 +216,10 @@ class OrtBackend:
 
     def _bind_present_at(self, cache: KVCache, w: int, s: int) -> None:
         """present.* straight into the cache at the write slot: the graph writes it in place."""
+        self._bound["present"] = None  # before: a half-done rebinding must not pass for the staged one
         for name in cache.names:
             self.io.bind_output("present" + name[4:], self.device, 0, cache.dtypes[name], cache.slots_shape(name, s),
                                 cache.ptr(name, w))
-        self._bound["present"] = None
 
     def _bind_staged_present(self, cache: KVCache) -> list[tuple[int, int, int]]:
         """present.* of a one-token call into staging arrays, bound once per cache; returns what
@@ -228,6 +231,7 @@ class OrtBackend:
         _, arrays, copies = self._stage
         bound = self._bound.get("present")
         if not (bound and bound[0] is cache):
+            self._bound.pop("present", None)
             for name, st in arrays.items():
                 self.io.bind_output("present" + name[4:], "cpu", 0, st.dtype, list(st.shape), st.ctypes.data)
             self._bound["present"] = (cache,)
