@@ -33,7 +33,7 @@ from typing import Callable
 import numpy as np
 
 from edgekv.errors import ContextOverflow, EdgeKVError, QueueFull, note
-from edgekv.runtime.backends.base import PREFILL_CHUNK, BatchBackend
+from edgekv.runtime.backends.base import PREFILL_CHUNK, BatchBackend, bound_past
 from edgekv.runtime.cache import KVCache, runs
 from edgekv.runtime.pool import CellPool
 from edgekv.runtime.sampling import SamplingParams, sample
@@ -355,8 +355,7 @@ class Engine:
         return self._bucket(self.pool.live_high_water())
 
     def _bucket(self, n: int) -> int:
-        b = self.backend.past_bucket
-        return min(-(-n // b) * b, self.capacity)
+        return bound_past(n, self.backend.past_bucket, self.capacity)
 
     def _tidy(self, want: int) -> None:
         """Compact the pool before a step when the past, now or once the step's `want` new cells

@@ -142,10 +142,10 @@ class CellPool:
         # sequences' cells above n_live trade places with the cached or free cells below it
         up, down = np.flatnonzero(live[n_live:]) + n_live, np.flatnonzero(~live[:n_live])
         perm[up], perm[down] = down, up
-        moved = np.empty_like(cached)
-        moved[perm] = cached
+        cached_now = np.empty_like(cached)  # where the cached cells are after those swaps
+        cached_now[perm] = cached
         # then cached cells below the top region trade places with the free cells inside it
-        low, high = np.flatnonzero(moved[n_live:top]) + n_live, np.flatnonzero(~moved[top:]) + top
+        low, high = np.flatnonzero(cached_now[n_live:top]) + n_live, np.flatnonzero(~cached_now[top:]) + top
         where = np.argsort(perm)  # cell now at position j came from where[j]
         perm[where[low]], perm[where[high]] = high, low
         return perm, np.flatnonzero((perm != np.arange(cap)) & (self.refs > 0))

@@ -30,6 +30,12 @@ UNLIMITED = 1 << 30  # tokens per call for a backend without a limit of its own
 PREFILL_CHUNK = 128
 
 
+def bound_past(n: int, bucket: int, capacity: int) -> int:
+    """Slots bound as the past for n filled ones: rounded up to the backend's bucket (so the
+    binding changes once per bucket), capped at the capacity; the key mask hides the rest."""
+    return min(-(-n // bucket) * bucket, capacity)
+
+
 @runtime_checkable  # isinstance() checks that every member is there (tests)
 class Backend(Protocol):
     name: str  # "ort-cpu" | "ort-cuda" | "trt"

@@ -14,7 +14,7 @@ import numpy as np
 
 from edgekv.errors import BackendUnavailable, BundleError, EdgeKVError
 from edgekv.format.bundle import Bundle
-from edgekv.runtime.backends.base import UNLIMITED
+from edgekv.runtime.backends.base import UNLIMITED, bound_past
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.memory import HostMemory, KVMemory
 from edgekv.runtime.sequence import Sequence
@@ -147,8 +147,7 @@ class OrtBackend:
     def past_slots(self, cache: KVCache, seq: Sequence) -> int:
         """Slots bound as the past: the filled ones rounded up to the bucket (capped at the
         capacity), so the binding changes once per bucket; the sequence's key mask hides the rest."""
-        b = self.past_bucket
-        return min(-(-seq.n // b) * b, cache.capacity)
+        return bound_past(seq.n, self.past_bucket, cache.capacity)
 
     def run(self, cache: KVCache, seq: Sequence, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
         if cache.memory.device != self.device:
