@@ -140,6 +140,19 @@ def real_bundle(tmp_path_factory) -> Path:
     return export_bundle(None, kv="int8", out=str(kept))
 
 
+@pytest.fixture(scope="module")
+def rt_float(tiny_bundle_float):
+    """The tiny float-KV bundle on ort-cpu, for the serving engine's tests."""
+    from edgekv.runtime.assemble import open_runtime
+    return open_runtime(tiny_bundle_float, ctx=256, backend="ort-cpu", threads=1)
+
+
+@pytest.fixture(scope="module")
+def rt_int8(tiny_bundle_int8):
+    from edgekv.runtime.assemble import open_runtime
+    return open_runtime(tiny_bundle_int8, ctx=256, backend="ort-cpu", threads=1)
+
+
 @pytest.fixture
 def bundle_copy(tiny_bundle_int8, tmp_path) -> Path:
     """A copy of the tiny int8 bundle a test may damage."""

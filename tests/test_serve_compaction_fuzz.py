@@ -10,19 +10,8 @@ import time
 import numpy as np
 import pytest
 
-from edgekv.runtime.assemble import open_runtime
 from edgekv.runtime.engine import Request
 from tests.test_serve_engine import alone, ids
-
-
-@pytest.fixture(scope="module")
-def rt_float(tiny_bundle_float):
-    return open_runtime(tiny_bundle_float, ctx=256, backend="ort-cpu", threads=1)
-
-
-@pytest.fixture(scope="module")
-def rt_int8(tiny_bundle_int8):
-    return open_runtime(tiny_bundle_int8, ctx=256, backend="ort-cpu", threads=1)
 
 
 def check_pool(engine):
@@ -105,33 +94,33 @@ def lone(rt, prompt, n):
     return toks[:n], rows[:n]
 
 
-@pytest.mark.parametrize("seed", range(16))
-def test_random_schedules_float_equal_alone(rt_float, seed, monkeypatch):
-    engine, reqs, _ = random_schedule(rt_float, seed, True, monkeypatch)
+def assert_each_equals_alone(rt, reqs, logits: bool) -> None:
+    """Every request's tokens (and, float KV, its logits to 1e-4) = its lone decode."""
     for r in reqs:
         if r.out:
-            want, rows = lone(rt_float, r.prompt, len(r.out))
+            want, rows = lone(rt, r.prompt, len(r.out))
             assert r.out == want
-            np.testing.assert_allclose(np.stack(r.logits), np.stack(rows), atol=1e-4, rtol=1e-4)
+            if logits:
+                np.testing.assert_allclose(np.stack(r.logits), np.stack(rows), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_random_schedules_float_equal_alone(rt_float, seed, monkeypatch):
+    _, reqs, _ = random_schedule(rt_float, seed, True, monkeypatch)
+    assert_each_equals_alone(rt_float, reqs, logits=True)
 
 
 @pytest.mark.parametrize("seed", range(100, 106))
 def test_random_schedules_int8_greedy_equal_alone(rt_int8, seed, monkeypatch):
     _, reqs, _ = random_schedule(rt_int8, seed, False, monkeypatch)
-    for r in reqs:
-        if r.out:
-            assert r.out == lone(rt_int8, r.prompt, len(r.out))[0]
+    assert_each_equals_alone(rt_int8, reqs, logits=False)
 
 
 @pytest.mark.parametrize("seed", range(300, 310))
 def test_random_schedules_in_tiny_pools(rt_float, seed, monkeypatch):
     """8 to 24 cells: admission evicts cached conversations, compaction every few steps."""
     _, reqs, _ = random_schedule(rt_float, seed, True, monkeypatch, caps=(8, 12, 16, 24))
-    for r in reqs:
-        if r.out:
-            want, rows = lone(rt_float, r.prompt, len(r.out))
-            assert r.out == want
-            np.testing.assert_allclose(np.stack(r.logits), np.stack(rows), atol=1e-4, rtol=1e-4)
+    assert_each_equals_alone(rt_float, reqs, logits=True)
 
 
 @pytest.mark.parametrize("seed", range(200, 208))
@@ -188,9 +177,7 @@ def test_engine_thread_with_concurrent_submits_cancels_and_stats(rt_float, monke
         engine.stop()
     assert not errors and all(r.finish_reason for r in reqs)
     assert engine.counters["moved_cells"] > 0 and engine.pool.used() == engine.pool.cached_only()
-    for r in reqs:
-        if r.out:
-            assert r.out == lone(rt_float, r.prompt, len(r.out))[0]
+    assert_each_equals_alone(rt_float, reqs, logits=False)
 
 
 def test_metrics_expose_cells_bound_and_moved_cells(rt_float, monkeypatch):

@@ -35,16 +35,6 @@ def run_until_done(engine, reqs, max_steps=2000):
     raise AssertionError("requests did not finish")
 
 
-@pytest.fixture(scope="module")
-def rt_float(tiny_bundle_float):
-    return open_runtime(tiny_bundle_float, ctx=256, backend="ort-cpu", threads=1)
-
-
-@pytest.fixture(scope="module")
-def rt_int8(tiny_bundle_int8):
-    return open_runtime(tiny_bundle_int8, ctx=256, backend="ort-cpu", threads=1)
-
-
 def batch_schedule(engine):
     """Four requests: A alone first, B joins, C joins with a prompt prefilled over several steps
     while A and B decode, B leaves early, D joins after B left."""

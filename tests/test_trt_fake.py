@@ -116,13 +116,13 @@ def test_trt_runs_a_wrapped_ring_through_staging(bundle_copy, monkeypatch):
     assert stats.stop_reason == "interrupted" and calls[0] == 3 and state(s) == before
 
 
-def test_trt_serves_a_churning_pool_exactly_as_ort_cpu(bundle_copy, monkeypatch):
-    """The serving engine on trt (run_cells): many short requests in a small pool, so the pool is
-    compacted (cells moved through the device memory's own move); tokens and logits equal the
-    engine on ort-cpu bit for bit."""
+def serve_on_trt_and_ort(bundle_copy, monkeypatch, schedule, max_steps, **engine_kw):
+    """The same serving schedule (`schedule(engine)` submits and steps, returns its requests) on
+    trt (stand-in) and on ort-cpu with the exact past, each run to its end: tokens and logits
+    must be equal bit for bit. Per backend: (its requests, the engine's counters, whether its
+    cache reads rows)."""
     fake_gpu.install(monkeypatch)
     from edgekv.runtime.assemble import Runtime
-    from edgekv.runtime.engine import Request
     from jetson.build_engine import build_engine
 
     build_engine(str(bundle_copy), ctx=64, max_prefill=16)
@@ -131,22 +131,39 @@ def test_trt_serves_a_churning_pool_exactly_as_ort_cpu(bundle_copy, monkeypatch)
     for name, be in (("trt", make_backend("trt", b, ctx=64, max_logits_rows=16)),
                      ("ort", OrtBackend(b, threads=1, max_logits_rows=16, past_bucket=1))):
         be.max_tokens_per_call = 16  # the engine's profile: the same calls on both (trt: already)
-        engine = Runtime(b, be, 64).engine(capacity=64, parallel=5, prefill_chunk=16, max_prefixes=3)
+        engine = Runtime(b, be, 64).engine(capacity=64, **engine_kw)
+        reqs = schedule(engine)
+        for _ in range(max_steps):
+            if all(r.finish_reason for r in reqs):
+                break
+            engine.step()
+        runs[name] = (reqs, dict(engine.counters), engine.cache.reads_rows)
+        be.close()
+    trt, ort = runs["trt"][0], runs["ort"][0]
+    assert [r.out for r in trt] == [r.out for r in ort]
+    assert [len(r.logits) for r in trt] == [len(r.logits) for r in ort]
+    for a, b_ in zip(trt, ort):
+        for got, want in zip(a.logits, b_.logits):
+            np.testing.assert_array_equal(got, want)
+    return runs
+
+
+def test_trt_serves_a_churning_pool_exactly_as_ort_cpu(bundle_copy, monkeypatch):
+    """The serving engine on trt (run_cells): many short requests in a small pool, so the pool is
+    compacted (cells moved through the device memory's own move); tokens and logits equal the
+    engine on ort-cpu bit for bit."""
+    from edgekv.runtime.engine import Request
+
+    def schedule(engine):
         reqs = [Request(ids(4 + (i * 5) % 11, 50 + i), 2 + (i * 3) % 7, record_logits=True) for i in range(12)]
         for r in reqs:
             engine.submit(r)
             engine.step()
-        for _ in range(500):
-            if all(r.finish_reason for r in reqs):
-                break
-            engine.step()
-        runs[name] = ([r.out for r in reqs], [np.stack(r.logits) for r in reqs], engine.counters["calls"])
-        assert engine.counters["moved_cells"] > 0 and engine.cache.reads_rows
-        be.close()
-    assert runs["trt"][0] == runs["ort"][0] and all(len(o) for o in runs["trt"][0])
-    assert len(runs["trt"][1]) == len(runs["ort"][1])
-    for got, want in zip(runs["trt"][1], runs["ort"][1]):
-        np.testing.assert_array_equal(got, want)
+        return reqs
+    runs = serve_on_trt_and_ort(bundle_copy, monkeypatch, schedule, 500, parallel=5, prefill_chunk=16, max_prefixes=3)
+    assert all(r.out for r in runs["trt"][0])
+    for _, counters, reads_rows in runs.values():
+        assert counters["moved_cells"] > 0 and reads_rows
 
 
 def test_selftest_passes_with_a_working_trt(bundle_copy, monkeypatch, tmp_path, capsys):
@@ -222,18 +239,9 @@ def test_device_memory_copies_row_ranges_and_refuses_rows_outside(monkeypatch):
 def test_trt_serving_with_prefix_reuse_and_compaction_equals_ort_cpu(bundle_copy, monkeypatch):
     """Conversations cached, moved to the top, reused (moved down), cancelled mid-prefill and
     mid-decode: trt (stand-in) gives ort-cpu's tokens and logits bit for bit."""
-    fake_gpu.install(monkeypatch)
-    from edgekv.runtime.assemble import Runtime
     from edgekv.runtime.engine import Request
-    from jetson.build_engine import build_engine
 
-    build_engine(str(bundle_copy), ctx=64, max_prefill=16)
-    b = load_bundle(bundle_copy)
-    runs = {}
-    for name, be in (("trt", make_backend("trt", b, ctx=64, max_logits_rows=16)),
-                     ("ort", OrtBackend(b, threads=1, max_logits_rows=16, past_bucket=1))):
-        be.max_tokens_per_call = 16
-        engine = Runtime(b, be, 64).engine(capacity=64, parallel=4, prefill_chunk=5, max_prefixes=4)
+    def schedule(engine):
         rng = np.random.default_rng(3)
         reqs, convs = [], []
         for i in range(40):
@@ -247,15 +255,7 @@ def test_trt_serving_with_prefix_reuse_and_compaction_equals_ort_cpu(bundle_copy
                 engine.cancel(reqs[-2])
             engine.step()
             convs += [r.prompt + r.out for r in reqs if r.finish_reason == "length" and r.prompt + r.out not in convs]
-        for _ in range(2000):
-            if all(r.finish_reason for r in reqs):
-                break
-            engine.step()
-        runs[name] = ([r.out for r in reqs], [r.logits for r in reqs], dict(engine.counters))
-        be.close()
-    assert runs["trt"][2]["moved_cells"] > 0 and runs["trt"][2]["reused_tokens"] > 0
-    assert runs["trt"][0] == runs["ort"][0]
-    assert [len(g) for g in runs["trt"][1]] == [len(w) for w in runs["ort"][1]]
-    for got, want in zip(runs["trt"][1], runs["ort"][1]):
-        for g, w in zip(got, want):
-            np.testing.assert_array_equal(g, w)
+        return reqs
+    runs = serve_on_trt_and_ort(bundle_copy, monkeypatch, schedule, 2000, parallel=4, prefill_chunk=5, max_prefixes=4)
+    counters = runs["trt"][1]
+    assert counters["moved_cells"] > 0 and counters["reused_tokens"] > 0
