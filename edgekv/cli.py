@@ -62,8 +62,8 @@ def float_range(lo: float, hi: float, lo_open: bool = False):
         except ValueError:
             v = None
         if v is None or not math.isfinite(v) or not (lo < v if lo_open else lo <= v) or v > hi:
-            raise argparse.ArgumentTypeError(f"must be a number in {'(' if lo_open else ''}{lo:g}..{hi:g} "
-                                             f"(got {text[:40]!r})")
+            interval = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+            raise argparse.ArgumentTypeError(f"must be a number in {interval} (got {text[:40]!r})")
         return v
     parse.__name__ = "number"
     return parse
@@ -97,12 +97,18 @@ def kv_scheme(name: str) -> str:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def _add_sampling(p, temperature: float):
+# sampling defaults that suit a small instruct model (chat); generate is greedy but keeps the repeat
+# guard: a 135M model's greedy answer otherwise loops on some plain questions (docs/chat.md)
+CHAT_SAMPLING = dict(temperature=0.3, top_p=0.9, top_k=40, repeat_penalty=1.1)
+GENERATE_SAMPLING = dict(temperature=0.0, top_p=1.0, top_k=0, repeat_penalty=1.1)
+
+
+def _add_sampling(p, temperature: float, top_p: float, top_k: int, repeat_penalty: float):
     p.add_argument("--temperature", type=float_range(0, 100), default=temperature, help="0 = greedy")
-    p.add_argument("--top-k", type=int_range(0, LIMITS["vocab_size"]), default=0,
+    p.add_argument("--top-k", type=int_range(0, LIMITS["vocab_size"]), default=top_k,
                    help="keep the k most likely tokens (0 = off)")
-    p.add_argument("--top-p", type=float_range(0, 1, lo_open=True), default=1.0, help="nucleus sampling mass (1 = off)")
-    p.add_argument("--repeat-penalty", type=float_range(0, 100, lo_open=True), default=1.0,
+    p.add_argument("--top-p", type=float_range(0, 1, lo_open=True), default=top_p, help="nucleus sampling mass (1 = off)")
+    p.add_argument("--repeat-penalty", type=float_range(0, 100, lo_open=True), default=repeat_penalty,
                    help="divide logits of recent tokens (1 = off)")
     p.add_argument("--repeat-last-n", type=int_range(0, TOKENS), default=64,
                    help="recent tokens the repeat penalty looks at (0 = off)")
@@ -116,9 +122,18 @@ def _add_runtime(p):
     p.add_argument("--threads", type=THREADS, default=None, help="CPU threads (default: all available)")
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        return version("edgekv")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = Parser(prog="edgekv", formatter_class=Formatter,
                                  description="Small chat LLMs with an INT8 KV cache, from workstation export to Jetson.")
+    ap.add_argument("--version", action="version", version=f"edgekv {_version()}")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
 
     p = sub.add_parser("export", formatter_class=Formatter, help="checkpoint -> verified bundle (needs torch)",
@@ -158,7 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     p.add_argument("--system", default=None, help="system message (default: the template's own)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    _add_sampling(p, 0.0)
+    _add_sampling(p, **GENERATE_SAMPLING)
     _add_runtime(p)
 
     p = sub.add_parser("eval", formatter_class=Formatter, help="perplexity, KLD and top-1 vs the float cache, per KV scheme",
@@ -220,14 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-cache", default=None, metavar="FILE",
                    help="save the system prompt's KV here after its first prefill; restore it on later starts "
                         "(checked against the bundle and the system prompt; a stale file is rebuilt)")
-    _add_sampling(p, 0.3)
-    for a in p._actions:  # sampling defaults that suit a small instruct model
-        if a.dest == "top_p":
-            a.default = 0.9
-        elif a.dest == "top_k":
-            a.default = 40
-        elif a.dest == "repeat_penalty":
-            a.default = 1.1
+    _add_sampling(p, **CHAT_SAMPLING)
     _add_runtime(p)
 
     p = sub.add_parser("bench", formatter_class=Formatter, help="time to first token, decode tokens/s, memory",
@@ -324,8 +332,27 @@ def load_command(name: str):
                           f"pip install -e '.[{EXTRAS[module]}]'") from None
 
 
+# arguments that are text for the model (not paths): they must be valid UTF-8
+TEXT_ARGS = ("prompt", "system")
+
+
+def undecodable(args) -> str | None:
+    """The first text argument holding bytes that are not UTF-8 (Python keeps them as surrogates)."""
+    for name in TEXT_ARGS:
+        v = getattr(args, name, None)
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return name
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if bad := undecodable(args):
+        print(f"edgekv {args.cmd}: error: the {bad} is not valid UTF-8 text", file=sys.stderr)
+        return 2
     try:
         command = load_command(args.cmd)
         return command(args, explain) if args.cmd in REPORTS_ERRORS else command(args)

@@ -125,3 +125,40 @@ def test_library_code_raises_no_flags():
                     if re.search(r"--[a-z]", re.sub(r"`[^`]*`", "", text)):
                         flagged.append(f"{path.relative_to(ROOT)}:{node.lineno}: {text}")
     assert flagged == []
+
+
+def test_version():
+    r = run_edgekv("--version")
+    assert r.returncode == 0 and r.stdout.startswith("edgekv ") and r.stdout.split()[1][0].isdigit(), r
+
+
+def test_float_range_message_balanced(tiny_bundle_int8):
+    r = run_edgekv("generate", tiny_bundle_int8, "hi", "--top-p", "0")
+    assert r.returncode == 2 and "(0, 1]" in r.stderr, r.stderr
+    r = run_edgekv("generate", tiny_bundle_int8, "hi", "--temperature", "-1")
+    assert r.returncode == 2 and "[0, 100]" in r.stderr, r.stderr
+
+
+def test_non_utf8_prompt_is_one_line(tiny_bundle_int8):
+    """Linux hands bytes that are not UTF-8 to Python as lone surrogates; the tokenizer cannot take them."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    for args in ([b"hi \xff there"], [b"hi", b"--system", b"\xfe\xff"]):
+        cmd = [os.fsencode(sys.executable), b"-m", b"edgekv.cli", b"generate", os.fsencode(tiny_bundle_int8), *args]
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=300)
+        assert_clean_error(r, "not valid UTF-8")
+
+
+def test_generate_and_chat_defaults():
+    """generate is greedy with chat's repeat guard (a bare question on the int4 bundle looped for 256
+    tokens without it); chat samples with the small-model defaults."""
+    from edgekv.cli import build_parser
+
+    g = build_parser().parse_args(["generate", "B", "hi"])
+    c = build_parser().parse_args(["chat", "B"])
+    assert (g.temperature, g.repeat_penalty) == (0.0, 1.1)
+    assert (c.temperature, c.top_p, c.top_k, c.repeat_penalty) == (0.3, 0.9, 40, 1.1)
