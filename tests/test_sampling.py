@@ -265,3 +265,35 @@ def test_non_finite_logits_are_refused_not_sampled(top_k, top_p):
             logits[n // 2] = bad
             with pytest.raises(ValueError, match="non-finite"):
                 sample(logits, SamplingParams(temperature=1.0, top_k=top_k, top_p=top_p), rng, [])
+
+
+# -- temperatures too small for float32 ---------------------------------------------------------
+
+@pytest.mark.parametrize("t", [1e-310, 5e-324, 1e-45, 1e-39, 1e-38])
+def test_a_temperature_too_small_for_float32_is_greedy(t):
+    """Below float32's smallest normal number the division overflows (or the temperature rounds
+    to 0 and the max becomes 0 / 0 = NaN): the asked-for distribution is the argmax."""
+    rng = np.random.default_rng(4)
+    for _ in range(20):
+        logits = rng.standard_normal(300).astype(np.float32) * 3
+        for top_k, top_p in ((0, 1.0), (5, 0.9)):
+            assert sample(logits, SamplingParams(temperature=t, top_k=top_k, top_p=top_p), rng, []) == np.argmax(logits)
+
+
+def test_the_smallest_normal_temperature_still_samples():
+    """At the threshold itself the division is finite: two exactly tied logits are both drawn
+    (greedy would always take the first)."""
+    from edgekv.runtime.sampling import GREEDY_BELOW
+    logits = np.array([5.0, 5.0, -1.0], np.float32)
+    counts = draw(logits, SamplingParams(temperature=GREEDY_BELOW), n=400)
+    assert counts[0] > 0 and counts[1] > 0 and counts[2] == 0
+
+
+def test_generate_with_a_subnormal_temperature_is_greedy_through_the_cli(tiny_bundle_int8):
+    def tokens(t):
+        r = run_edgekv("generate", tiny_bundle_int8, "The capital of France", "--raw", "--temperature", t,
+                       "--max-new-tokens", "8", "--json", "--threads", "1")
+        assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+        return json.loads(r.stdout.strip().splitlines()[-1])["tokens"]
+
+    assert tokens("1e-310") == tokens("0")

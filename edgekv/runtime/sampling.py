@@ -5,10 +5,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# Temperatures below float32's smallest normal number are greedy: the logits are divided in float32,
+# where such a temperature is subnormal (1/T within 4x of float32's largest number, so every logit
+# more than 4 below the max overflows to -inf) or, below 1.4e-45, rounds to 0 (0 / 0 = NaN at the
+# max). The distribution they ask for is the argmax, up to exact ties.
+GREEDY_BELOW = float(np.finfo(np.float32).tiny)
+
 
 @dataclass
 class SamplingParams:
-    temperature: float = 0.0  # 0: greedy
+    temperature: float = 0.0  # 0 (or below GREEDY_BELOW): greedy
     top_k: int = 0  # 0: off
     top_p: float = 1.0
     repeat_penalty: float = 1.0
@@ -22,7 +28,7 @@ def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator, hist
         recent = np.unique(np.asarray(history[-p.repeat_last_n:], np.int64))
         vals = logits[recent]
         logits[recent] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
-    if p.temperature <= 0:
+    if not p.temperature >= GREEDY_BELOW:  # 0, too small for float32 (NaN too): greedy
         return int(np.argmax(logits))
     logits = np.asarray(logits)
     top = logits.max()  # NaN if any logit is
