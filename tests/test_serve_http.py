@@ -134,7 +134,7 @@ def test_error_statuses(served, rt):
     post = lambda body, **kw: httpx.post(url + "/v1/chat/completions", timeout=30, **({"json": body} | kw))  # noqa: E731
     bad = [
         dict(content=b"{not json", headers={"content-type": "application/json"}),
-        dict(content=b"[1, 2]"),
+        dict(content=b"[1, 2]", headers={"content-type": "application/json"}),
     ]
     for kw in bad:
         r = httpx.post(url + "/v1/chat/completions", timeout=30, **kw)
@@ -213,7 +213,8 @@ def test_metrics_and_soak(served):
                 return r.status_code
 
             async def bad(i):
-                r = await h.post(url + "/v1/chat/completions", content=b"{" * (i % 3 + 1))
+                r = await h.post(url + "/v1/chat/completions", content=b"{" * (i % 3 + 1),
+                                 headers={"content-type": "application/json"})
                 return r.status_code
 
             async def dropped(i):

@@ -1,15 +1,26 @@
 """The OpenAI-compatible HTTP layer (Starlette, served by uvicorn): parses requests, renders the
 chat template, hands prompts to the runtime's Engine and streams its tokens back. No scheduling
 or KV state lives here: the engine (edgekv/runtime/engine.py) owns all of it and runs every graph
-call on its own thread; tokens cross to the asyncio handlers through an asyncio.Queue per request."""
+call on its own thread; tokens cross to the asyncio handlers through an asyncio.Queue per request.
+
+What a request costs the event loop is bounded: the body is read up to `max_body_bytes`, and the
+JSON parse, the checks, the template render and the tokenizer run on a worker thread, so /health
+and the running streams stay served while a large prompt is prepared."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
+import logging
 import time
 import uuid
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -20,22 +31,51 @@ from edgekv.runtime.sampling import SamplingParams
 from edgekv.runtime.text import StreamDecoder, TextCodec
 from edgekv.serve.metrics import Metrics
 
+log = logging.getLogger("edgekv.serve")
+
 MAX_STOP = 4  # stop sequences per request, as OpenAI's API
-ROLES = {"system", "user", "assistant"}
+# nginx's default client_max_body_size: a 32k-token context of text fits even as \u-escaped JSON,
+# and a hostile body of nested empty lists (the worst case, ~20x its size once parsed) stays ~20 MB
+MAX_BODY_BYTES = 1 << 20
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # as given -> as rendered
+LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}  # a bind to one of these is reachable from this machine only
+LOCAL_NAMES = {"127.0.0.1", "localhost", "[::1]"}  # what a Host header may name for such a bind (any port)
+STATES = ("loading", "ready", "draining")
+RETRY_AFTER_S = 1  # a full queue drains in about one request's time
 
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict | None = None):
         super().__init__(message)
-        self.status, self.kind, self.param, self.code = status, kind, param, code
+        self.status, self.kind, self.param, self.code, self.headers = status, kind, param, code, headers
 
     def response(self) -> JSONResponse:
         return JSONResponse({"error": {"message": str(self), "type": self.kind, "param": self.param,
-                                       "code": self.code}}, status_code=self.status)
+                                       "code": self.code}}, status_code=self.status, headers=self.headers)
+
+
+class ClientGone(Exception):
+    """The client hung up before its whole answer was ready."""
 
 
 # -- request fields
+def parse_json(raw: bytes) -> dict:
+    """The body as a JSON object; every way json.loads can fail is a 400 (ValueError covers bad
+    UTF-8 and integers past Python's digit limit, RecursionError deep nesting)."""
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:
+        raise ApiError(400, f"the request body is not valid JSON ({type(e).__name__}: {str(e)[:100]})") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
 def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool = False):
     v = body.get(name)
     if v is None:
@@ -43,8 +83,31 @@ def _number(body: dict, name: str, default, lo: float, hi: float, integer: bool 
     ok_type = isinstance(v, int) if integer else isinstance(v, (int, float))
     if isinstance(v, bool) or not ok_type or not lo <= v <= hi:
         kind = "an integer" if integer else "a number"
-        raise ApiError(400, f"'{name}' must be {kind} in [{lo}, {hi}] (got {v!r})", param=name)
+        raise ApiError(400, f"'{name}' must be {kind} in [{lo}, {hi}] (got {str(v)[:40]})", param=name)
     return v
+
+
+def _flag(body: dict, name: str) -> bool:
+    v = body.get(name)
+    if v is not None and not isinstance(v, bool):
+        raise ApiError(400, f"'{name}' must be true, false or null", param=name)
+    return bool(v)
+
+
+def _text(s, param: str) -> str:
+    """A string the tokenizer can take: a lone surrogate ("\\udcff" in JSON) is not UTF-8."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ApiError(400, f"'{param}' holds a lone surrogate (not valid Unicode text)", param=param) from None
+    return s
+
+
+def seed_of(body: dict) -> int | None:
+    """Any 64-bit seed, as OpenAI takes; a negative one is read as its unsigned 64-bit pattern
+    (distinct seeds stay distinct; numpy's generator takes only non-negative seeds)."""
+    seed = _number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True)
+    return None if seed is None else seed & ((1 << 64) - 1)
 
 
 def sampling_of(body: dict) -> SamplingParams:
@@ -52,7 +115,7 @@ def sampling_of(body: dict) -> SamplingParams:
                           top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0)),
                           top_k=int(_number(body, "top_k", 0, 0, 1 << 20, integer=True)),
                           repeat_penalty=float(_number(body, "repeat_penalty", 1.0, 0.1, 10.0)),
-                          seed=_number(body, "seed", None, -(1 << 63), (1 << 63) - 1, integer=True))
+                          seed=seed_of(body))
 
 
 def stops_of(body: dict) -> list[str]:
@@ -62,15 +125,20 @@ def stops_of(body: dict) -> list[str]:
     stops = [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or len(stops) > MAX_STOP or not all(isinstance(s, str) and s for s in stops):
         raise ApiError(400, f"'stop' must be a string or a list of up to {MAX_STOP} non-empty strings", param="stop")
-    return stops
+    return [_text(s, "stop") for s in stops]
+
+
+def max_tokens_of(body: dict) -> int:
+    cap = _number(body, "max_completion_tokens", None, 1, 1 << 20, integer=True)
+    return _number(body, "max_tokens", cap or 256, 1, 1 << 20, integer=True)
 
 
 def text_of(content, i: int) -> str:
     if isinstance(content, str):
-        return content
+        return _text(content, "messages")
     if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
                                          and isinstance(p.get("text"), str) for p in content):
-        return "".join(p["text"] for p in content)
+        return _text("".join(p["text"] for p in content), "messages")
     raise ApiError(400, f"messages[{i}].content must be a string or a list of text parts", param="messages")
 
 
@@ -80,50 +148,169 @@ def messages_of(body: dict) -> list[dict]:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")
     out = []
     for i, m in enumerate(msgs):
-        if not isinstance(m, dict) or m.get("role") not in ROLES:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or m["role"] not in ROLES:
             raise ApiError(400, f"messages[{i}] must be an object with a role of {sorted(ROLES)}", param="messages")
-        out.append({"role": m["role"], "content": text_of(m.get("content"), i)})
+        out.append({"role": ROLES[m["role"]], "content": text_of(m.get("content"), i)})
     return out
 
 
-class StopWatch:
-    """Turns the token stream into text, cut at the first stop sequence; holds back only as much
-    text as could still become the start of a stop sequence."""
+def prompt_of(body: dict) -> str:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise ApiError(400, "'prompt' must be a non-empty string", param="prompt")
+    return _text(prompt, "prompt")
 
-    def __init__(self, codec: TextCodec, stops: list[str]):
-        self.dec = StreamDecoder(codec)
+
+# -- fields that would change the answer but are not implemented: refused until they are, so a
+# client that asks for JSON or a tool call is told instead of getting prose. field -> (is the
+# value harmless, what is accepted)
+def _absent_or(*ok) -> Callable[[object], bool]:
+    return lambda v: v is None or any(v == o and type(v) is type(o) for o in ok)
+
+
+COMMON_UNSUPPORTED = {
+    "n": (_absent_or(1), "1 or null"),
+    "logit_bias": (_absent_or({}), "{} or null"),
+    "presence_penalty": (_absent_or(0, 0.0), "0 or null"),
+    "frequency_penalty": (_absent_or(0, 0.0), "0 or null"),
+}
+CHAT_UNSUPPORTED = COMMON_UNSUPPORTED | {
+    "tools": (_absent_or([]), "[] or null"),
+    "tool_choice": (_absent_or("none"), '"none" or null'),
+    "functions": (_absent_or([]), "[] or null"),
+    "function_call": (_absent_or("none"), '"none" or null'),
+    "response_format": (_absent_or({"type": "text"}), '{"type": "text"} or null'),
+    "logprobs": (_absent_or(False), "false or null"),
+    "top_logprobs": (_absent_or(0), "0 or null"),
+}
+COMPLETION_UNSUPPORTED = COMMON_UNSUPPORTED | {
+    "echo": (_absent_or(False), "false or null"),
+    "suffix": (_absent_or(""), '"" or null'),
+    "best_of": (_absent_or(1), "1 or null"),
+    "logprobs": (_absent_or(), "null"),
+}
+
+
+def refuse_unsupported(body: dict, table: dict) -> None:
+    for name, (harmless, accepted) in table.items():
+        if not harmless(body.get(name)):
+            raise ApiError(400, f"'{name}' is not supported yet (only {accepted})", param=name,
+                           code="unsupported_parameter")
+
+
+# -- stop sequences
+def _held_back(pending: str, stops: list[str]) -> int:
+    """Length of the longest suffix of `pending` that is a proper prefix of some stop string:
+    the only text that could still turn out to be part of a stop."""
+    best = 0
+    for s in stops:
+        for k in range(min(len(s) - 1, len(pending)), best, -1):
+            if s.startswith(pending[len(pending) - k:]):
+                best = k
+                break
+    return best
+
+
+class StopText:
+    """Text pieces in, text out cut before the first stop string to complete (the one ending
+    first; of those ending together, the longest), whatever the pieces; holds back only text that
+    could still be the start of a stop string and emits the rest at once."""
+
+    def __init__(self, stops: list[str]):
         self.stops = stops
-        self.hold = max((len(s) for s in stops), default=1) - 1
         self.pending = ""
         self.stopped = False
 
-    def push(self, token: int) -> str:
-        return self._cut(self.dec.push(token), final=False)
-
-    def flush(self) -> str:
-        return self._cut(self.dec.flush(), final=True)
-
-    def _cut(self, text: str, final: bool) -> str:
+    def push(self, text: str, final: bool = False) -> str:
         if self.stopped:
             return ""
         self.pending += text
-        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
-        if hits:
+        found = [(i + len(s), i) for s in self.stops if (i := self.pending.find(s)) >= 0]
+        if found:
             self.stopped = True
-            out, self.pending = self.pending[: min(hits)], ""
+            out, self.pending = self.pending[: min(found)[1]], ""
             return out
-        keep = 0 if final else min(self.hold, len(self.pending))
+        keep = 0 if final else _held_back(self.pending, self.stops)
         out = self.pending[: len(self.pending) - keep]
         self.pending = self.pending[len(out):]
         return out
 
 
+class StopWatch:
+    """Turns the token stream into text (never half a character), cut at the first stop."""
+
+    def __init__(self, codec: TextCodec, stops: list[str]):
+        self.dec = StreamDecoder(codec)
+        self.cut = StopText(stops)
+
+    @property
+    def stopped(self) -> bool:
+        return self.cut.stopped
+
+    def push(self, token: int) -> str:
+        return self.cut.push(self.dec.push(token))
+
+    def flush(self) -> str:
+        return self.cut.push(self.dec.flush(), final=True)
+
+
+@dataclass
+class Ask:
+    """A checked request, ready to submit."""
+    prompt: list[int]
+    max_tokens: int
+    params: SamplingParams
+    stops: list[str]
+    stream: bool
+    chat: bool
+
+
+def _tenant_field(tenant: str) -> dict:  # TEMP until the engine's Request.tenant lands
+    return {"tenant": tenant} if "tenant" in Request.__dataclass_fields__ else {}
+
+
+def tenant_of(key: str) -> str:
+    """A stable, non-secret name for an API key: the engine keeps each tenant's prefixes apart."""
+    return hashlib.sha256(key.encode("utf-8")).hexdigest()[:16]
+
+
+def max_token_chars(codec: TextCodec) -> int:
+    """An upper bound on the characters one token stands for: its vocabulary string's length (a
+    byte-level string has one symbol per byte); x4 where a normalizer may merge characters."""
+    longest = max((len(t) for t in codec.tok.get_vocab()), default=1)
+    return longest * (4 if codec.tok.normalizer is not None else 1)
+
+
 class Server:
-    def __init__(self, engine: Engine, codec: TextCodec, model: str, api_key: str | None = None,
-                 metrics: Metrics | None = None):
-        self.engine, self.codec, self.model, self.api_key = engine, codec, model, api_key
+    """The app's state and handlers. `api_keys`: the keys a client may send (none: no check);
+    `max_body_bytes`: the largest request body (413 beyond); `bind_host`: where the server listens
+    (on a local bind the Host header must name this machine, against DNS rebinding)."""
+
+    def __init__(self, engine: Engine, codec: TextCodec, model: str, api_keys: Sequence[str] | str | None = (),
+                 metrics: Metrics | None = None, *, max_body_bytes: int = MAX_BODY_BYTES,
+                 bind_host: str = "127.0.0.1"):
+        keys = [api_keys] if isinstance(api_keys, str) else list(api_keys or ())
+        if not all(isinstance(k, str) and k for k in keys):
+            raise ValueError("API keys must be non-empty strings")
+        if max_body_bytes < 1:
+            raise ValueError("max_body_bytes must be at least 1")
+        self.engine, self.codec, self.model = engine, codec, model
+        self.keys = [(k.encode("utf-8"), tenant_of(k)) for k in keys]
+        self.max_body_bytes = max_body_bytes
+        self.check_host = bind_host.strip("[]") in LOCAL_HOSTS
+        self.max_chars = engine.limit * max_token_chars(codec)
         self.metrics = metrics or Metrics(engine)
         self.created = int(time.time())
+        self.state = "ready"
+
+    def set_state(self, state: str) -> None:
+        """loading (before the warm-up), ready, draining (shutting down): /health says which, and
+        answers 503 unless ready; new generation requests get 503 unless ready."""
+        if state not in STATES:
+            raise ValueError(f"state must be one of {STATES}, not {state!r}")
+        self.state = state
 
     def app(self) -> Starlette:
         return Starlette(routes=[
@@ -132,44 +319,82 @@ class Server:
             Route("/v1/models", self.guard(self.models), methods=["GET"]),
             Route("/v1/chat/completions", self.guard(self.chat), methods=["POST"]),
             Route("/v1/completions", self.guard(self.completions), methods=["POST"]),
-        ], exception_handlers={404: self.not_found, 405: self.not_allowed})
+        ], middleware=[Middleware(Front, server=self)],
+            exception_handlers={404: self.not_found, 405: self.not_allowed})
 
     # -- plumbing
+    def tenant(self, request: HttpRequest) -> str:
+        """The caller's tenant; 401 unless it sent one of the keys (each compared in constant time)."""
+        if not self.keys:
+            return ""
+        auth = request.headers.get("authorization", "").encode("latin-1")
+        found = [t for k, t in self.keys if hmac.compare_digest(auth, b"Bearer " + k)]
+        if not found:
+            raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)",
+                           kind="authentication_error", code="invalid_api_key")
+        return found[0]
+
     def guard(self, handler):
-        """The API key check, and every ApiError as OpenAI's JSON error."""
+        """The API key check, and every error as OpenAI's JSON error."""
         async def wrapped(request: HttpRequest):
             endpoint = request.url.path
             try:
-                if self.api_key is not None:
-                    auth = request.headers.get("authorization", "")
-                    if auth != f"Bearer {self.api_key}":
-                        raise ApiError(401, "missing or wrong API key (Authorization: Bearer KEY)",
-                                       kind="authentication_error", code="invalid_api_key")
+                request.state.tenant = self.tenant(request)
                 resp = await handler(request)
             except ApiError as e:
                 resp = e.response()
+            except (ClientGone, ClientDisconnect):
+                self.metrics.disconnect()
+                resp = Response(status_code=499)  # nginx's "client closed request": for the log and metrics
+            except Exception:
+                log.exception("edgekv serve: %s %s failed", request.method, endpoint)
+                resp = ApiError(500, "internal error (see the server log)", kind="server_error").response()
             self.metrics.request(endpoint, resp.status_code)
             return resp
         return wrapped
 
     async def not_found(self, request, exc):
-        return ApiError(404, f"no route {request.url.path}", code="not_found").response()
+        return ApiError(404, f"no route {request.url.path[:200]}", code="not_found").response()
 
     async def not_allowed(self, request, exc):
-        return ApiError(405, f"{request.method} is not allowed on {request.url.path}").response()
+        return ApiError(405, f"{request.method} is not allowed on {request.url.path}",
+                        headers=getattr(exc, "headers", None)).response()
 
-    async def body_of(self, request: HttpRequest) -> dict:
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise ApiError(400, "the request body is not valid JSON") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        return body
+    async def read_body(self, request: HttpRequest) -> bytes:
+        """The raw body of a JSON POST, at most max_body_bytes (by Content-Length, then counted
+        as it arrives, for chunked bodies and lying lengths)."""
+        ctype = request.headers.get("content-type", "")
+        media, *params = [p.strip().lower() for p in ctype.split(";")]
+        charset = next((p[8:].strip('"') for p in params if p.startswith("charset=")), "utf-8")
+        if media != "application/json" or charset not in ("utf-8", "utf8"):
+            raise ApiError(415, f"the body must be sent as Content-Type: application/json (got {ctype[:80]!r})",
+                           code="unsupported_media_type")
+        too_big = ApiError(413, f"the request body is larger than {self.max_body_bytes} bytes (the server's "
+                                "--max-body)", code="body_too_large")
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body_bytes:
+            raise too_big
+        parts, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise too_big
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def check_length(self, chars: int, param: str) -> None:
+        """Refuse, before tokenizing, text that cannot fit the context however it tokenizes."""
+        if chars > self.max_chars:
+            raise ApiError(413, f"the {param} hold {chars} characters; the context holds {self.engine.limit} tokens, "
+                                f"at most {self.max_chars} characters of this tokenizer", param=param,
+                           code="context_length_exceeded")
 
     # -- endpoints
     async def health(self, request: HttpRequest) -> Response:
-        return JSONResponse({"status": "ok", **self.engine.stats()})
+        reason = getattr(self.engine, "fault", lambda: None)()  # TEMP until Engine.fault lands
+        status = "ok" if self.state == "ready" and reason is None else ("error" if reason else self.state)
+        body = {"status": status, "state": self.state, **({"reason": reason} if reason else {}), **self.engine.stats()}
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     async def prom(self, request: HttpRequest) -> Response:
         body, ctype = self.metrics.render()
@@ -180,60 +405,72 @@ class Server:
                                                          "owned_by": "edgekv"}]})
 
     async def chat(self, request: HttpRequest) -> Response:
-        body = await self.body_of(request)
+        return await self.serve(request, self.chat_ask)
+
+    async def completions(self, request: HttpRequest) -> Response:
+        return await self.serve(request, self.completion_ask)
+
+    def chat_ask(self, raw: bytes) -> Ask:
+        """Parse, check, render and tokenize a chat request (a worker thread)."""
+        body = parse_json(raw)
+        refuse_unsupported(body, CHAT_UNSUPPORTED)
         msgs = messages_of(body)
+        opts = max_tokens_of(body), sampling_of(body), stops_of(body), _flag(body, "stream")
+        self.check_length(sum(len(m["content"]) for m in msgs), "messages")
         try:
             prompt = self.codec.chat_ids(msgs)
         except EdgeKVError as e:
             raise ApiError(400, str(e), param="messages") from None
-        return await self.generate(body, prompt, chat=True)
+        return Ask(prompt, *opts, chat=True)
 
-    async def completions(self, request: HttpRequest) -> Response:
-        body = await self.body_of(request)
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1:
-            prompt = prompt[0]
-        if not isinstance(prompt, str) or not prompt:
-            raise ApiError(400, "'prompt' must be a non-empty string", param="prompt")
-        return await self.generate(body, self.codec.encode(prompt), chat=False)
+    def completion_ask(self, raw: bytes) -> Ask:
+        body = parse_json(raw)
+        refuse_unsupported(body, COMPLETION_UNSUPPORTED)
+        prompt = prompt_of(body)
+        opts = max_tokens_of(body), sampling_of(body), stops_of(body), _flag(body, "stream")
+        self.check_length(len(prompt), "prompt")
+        return Ask(self.codec.encode(prompt), *opts, chat=False)
 
-    async def generate(self, body: dict, prompt: list[int], chat: bool) -> Response:
-        max_tokens = _number(body, "max_completion_tokens", None, 1, 1 << 20, integer=True)
-        max_tokens = _number(body, "max_tokens", max_tokens or 256, 1, 1 << 20, integer=True)
-        params, stops = sampling_of(body), stops_of(body)
-        stream = body.get("stream", False)
-        if not isinstance(stream, bool):
-            raise ApiError(400, "'stream' must be true or false", param="stream")
-        if body.get("n", 1) != 1:
-            raise ApiError(400, "only n = 1 is supported", param="n")
+    async def serve(self, request: HttpRequest, prepare: Callable[[bytes], Ask]) -> Response:
+        if self.state != "ready":
+            raise ApiError(503, f"the server is {self.state}; retry later" +
+                           (" (or on another server)" if self.state == "draining" else ""),
+                           kind="server_error", code=f"server_{self.state}", headers={"Retry-After": str(RETRY_AFTER_S)})
+        raw = await self.read_body(request)
+        ask = await asyncio.to_thread(prepare, raw)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        req = Request(prompt, max_tokens, params, stop_ids=self.codec.stop_ids,
-                      emit=lambda kind, value: loop.call_soon_threadsafe(queue.put_nowait, (kind, value)))
+        req = Request(ask.prompt, ask.max_tokens, ask.params, stop_ids=self.codec.stop_ids,
+                      emit=lambda kind, value: loop.call_soon_threadsafe(queue.put_nowait, (kind, value)),
+                      **_tenant_field(request.state.tenant))
         try:
             self.engine.submit(req)
         except ContextOverflow as e:
-            raise ApiError(413, f"{e}", code="context_length_exceeded", param="messages" if chat else "prompt") from None
+            raise ApiError(413, f"{e}", code="context_length_exceeded",
+                           param="messages" if ask.chat else "prompt") from None
         except QueueFull as e:
-            raise ApiError(429, f"{e}; retry later", kind="rate_limit_error", code="queue_full") from None
+            raise ApiError(429, f"{e}; retry later", kind="rate_limit_error", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except EdgeKVError as e:
             raise ApiError(400, str(e)) from None
-        reply = Reply(self, req, queue, StopWatch(self.codec, stops), chat, body.get("model") or self.model)
-        if stream:
+        reply = Reply(self, req, queue, StopWatch(self.codec, ask.stops), ask.chat, request.scope)
+        if ask.stream:
             return StreamingResponse(reply.sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
-        return await reply.whole()
+        return await reply.whole(request)
 
 
 class Reply:
     """One request's answer, whole or as server-sent events; the engine's request is cancelled
     whenever the answer ends early (a stop sequence, a client gone)."""
 
-    def __init__(self, server: Server, req: Request, queue: asyncio.Queue, watch: StopWatch, chat: bool, model: str):
-        self.server, self.req, self.queue, self.watch, self.chat, self.model = server, req, queue, watch, chat, model
+    def __init__(self, server: Server, req: Request, queue: asyncio.Queue, watch: StopWatch, chat: bool, scope: dict):
+        self.server, self.req, self.queue, self.watch, self.chat = server, req, queue, watch, chat
+        self.model = server.model  # never the client's 'model' echoed back
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.completion_tokens = 0
+        self.scope = scope  # the access log reads the token counts from its state
 
     async def events(self):
         """(text, finish_reason) pieces; finish_reason is set on the last."""
@@ -251,6 +488,8 @@ class Reply:
                         return
                     if text:
                         yield text, None
+                elif kind == "gone":
+                    raise ClientGone()
                 else:
                     if value == "error":
                         raise ApiError(500, "the engine failed while generating (see the server log)",
@@ -258,6 +497,7 @@ class Reply:
                     yield self.watch.flush(), "length" if value == "length" else "stop"
                     return
         finally:
+            self.scope.setdefault("state", {})["usage"] = (len(self.req.prompt), self.completion_tokens)
             if self.req.finish_reason is None:
                 self.server.engine.cancel(self.req)  # a client gone, or an early end: free its cells now
 
@@ -267,11 +507,22 @@ class Reply:
                 "total_tokens": p + self.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": self.req.reused}}
 
-    async def whole(self) -> Response:
-        parts, finish = [], "stop"
-        async for text, fin in self.events():
-            parts.append(text)
-            finish = fin or finish
+    async def whole(self, request: HttpRequest) -> Response:
+        """The whole answer; a client that hangs up meanwhile cancels its request (the body has
+        been read, so the next message from the server is the disconnect)."""
+        async def watch():
+            while (await request.receive())["type"] != "http.disconnect":
+                pass
+            self.queue.put_nowait(("gone", None))
+
+        watcher = asyncio.create_task(watch())
+        try:
+            parts, finish = [], "stop"
+            async for text, fin in self.events():
+                parts.append(text)
+                finish = fin or finish
+        finally:
+            watcher.cancel()
         text = "".join(parts)
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
@@ -306,3 +557,45 @@ class Reply:
         except ApiError as e:
             yield f"data: {json.dumps({'error': {'message': str(e), 'type': e.kind}})}\n\n"
         yield "data: [DONE]\n\n"
+
+
+def host_of(headers: list) -> str | None:
+    """The host name a request's Host header names, without its port (None: no Host header)."""
+    raw = next((v for k, v in headers if k == b"host"), None)
+    if raw is None:
+        return None
+    host = raw.decode("latin-1").strip().lower()
+    if host.startswith("["):
+        return host[: host.find("]") + 1] if "]" in host else host
+    return host.rsplit(":", 1)[0] if ":" in host else host
+
+
+class Front:
+    """ASGI middleware in front of every route: the Host check of a local bind (a web page that
+    points a name it controls at 127.0.0.1 sends that name), and one access-log line per request."""
+
+    def __init__(self, app, server: Server):
+        self.app, self.server = app, server
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0, status = time.perf_counter(), [None]
+
+        async def send_logged(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            host = host_of(scope["headers"])
+            if self.server.check_host and host is not None and host not in LOCAL_NAMES:
+                await ApiError(421, f"this server listens on a local address and answers only requests for "
+                                    f"{sorted(LOCAL_NAMES)}, not {host[:100]!r}",
+                               code="host_not_allowed").response()(scope, receive, send_logged)
+            else:
+                await self.app(scope, receive, send_logged)
+        finally:
+            p, c = scope.get("state", {}).get("usage", ("-", "-"))
+            log.info("%s %s %s prompt=%s completion=%s %.3fs", scope["method"], scope["path"][:200],
+                     status[0] or "-", p, c, time.perf_counter() - t0)

@@ -47,10 +47,15 @@ class Metrics:
                                 registry=self.registry)
         self.ttft = Histogram("edgekv_ttft_seconds", "request in to first token out", buckets=TTFT_BUCKETS,
                               registry=self.registry)
+        self.disconnects = Counter("edgekv_client_disconnects", "requests whose client hung up before the whole "
+                                   "answer (cancelled in the engine)", registry=self.registry)
         self.registry.register(EngineCollector(engine))
 
     def request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
+
+    def disconnect(self) -> None:
+        self.disconnects.inc()
 
     def first_token(self, req) -> None:
         if req.ttft_s is not None:
