@@ -14,16 +14,19 @@ import torch
 
 import edgekv
 from edgekv.errors import ExportError, note
-from edgekv.format.bundle import FORMAT_VERSION, MANIFEST, PARITY_LOGITS, file_sha256, io_names
-from edgekv.format.files import kind_of, replace_dir, write_text
+from edgekv.tools.progress import stage
+from edgekv.format.bundle import FORMAT_VERSION, MANIFEST, PARITY_LOGITS, VERIFIED, file_sha256, io_names
+from edgekv.format.files import kind_of, replace_dir, replace_dir_keeping, write_text
 from edgekv.format.kvschemes import INT4_GROUP, INT4_LEVELS, get_scheme, unpack_int4
-from export.loaders import Source, SourceError, load_gguf, load_hf_folder
+from export.loaders import Source, SourceError, gguf_matrix_types, load_gguf, load_hf_folder
 from export.model import Transformer, UnsupportedModel, causal_mask
-from export.weights import GROUPS, METHODS, WEIGHT_FORMATS, plan_weights, summary
+from export.weights import GROUPS, KEPT_BITS, METHODS, WEIGHT_FORMATS, auto_format, plan_weights, summary
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_RECIPE = "smollm2-135m-instruct"
 TRT_TARGET = "10.3"  # JetPack 6's TensorRT: every bundle must pass its parser rules
+WEIGHT_DEFAULT = "auto"  # `edgekv export --weights`: keep what the source holds (source_weights)
+WEIGHT_CHOICES = (WEIGHT_DEFAULT, *WEIGHT_FORMATS)
 
 
 # what decides a bundle's contents: the exporter, the format and scheme definitions, the parser
@@ -52,6 +55,12 @@ def recipe_names() -> list[str]:
 
 def resolve_source(model: str | None) -> tuple[Source, dict]:
     """MODEL: a recipe name from models/, a Hugging Face folder, or a .gguf file."""
+    path, recipe = locate_source(model)
+    return load_source(path), recipe
+
+
+def locate_source(model: str | None) -> tuple[Path, dict]:
+    """MODEL -> (the folder or .gguf file, its recipe), without reading any weights."""
     model = model or DEFAULT_RECIPE
     recipe = {}
     if (MODELS_DIR / f"{model}.json").is_file():
@@ -59,22 +68,41 @@ def resolve_source(model: str | None) -> tuple[Source, dict]:
         path = recipe_path(recipe)
     else:
         path = Path(model)
-    try:
-        if path.is_dir():
-            src = load_hf_folder(path)
-        elif path.is_file() and path.suffix == ".gguf":
-            src = load_gguf(path)
-        elif path.exists():
+    if not (path.is_dir() or (path.is_file() and path.suffix == ".gguf")):
+        if path.exists():
             raise ExportError(f"{path}: not a model (give a Hugging Face folder, a .gguf file or a recipe: "
                               f"{', '.join(recipe_names())})")
-        else:
-            raise ExportError(f"{model}: no such recipe, folder or .gguf file (recipes: {', '.join(recipe_names())})")
+        raise ExportError(f"{model}: no such recipe, folder or .gguf file (recipes: {', '.join(recipe_names())})")
+    recipe.setdefault("name", _default_name(path))
+    return path, recipe
+
+
+def load_source(path: Path) -> Source:
+    """The model's weights, tokenizer and config (the slow part: tens of seconds for a GGUF)."""
+    try:
+        return load_hf_folder(path) if path.is_dir() else load_gguf(path)
     except (SourceError, UnsupportedModel) as e:
         raise ExportError(str(e)) from None
     except (KeyError, json.JSONDecodeError) as e:
         raise ExportError(f"{path}: unreadable model config ({type(e).__name__}: {e})") from None
-    recipe.setdefault("name", _default_name(path))
-    return src, recipe
+
+
+def source_weights(path: Path, weights: str) -> tuple[str, str]:
+    """--weights resolved (auto: what the source holds, read from its header) and a phrase of why."""
+    if weights != "auto":
+        return weights, "as asked"
+    if path.is_dir():
+        return "float", "auto: a float source (Hugging Face folder)"
+    try:
+        types = gguf_matrix_types(path)
+    except SourceError as e:
+        raise ExportError(str(e)) from None
+    fmt = auto_format(types, "embed.weight", "lm_head.weight")
+    held = ", ".join(sorted({t for ts in types.values() for t in ts})) or "no 2-D weights"
+    if fmt == "float":
+        return fmt, (f"auto: the GGUF holds {held}; only {', '.join(KEPT_BITS)} blocks are kept as they are, so its "
+                     f"values are stored as float (--weights int4 or int8 requantizes)")
+    return fmt, f"auto: the GGUF's own {held} blocks, kept exactly"
 
 
 def recipe_path(recipe: dict) -> Path:
@@ -254,26 +282,34 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
                   threads: int | None = None, calib_text: str | None = None, calib_tokens: int = 4096,
                   force: bool = False, weights: str = "float", group: int = 32, method: str = "awq",
                   requantize: bool = False) -> Path:
+    """The library's default weights stay float (the tests' float-weights reference bundle is made
+    by this default); `edgekv export` defaults to auto (WEIGHT_DEFAULT)."""
     t0 = time.time()
     try:
         get_scheme(kv)
     except ValueError as e:
         raise ExportError(str(e)) from None
-    if weights not in WEIGHT_FORMATS:
-        raise ExportError(f"unknown weight format {weights!r}; known: {', '.join(WEIGHT_FORMATS)}")
+    if weights not in WEIGHT_CHOICES:
+        raise ExportError(f"unknown weight format {weights!r}; known: {', '.join(WEIGHT_CHOICES)}")
     if group not in GROUPS:
         raise ExportError(f"--group {group}: choose one of {', '.join(map(str, GROUPS))}")
     if method not in METHODS:
         raise ExportError(f"--requant-method {method}: choose one of {', '.join(METHODS)}")
-    note(f"loading {model_arg or DEFAULT_RECIPE} ...")
-    src, recipe = resolve_source(model_arg)
+    # everything about the destination is settled before the model is loaded (tens of seconds)
+    path, recipe = locate_source(model_arg)
+    if out:
+        check_out_dir(Path(out), force)
+    weights, why = source_weights(path, weights)
+    suffix = ("-fp16" if dtype == "float16" else "") + ("" if weights == "float" else f"-w{weights}")
+    out_dir = Path(out) if out else MODELS_DIR / "bundles" / f"{recipe['name']}-{kv}{suffix}"
+    check_out_dir(out_dir, force)
+    note(f"weights: {weights} ({why}); bundle: {out_dir}")
+    with stage("loading", f" {model_arg or DEFAULT_RECIPE}"):
+        src = load_source(path)
     cfg = src.config
     max_context = max_context or recipe.get("max_context") or min(cfg.max_position_embeddings, 4096)
     if max_context > cfg.max_position_embeddings:
         note(f"  note: --max-context {max_context} is beyond the model's trained {cfg.max_position_embeddings}")
-    suffix = ("-fp16" if dtype == "float16" else "") + ("" if weights == "float" else f"-w{weights}")
-    out_dir = Path(out) if out else MODELS_DIR / "bundles" / f"{recipe['name']}-{kv}{suffix}"
-    check_out_dir(out_dir, force)
     note(f"  {cfg.arch}: {cfg.n_layers} layers, {cfg.n_heads} heads ({cfg.n_kv_heads} KV), head_dim {cfg.head_dim}, "
         f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}  [{time.time() - t0:.1f}s]")
     torch_dtype = {"float32": torch.float32, "float16": torch.float16}[dtype]
@@ -288,16 +324,17 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
-        note(f"exporting ONNX (kv={kv}, dtype={dtype}) ...")
-        from export.onnx_export import export_onnx, save_onnx
+        with stage("exporting ONNX", f" (kv={kv}, dtype={dtype}; torch.export: the slowest step)"):
+            from export.onnx_export import export_onnx, save_onnx
 
-        proto = export_onnx(model, plan)
-        save_onnx(proto, tmp / "model.onnx")
-        del proto
-        onnx.checker.check_model(str(tmp / "model.onnx"), full_check=True)
-        from edgekv.tools.trt_check import check_for_engine
+            proto = export_onnx(model, plan)
+            save_onnx(proto, tmp / "model.onnx")
+            del proto
+        with stage("checking the graph", " (onnx.checker full, TensorRT parser rules)"):
+            onnx.checker.check_model(str(tmp / "model.onnx"), full_check=True)
+            from edgekv.tools.trt_check import check_for_engine
 
-        violations, converted = check_for_engine(tmp / "model.onnx", TRT_TARGET)
+            violations, converted = check_for_engine(tmp / "model.onnx", TRT_TARGET)
         if violations:
             for v in violations[:10]:
                 note(f"  ✗ TensorRT {TRT_TARGET}: {v}")
@@ -308,21 +345,22 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
         manifest = build_manifest(src, recipe, kv, dtype, max_context, tmp)
         manifest["weights"] = weights_manifest(weights, plan, group, method, awq)
         manifest["weights"]["source_blocks_kept"] = bool(src.blocks) and not requantize
+        manifest["weights"]["bytes"] = stored_weight_bytes(model, plan)
         if calibration:
             manifest["kv"]["calibration"] = calibration
         _write_manifest(tmp, manifest)
-        note(f"  graph written and checked (onnx.checker full)  [{time.time() - t0:.1f}s]")
+        note(f"  graph written and checked  [{time.time() - t0:.1f}s]")
 
         from edgekv.runtime.text import TextCodec
         from edgekv.format.bundle import load_bundle
 
         codec = TextCodec(load_bundle(tmp))
         prompt = parity_prompt(src, codec)
-        note(f"verifying ONNX Runtime against PyTorch: prefill {len(prompt)} tokens, {steps} decode steps ...")
-        par, info = verify(model, tmp, prompt, steps, max_context, threads)
+        with stage("verifying ONNX Runtime against PyTorch", f": prefill {len(prompt)} tokens, {steps} decode steps"):
+            par, info = verify(model, tmp, prompt, steps, max_context, threads)
         par.report()
         if plan:
-            info["weight_quantization"] = weight_cost(model, src, prompt)
+            info["weight_quantization"] = weight_cost(model, src, prompt, requantize)
         for f in [tmp, *tmp.iterdir()]:  # mkdtemp makes 0700; a bundle is meant to be shared
             f.chmod(0o755 if f.is_dir() else 0o644)
         if not par.ok:
@@ -331,13 +369,47 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
         _write_manifest(tmp, manifest)
         # replaced as a whole, only once the new bundle passed its checks
         check_out_dir(out_dir, force)  # again: it may have changed during the export
-        kept = replace_dir(tmp, out_dir, keep_old=not replaceable(out_dir))
-        if kept:
-            note(f"  (the folder's old contents are kept in {kept})")
+        install(tmp, out_dir)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     note(f"✓ bundle written: {out_dir}  [{time.time() - t0:.1f}s]")
     return out_dir
+
+
+def install(tmp: Path, out_dir: Path) -> None:
+    """Put the checked bundle `tmp` at out_dir. Of an old bundle there only the files its manifest
+    names are replaced; anything else in it stays where it is (engines/ too: an engine records the
+    manifest's fingerprint, so the old graph's engines are stale and `build-engine` rebuilds them).
+    A folder that is not a bundle (--force) is moved aside whole. One line says what was kept."""
+    owned = bundle_files(out_dir)
+    if owned is None:
+        kept = replace_dir(tmp, out_dir, keep_old=not replaceable(out_dir))
+        if kept:
+            note(f"  (the folder's old contents are kept in {kept})")
+        return
+    moved, aside = replace_dir_keeping(tmp, out_dir, owned)
+    if moved:
+        names = ", ".join(n + ("/" if (out_dir / n).is_dir() else "") for n in moved)
+        stale = " (TensorRT engines of the old graph: stale, `edgekv build-engine` rebuilds them)" \
+            if "engines" in moved else ""
+        note(f"  kept in {out_dir}, not part of the old bundle: {names}{stale}")
+    if aside:
+        note(f"  (what could not stay in place is kept in {aside})")
+
+
+def bundle_files(out_dir: Path) -> set[str] | None:
+    """The names an old bundle at out_dir is made of (its manifest, the files it lists and the
+    verify record edgekv keeps beside them), or None if out_dir is not a bundle."""
+    if kind_of(out_dir) != "a folder" or not replaceable(out_dir) or not (out_dir / MANIFEST).is_file():
+        return None
+    files = json.loads((out_dir / MANIFEST).read_text()).get("files")  # replaceable: a JSON object
+    named = set()
+    if isinstance(files, dict):
+        named = {*(files.get("sizes") if isinstance(files.get("sizes"), dict) else {}),
+                 files.get("onnx"), files.get("tokenizer")}
+    # only plain names inside the folder: a manifest cannot make export delete anything else
+    return {n for n in named if isinstance(n, str) and n not in ("", ".", "..") and Path(n).name == n} \
+        | {MANIFEST, VERIFIED}
 
 
 def replaceable(out_dir: Path) -> bool:
@@ -437,9 +509,12 @@ def weights_manifest(weights: str, plan: dict, group: int, method: str, awq: dic
             "head": "INT8 per block of 32 (per output channel in a TensorRT engine)" if plan else None}
 
 
-def weight_cost(model: Transformer, src: Source, prompt: list[int]) -> dict:
-    """What storing the weights quantized costs against the source's float weights (torch, float
-    cache, every prompt position): the exporter's parity check above compares like with like."""
+def weight_cost(model: Transformer, src: Source, prompt: list[int], requantize: bool = False) -> dict:
+    """What storing the weights quantized costs against the source's own values (torch, float
+    cache, every prompt position): the exporter's parity check above compares like with like.
+    For a GGUF those values are its blocks dequantized: blocks kept as they are give the same
+    values, so a KLD of 0 says they were kept exactly, not what 4 bits cost against the model
+    the GGUF was made from (docs/weights.md measures that against the float-weights bundle)."""
     ref = Transformer(src.config, "float").eval()
     ref.load_state_dict(src.state_dict, strict=False)
     q = Transformer(src.config, "float").eval()
@@ -454,9 +529,30 @@ def weight_cost(model: Transformer, src: Source, prompt: list[int]) -> dict:
     pa, lb = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
     kld = float((pa.exp() * (pa - lb)).sum(-1).mean())
     top1 = float((a.argmax(-1) == b.argmax(-1)).double().mean())
-    note(f"  weight quantization vs float weights (torch, {s} prompt positions): KLD {kld:.4g}, top-1 {100 * top1:.1f} %, "
+    against = weight_reference(src, requantize)
+    note(f"  weights as stored vs {against} (torch, {s} prompt positions): KLD {kld:.4g}, top-1 {100 * top1:.1f} %, "
         f"max|Δlogit| {float((a - b).abs().max()):.3g}")
-    return {"vs_float_weights": {"positions": s, "kld": kld, "top1": top1, "max_abs_logit_diff": float((a - b).abs().max())}}
+    return {"vs_source_weights": {"reference": against, "positions": s, "kld": kld, "top1": top1,
+                                  "max_abs_logit_diff": float((a - b).abs().max())}}
+
+
+def weight_reference(src: Source, requantize: bool) -> str:
+    """What weight_cost measures against, in words."""
+    if not src.blocks:
+        return "the source's float weights"
+    if requantize:
+        return "the GGUF's blocks dequantized (requantized from those values)"
+    return ("the GGUF's blocks dequantized, the same values where they are kept: 0 = kept exactly, "
+            "not that its 4 bits are lossless")
+
+
+def stored_weight_bytes(model: Transformer, plan: dict) -> int:
+    """The weights as the bundle stores them: the quantized matrices' codes and scales, every other
+    parameter in the bundle's float dtype. Two bundles of the same weights get the same number
+    whatever their KV scheme (the graph file also holds the scheme's constants: `edgekv eval`'s
+    weights MiB is this)."""
+    rest = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n not in plan)
+    return sum(q.nbytes for q in plan.values()) + rest
 
 
 def calibrate(model: Transformer, src: Source, kv: str, calib_text: str | None, calib_tokens: int) -> dict:

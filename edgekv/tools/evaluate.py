@@ -4,7 +4,7 @@ The text goes through the runtime and its quantized cache in chunks (every token
 quantized past, as in decode; chunked = token-by-token because new K/V are quantized before
 attention). Like llama-perplexity, each window of --ctx tokens is scored on its second half
 (every scored token has at least ctx/2 tokens of context). The float-weights float-KV bundle's
-log-probs are the reference (llama-perplexity's --kl-divergence-base): computed once per window and every other
+log-probs are the reference (without one, the most float bundle's, and the output says so) (llama-perplexity's --kl-divergence-base): computed once per window and every other
 scheme is compared with them: KL divergence, top-1 agreement, ΔPPL."""
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import functools
 import io
 import json
 import math
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -28,7 +29,7 @@ from edgekv.runtime.assemble import open_runtime
 from edgekv.runtime.backends.base import PREFILL_CHUNK
 from edgekv.runtime.generate import Generator
 from edgekv.runtime.text import TextCodec
-from edgekv.tools.bench import llama_cpp_gguf
+from edgekv.tools.bench import llama_cpp_gguf, peer_failure
 
 
 def default_text() -> tuple[str, str]:
@@ -95,6 +96,18 @@ class LlamaCppWindows:
         return log_softmax(np.asarray(self.llm.scores[first_scored: len(ids) - 1], np.float32))
 
 
+def check_llama_cpp_runs(gguf: Path, ctx: int, threads: int | None, vocab: int) -> None:
+    """llama.cpp loaded and run on one short window in a child process first (llama_cpp_bench
+    --probe): a build that dies of a signal there (an illegal instruction: GGML_NATIVE=ON on a
+    CPU whose VM does not enable all it reports) is one line, not the end of this eval. A child
+    that merely fails leaves the error to the load here, which says it in its own words."""
+    cmd = [sys.executable, "-m", "edgekv.tools.llama_cpp_bench", str(gguf), "--probe", "--n-ctx", str(ctx),
+           "--threads", str(threads or 0), "--vocab", str(vocab)]
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode < 0:
+        raise EdgeKVError(f"--llama-cpp: {peer_failure(p)}")
+
+
 def run_window(gen: Generator, ids: list[int], first_scored: int) -> np.ndarray:
     """Log-probs [n_scored, V] for predicting ids[first_scored+1:] from the window's prefix."""
     gen.reset()
@@ -131,9 +144,11 @@ def evaluate(paths: list[str], text: str | None = None, ctx: int = 1024, chunks:
             rt = open_runtime(b, ctx, "auto", threads, max_logits_rows=prefill_chunk, log=None)
             runtimes.append(rt)
             runners.append(functools.partial(run_window, rt.generator(prefill_chunk=prefill_chunk)))
-            results.append(SchemeResult(b.path.name, b.scheme.name, b.kv_bytes_per_token(), b.weights, b.graph_bytes()))
+            results.append(SchemeResult(b.path.name, b.scheme.name, b.kv_bytes_per_token(), b.weights,
+                                        stored_weight_bytes(b)))
         if llama_cpp is not None:  # scored after every bundle, compared with the same reference
             m = bundles[0].model
+            check_llama_cpp_runs(llama_cpp, ctx, threads, m["vocab_size"])
             runners.append(LlamaCppWindows(llama_cpp, ctx, threads, m["vocab_size"]))
             results.append(SchemeResult(llama_cpp.name, "f16", float16_bytes_per_token(
                 m["n_layers"], m["n_kv_heads"], m["head_dim"]), "gguf", llama_cpp.stat().st_size, tag="llama.cpp"))
@@ -144,10 +159,38 @@ def evaluate(paths: list[str], text: str | None = None, ctx: int = 1024, chunks:
             rt.close()
 
 
+def stored_weight_bytes(b: Bundle) -> int:
+    """The weights as the bundle stores them (the manifest's weights.bytes: the same for every KV
+    scheme of the same weights); for a bundle of an older exporter, its graph files, which also
+    hold the KV scheme's constants."""
+    n = b.manifest["weights"].get("bytes")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else b.graph_bytes()
+
+
+def reference_note(results: list[SchemeResult], ref_i: int, n_bundles: int) -> str | None:
+    """One line when the reference is not what the numbers would be assumed to be against."""
+    ref = results[ref_i]
+    if n_bundles == 1:
+        return (f"  one bundle: {ref.name} is its own reference (KLD 0 and top-1 100 % by construction); give a "
+                f"float-weights float-KV bundle of the same model too to measure it")
+    if (ref.weights, ref.scheme) != ("float", "float"):
+        return (f"  no float-weights float-KV bundle given: the reference is the most float one, {ref.name} "
+                f"({describe(ref)})")
+    return None
+
+
+def describe(r: SchemeResult) -> str:
+    """A result's weights and KV scheme in words: what a KLD is measured against."""
+    return f"{r.weights} weights + {r.scheme} KV"
+
+
 def score_windows(bundles, runners, results, ids, starts, order, ctx, text_desc, out) -> dict:
     n_windows, first, ref_i = len(starts), ctx // 2, order[0]
     print(f"edgekv eval: {len(bundles)} bundle(s), {n_windows} windows of {ctx} tokens ({len(ids)} tokens of "
           f"{text_desc}), scoring the second half of each; reference: {results[ref_i].name}", file=out, flush=True)
+    why = reference_note(results, ref_i, len(bundles))
+    if why:
+        print(why, file=out, flush=True)
     t0 = time.time()
     for w in range(n_windows):
         win = ids[starts[w]: starts[w] + ctx + 1]
@@ -200,11 +243,28 @@ def summarize(bundles, results, ref_i, ctx, text_desc, n_windows, out) -> dict:
         print(f"  mean KLD = {row['kld_mean']:.6f} ± {row['kld_err']:.6f}   KLD p99 = {row['kld_p99']:.6f}   "
               f"top-1 agreement = {row['top1_pct']:.2f} %", file=out)
         print(f"  KV {r.bytes_per_token} B/token ({row['kv_vs_fp16']:.3f}x fp16), {row['kv_mib_at_ctx']:.2f} MiB at "
-              f"ctx {ctx}, saving vs fp16 {row['saving_vs_fp16_pct']:.1f} %", file=out)
+              f"ctx {ctx}, {saving(row['kv_vs_fp16'])}", file=out)
         print(f"  weights {r.weights}: {row['weights_mib']:.1f} MiB; total {row['total_mib_at_ctx']:.1f} MiB at ctx {ctx}",
               file=out)
     return {"ctx": ctx, "windows": n_windows, "text": text_desc, "reference": ref.name,
-            "fp16_bytes_per_token": f16, "results": rows}
+            "reference_is": describe(ref), "fp16_bytes_per_token": f16, "results": rows}
+
+
+def saving(vs_fp16: float) -> str:
+    """The KV cache's bytes against an fp16 cache, in words (a float32 cache saves nothing: 2x)."""
+    if vs_fp16 < 1:
+        return f"saving vs fp16 {100 * (1 - vs_fp16):.1f} %"
+    if vs_fp16 == 1:
+        return "no saving vs fp16 (the same bytes)"
+    return f"no saving vs fp16 ({vs_fp16:.2f}x its bytes)"
+
+
+def plot_labels(res: dict) -> tuple[str, str, str]:
+    """The plot's x label, y label and title: the KLD is against the run's own reference."""
+    ref = res.get("reference_is", "the reference")
+    return (f"memory: weights + KV cache at ctx {res['ctx']} (MiB)",
+            f"mean KLD vs {ref} (log)",
+            f"Accuracy vs memory — ctx {res['ctx']}, {res['windows']} windows; reference {res['reference']}")
 
 
 def write_outputs(res: dict, json_path: str | None, plot_path: str | None) -> list[str]:
@@ -261,9 +321,10 @@ def plot(res: dict, path: str) -> None:
         above = r["kld_mean"] >= max(near)  # of points at about the same memory, label the top one above
         ax.annotate(label, (x, y), textcoords="offset points", fontsize=8.5, xytext=(10, 8 if above else -16))
     ax.set_yscale("log")
-    ax.set_xlabel(f"memory: weights + KV cache at ctx {res['ctx']} (MiB)")
-    ax.set_ylabel("mean KLD vs float weights + float KV (log)")
-    ax.set_title(f"Accuracy vs memory — ctx {res['ctx']}, {res['windows']} windows")
+    xlabel, ylabel, title = plot_labels(res)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.grid(True, which="both", alpha=0.3)
     ax.set_xlim(0, max(r["total_mib_at_ctx"] for r in res["results"]) * 1.6)
     fig.tight_layout()

@@ -5,6 +5,10 @@ peak RSS holds the other's memory; it prints one JSON line.
 
   python -m edgekv.tools.llama_cpp_bench GGUF --threads 2 --n-ctx 4096 --prompt-lengths 64,1024,1800 --vocab 49152
 
+`edgekv eval --llama-cpp` scores llama.cpp in its own process, but first runs `--probe` here: the
+same load and one short window in a child process, so that a llama.cpp build that dies of an
+illegal instruction kills the child, and eval says so in one line (bench.peer_failure).
+
 llama-cpp-python is a bench extra, never a runtime dependency (pyproject `bench`)."""
 from __future__ import annotations
 
@@ -13,7 +17,7 @@ import json
 
 import numpy as np
 
-from edgekv.tools.bench import measure_runs, rss_bytes
+from edgekv.tools.bench import measure_runs, rss_bytes, sample_tokens
 
 
 class LlamaCppGenerator:
@@ -59,14 +63,20 @@ def main(argv=None) -> None:
     ap.add_argument("gguf")
     ap.add_argument("--threads", type=int, required=True)
     ap.add_argument("--n-ctx", type=int, required=True)
-    ap.add_argument("--prompt-lengths", required=True, help="comma-separated")
+    ap.add_argument("--prompt-lengths", default="", help="comma-separated (required unless --probe)")
     ap.add_argument("--vocab", type=int, required=True, help="the bundle's vocabulary (sample_tokens draws from it)")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--n-batch", type=int, default=512, help="prompt tokens per call (llama.cpp's own default)")
     ap.add_argument("--no-extra-bufts", action="store_true",
                     help="load the weights without ggml's extra buffer types (repacked / AMX layouts)")
+    ap.add_argument("--probe", action="store_true",
+                    help="load GGUF and score one short window as `edgekv eval --llama-cpp` does, then exit 0")
     a = ap.parse_args(argv)
+    if a.probe:
+        return probe(a.gguf, a.n_ctx, a.threads, a.vocab)
+    if not a.prompt_lengths:
+        ap.error("--prompt-lengths is required")
     import llama_cpp
 
     if a.no_extra_bufts:
@@ -81,6 +91,16 @@ def main(argv=None) -> None:
                       "extra_bufts": not a.no_extra_bufts,
                       "threads": a.threads, "n_ctx": a.n_ctx, "runs": list(runs.values()),
                       "peak_rss_mib": rss_bytes()[1] / 2**20}))
+
+
+def probe(gguf: str, n_ctx: int, threads: int, vocab: int) -> None:
+    """eval's llama.cpp path (evaluate.LlamaCppWindows) on one window of a few tokens."""
+    from pathlib import Path
+
+    from edgekv.tools.evaluate import LlamaCppWindows
+
+    ids = sample_tokens(min(n_ctx, 8) + 1, vocab)
+    LlamaCppWindows(Path(gguf), n_ctx, threads or None, vocab)(ids, len(ids) // 2)
 
 
 if __name__ == "__main__":
