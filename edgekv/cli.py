@@ -145,15 +145,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--calib-text", default=None, metavar="FILE",
                    help="calibration text for int8-static / int8-tensor (default: docstrings of stdlib modules)")
     p.add_argument("--calib-tokens", type=int_range(64, TOKENS), default=4096, help="calibration tokens used at most")
-    p.add_argument("--out", default=None, help="bundle folder (default: models/bundles/NAME-KV, + -wFORMAT for quantized weights)")
+    p.add_argument("--out", default=None, help="bundle folder (default: models/bundles/NAME-KV, + -wFORMAT for quantized "
+                   "weights); an old bundle there is replaced, its folder's other files (notes, engines/) stay")
     p.add_argument("--force", action="store_true",
                    help="export into a --out folder that holds other files (they are moved aside, not deleted)")
     p.add_argument("--max-context", type=CTX, default=None, help="longest context the bundle is verified for (default: recipe, else min(model, 4096))")
     p.add_argument("--dtype", default=DTYPES[0], choices=DTYPES,
                    help="weights and compute dtype: float32 for CPU bundles, float16 for GPU (TensorRT) bundles")
-    p.add_argument("--weights", default=WEIGHT_FORMATS[0], choices=WEIGHT_FORMATS,
-                   help="stored weights: int4 keeps a GGUF's own Q4_0/Q4_1 blocks exactly (else symmetric groups with "
-                        "a clip search); int8 per block of 32 (a GGUF's Q8_0 exactly); the embedding/head at 8 bits (docs/weights.md)")
+    p.add_argument("--weights", default="auto", choices=("auto", *WEIGHT_FORMATS),
+                   help="stored weights: auto keeps what the source holds (a GGUF's own 4-bit blocks -> int4, Q8_0 -> "
+                        "int8, float sources -> float); int4 keeps a GGUF's own Q4_0/Q4_1 blocks exactly (else symmetric "
+                        "groups with a clip search); int8 per block of 32 (a GGUF's Q8_0 exactly); the embedding/head at "
+                        "8 bits (docs/weights.md)")
     p.add_argument("--group", type=int, default=32, choices=[32, 64, 128],
                    help="int4 group size along the input dimension, for weights requantized from float")
     p.add_argument("--requant-method", default="awq", choices=["awq", "clip", "rtn"],
@@ -186,8 +189,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="window start step in tokens (default: ctx + 1, no overlap)")
     p.add_argument("--chunks", type=int_range(1, 1 << 30), default=None, help="evaluate at most this many windows (default: all)")
     p.add_argument("--llama-cpp", nargs="?", const="", default=None, metavar="GGUF",
-                   help="also score llama.cpp (llama-cpp-python, the `bench` extra) on GGUF (default: the default "
-                        "model's) on the same windows and token ids, against the same reference")
+                   # the build flags: bench.LLAMA_CPP_FLAGS (tests/test_bench_llama_cpp.py holds them equal)
+                   help="also score llama.cpp (llama-cpp-python, the `bench` extra, built with CMAKE_ARGS=\""
+                        "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON "
+                        "-DGGML_AVX_VNNI=ON\") on GGUF (default: the default model's) on the same windows and token "
+                        "ids, against the same reference")
     p.add_argument("--threads", type=THREADS, default=None, help="CPU threads (default: all available)")
     p.add_argument("--json", default=None, metavar="OUT", help="write OUT (.json) plus .csv and .md beside it")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="write the accuracy-vs-memory plot")
@@ -258,9 +264,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also time HF transformers (eager, same weights, same threads) on MODEL (a recipe, folder or "
                         ".gguf; workstation only: runs `python -m export.bench_transformers` in a subprocess)")
     p.add_argument("--llama-cpp", nargs="?", const="", default=None, metavar="GGUF",
-                   help="also time llama.cpp (llama-cpp-python, the `bench` extra) on GGUF (default: the default "
-                        "model's SmolLM2-135M-Instruct.Q4_1.gguf) with the same prompts, fills and threads, in a "
-                        "subprocess, and print the ratios")
+                   # the build flags: bench.LLAMA_CPP_FLAGS (tests/test_bench_llama_cpp.py holds them equal)
+                   help="also time llama.cpp (llama-cpp-python, the `bench` extra, built with CMAKE_ARGS=\""
+                        "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON "
+                        "-DGGML_AVX_VNNI=ON\") on GGUF (default: the default model's SmolLM2-135M-Instruct.Q4_1.gguf) with the same "
+                        "prompts, fills and threads, in a subprocess (a crash of it is one line), and print the ratios")
 
     p = sub.add_parser("serve", formatter_class=Formatter, help="OpenAI-compatible HTTP server (the serve extra)",
                        description="Serve a bundle over HTTP: /v1/chat/completions, /v1/completions, /v1/models, "
