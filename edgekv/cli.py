@@ -278,8 +278,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (beyond localhost: set --api-key)")
     p.add_argument("--port", type=int_range(0, 65535), default=8080, help="port to listen on")
     p.add_argument("--parallel", type=int_range(1, 1024), default=4, help="sequences decoded together at most")
-    p.add_argument("--queue", type=int_range(0, 1 << 20), default=64, help="requests that may wait for room; more get HTTP 429")
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 and /metrics")
+    p.add_argument("--queue", type=int_range(0, 1 << 20), default=64,
+                   help="requests that may wait for room; more get HTTP 429 (0: none wait, a request that can start "
+                        "at once still starts)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require `Authorization: Bearer KEY` on /v1 and /metrics; repeat for several keys (each "
+                        "client's prefixes kept apart). Visible in the process list: prefer --api-key-file")
+    p.add_argument("--api-key-file", default=None, metavar="FILE",
+                   help="API keys, one per line (blank lines and # comments skipped), besides any --api-key")
+    p.add_argument("--max-body", type=int_range(1024, 1 << 30), default=1 << 20, metavar="BYTES",
+                   help="largest request body; a larger one gets HTTP 413")
+    p.add_argument("--read-timeout", type=float_range(0, 3600, lo_open=True), default=15.0, metavar="SECONDS",
+                   help="time a client has to send a whole request (headers and body) after connecting or after its "
+                        "previous reply; then the connection is closed (slow clients, slowloris)")
+    p.add_argument("--drain-seconds", type=float_range(0, 24 * 3600), default=30.0, metavar="SECONDS",
+                   help="on SIGTERM or SIGINT: answer new requests 503, let running ones finish for at most this "
+                        "long, then exit 0; a second signal stops at once")
+    p.add_argument("--quiet", action="store_true", help="no access log (one line per request on stderr)")
     _add_runtime(p)
     for a in p._actions:
         if a.dest == "ctx":

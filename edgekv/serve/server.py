@@ -1,13 +1,39 @@
-"""`edgekv serve`: the runtime's Engine behind the OpenAI-compatible app, served by uvicorn."""
+"""`edgekv serve`: the runtime's Engine behind the OpenAI-compatible app, served by uvicorn.
+
+The process, in order (docs/serve.md, "Running as a service"):
+1. the port is bound (a busy port or a bad host is one error line, exit 1) and uvicorn serves it on
+   its own thread at once, with `Gate` answering 503 "loading" until the model is there;
+2. the bundle is loaded, the engine started and warmed up (`warm_up`), then /health says ready
+   (and systemd, when it started us with Type=notify, hears READY=1);
+3. the first SIGTERM or SIGINT drains: /health and new requests get 503 "draining", running ones
+   finish within --drain-seconds, then exit 0; a second signal stops at once (exit 128 + signal).
+The main thread owns this sequence and the signals; uvicorn never installs its own handlers."""
 from __future__ import annotations
 
+import asyncio
+import errno
+import json
+import logging
+import os
+import signal
+import socket
+import sys
 import threading
+import time
+from pathlib import Path
 
 from edgekv.errors import EdgeKVError, note
 from edgekv.runtime.assemble import Runtime, open_runtime
 from edgekv.runtime.backends.base import PREFILL_CHUNK
+from edgekv.runtime.engine import Request
+from edgekv.runtime.sampling import SamplingParams
+from edgekv.runtime.text import StreamDecoder
 
 LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
+READ_TIMEOUT = 15.0  # seconds a client has to send one whole request (headers and body)
+KEEP_ALIVE = 5  # seconds an idle keep-alive connection stays open (uvicorn's timer)
+CUT_AFTER = 2  # seconds uvicorn waits for connections at exit once our own drain is over
+ACCESS_LOG = "edgekv.serve"  # the app's access lines (one per request)
 
 
 def _import_serving():
@@ -20,52 +46,423 @@ def _import_serving():
     return uvicorn
 
 
-def build(rt: Runtime, ctx: int | None = None, parallel: int = 4, max_queue: int = 64, api_key: str | None = None,
-          prefill_chunk: int = PREFILL_CHUNK):
-    """(engine, ASGI app) over a runtime; the engine's thread is started."""
+def build_server(rt: Runtime, ctx: int | None = None, parallel: int = 4, max_queue: int = 64,
+                 prefill_chunk: int = PREFILL_CHUNK, **server):
+    """(engine, app's Server) over a runtime; the engine's thread is started. `server`: the
+    Server's own options (api_keys, max_body_bytes)."""
     from edgekv.serve.app import Server
 
     engine = rt.engine(capacity=ctx, parallel=parallel, max_queue=max_queue, prefill_chunk=prefill_chunk).start()
-    return engine, Server(engine, rt.codec, rt.bundle.manifest.get("name", rt.bundle.path.name), api_key).app()
+    return engine, Server(engine, rt.codec, rt.bundle.manifest.get("name", rt.bundle.path.name), **server)
+
+
+def build(rt: Runtime, ctx: int | None = None, parallel: int = 4, max_queue: int = 64, api_key: str | None = None,
+          prefill_chunk: int = PREFILL_CHUNK, **server):
+    """(engine, ASGI app) over a runtime, the app ready at once (tests, bench-serve)."""
+    if api_key is not None:
+        server["api_keys"] = [api_key]
+    engine, srv = build_server(rt, ctx, parallel, max_queue, prefill_chunk, **server)
+    srv.set_state("ready")
+    return engine, srv.app()
+
+
+# -- the socket
+def listen_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port, or one EdgeKVError saying why not (port 0: any free port)."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except (socket.gaierror, UnicodeError) as e:
+        raise EdgeKVError(f"cannot listen on --host {host!r}: {getattr(e, 'strerror', None) or e}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        # a restart may bind while the old process's connections sit in TIME_WAIT; a port another
+        # process listens on still fails (Linux)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(addr)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        raise EdgeKVError(_bind_failure(host, port, e)) from None
+    return sock
+
+
+def _bind_failure(host: str, port: int, e: OSError) -> str:
+    if e.errno == errno.EADDRINUSE:
+        return f"port {port} on {host} is already in use (another edgekv serve?): stop it or choose another --port"
+    if e.errno == errno.EADDRNOTAVAIL:
+        return f"--host {host} is not an address of this machine"
+    if e.errno == errno.EACCES:
+        return f"no permission to listen on port {port} (ports below 1024 need privileges): choose another --port"
+    return f"cannot listen on {host}:{port}: {e.strerror or e}"
+
+
+def url_of(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+# -- uvicorn
+class Gate:
+    """The ASGI app uvicorn serves from the moment the port is open: 503 "loading" (the probes'
+    answer, not a refused connection) until `open` hands every request to the real app."""
+
+    BODY = json.dumps({"status": "loading"}).encode()
+    ERROR = json.dumps({"error": {"message": "the model is still loading; retry shortly", "type": "server_error",
+                                  "param": None, "code": "loading"}}).encode()
+
+    def __init__(self):
+        self.app = None
+
+    def open(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if self.app is not None:
+            return await self.app(scope, receive, send)
+        if scope["type"] != "http":
+            return
+        body = self.BODY if scope["path"] == "/health" else self.ERROR
+        await send({"type": "http.response.start", "status": 503,
+                    "headers": [(b"content-type", b"application/json"), (b"retry-after", b"5"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def deadline_protocol(read_timeout: float):
+    """uvicorn's h11 protocol with a deadline on reading each request.
+
+    h11 has no header timeout, and uvicorn's keep-alive timer is armed only after a response and
+    stopped by the first byte that arrives, so a client sending a byte every few seconds (slowloris),
+    or connecting and sending nothing, held a connection forever. Here a client has `read_timeout`
+    seconds from connecting, or from the end of its previous response, to send its whole request,
+    headers and body; then it gets 408 (if nothing was answered yet) and the connection is closed.
+    The deadline stops once the request is read: a long streamed reply is not cut."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    owed = (h11.IDLE, h11.SEND_BODY)  # the client's side of a request still to arrive
+
+    class ReadDeadline(H11Protocol):
+        _deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            self._follow()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()  # the next request's time starts now (a pipelined one may be read already)
+                self._follow()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _follow(self) -> None:
+            if self.conn.their_state not in owed:
+                self._disarm()
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._deadline = self.loop.call_later(read_timeout, self._too_slow)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _too_slow(self) -> None:
+            self._deadline = None
+            if self.transport.is_closing():
+                return
+            if self.cycle is None or not self.cycle.response_started:
+                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+            self.transport.close()
+
+    return ReadDeadline
 
 
 class BackgroundServer:
-    """uvicorn on a thread (tests, bench-serve): `url` once started, `close()` to stop."""
+    """uvicorn on a thread: `url` once started, `close()` to stop (after what runs has finished,
+    at most CUT_AFTER s), `abort()` to cut every connection now. Given `sock`, serves that
+    listening socket (cmd_serve binds it first); else binds host:port itself (tests, bench-serve)."""
 
-    def __init__(self, app, host: str = "127.0.0.1", port: int = 0):
+    def __init__(self, app, host: str = "127.0.0.1", port: int = 0, sock: socket.socket | None = None,
+                 read_timeout: float = READ_TIMEOUT):
         uvicorn = _import_serving()
-        self.server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="off"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        sock = sock or listen_socket(host, port)
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.server = _uvicorn_server()(self, uvicorn.Config(
+            app, log_level="warning", access_log=False, lifespan="off", http=deadline_protocol(read_timeout),
+            timeout_keep_alive=KEEP_ALIVE, timeout_graceful_shutdown=CUT_AFTER))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, name="edgekv-http",
+                                       daemon=True)
         self.thread.start()
         while not self.server.started:
             if not self.thread.is_alive():
-                raise EdgeKVError(f"the server could not start on {host}:{port}")
+                raise EdgeKVError(f"the HTTP server could not start on {host}:{port}")
             self.thread.join(0.02)
-        port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://{host}:{port}"
+        self.port = sock.getsockname()[1]
+        self.url = url_of(host, self.port)
+
+    def in_flight(self) -> int:
+        """Requests uvicorn is still running a handler for (a reply still being written counts)."""
+        return len(self.server.server_state.tasks)
 
     def close(self) -> None:
         self.server.should_exit = True
-        self.thread.join(timeout=10)
+        self.thread.join(timeout=CUT_AFTER + 10)
+
+    def abort(self) -> None:
+        """Close every connection now (their handlers see a client gone and cancel their requests), then stop."""
+        if self.loop is not None and self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self._cut)
+        self.close()
+
+    def _cut(self) -> None:
+        for conn in list(self.server.server_state.connections):
+            conn.transport.close()
+
+
+def _uvicorn_server():
+    import contextlib
+
+    import uvicorn
+
+    class Uvicorn(uvicorn.Server):
+        """uvicorn.Server that leaves the signals to the main thread (cmd_serve; uvicorn skips them on
+        another thread anyway) and tells its owner its event loop."""
+
+        def __init__(self, owner: BackgroundServer, config):
+            super().__init__(config)
+            self.owner = owner
+
+        def install_signal_handlers(self) -> None:  # uvicorn before 0.29
+            pass
+
+        def capture_signals(self):  # uvicorn 0.29 and later
+            return contextlib.nullcontext()
+
+        async def startup(self, sockets=None) -> None:
+            self.owner.loop = asyncio.get_running_loop()
+            await super().startup(sockets=sockets)
+
+    return Uvicorn
+
+
+# -- the process's signals
+class Stop(BaseException):
+    """Raised on the main thread by a signal that must end what it is doing now (while loading or
+    warming up, or a second signal while draining). A BaseException, as KeyboardInterrupt is."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+class Signals:
+    """SIGTERM and SIGINT on the main thread. While `urgent` (loading, draining) a signal raises
+    Stop where the main thread is; while serving, the first one only wakes `wait_first`."""
+
+    HANDLED = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.urgent = True
+        self.stopped = False
+        self.first: int | None = None
+        self._got = threading.Event()
+        self._old: dict = {}
+
+    def __enter__(self) -> "Signals":
+        self._old = {s: signal.signal(s, self._handle) for s in self.HANDLED}
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h)
+
+    def _handle(self, signum, frame) -> None:
+        if self.stopped:
+            return  # already stopping at once: let the cleanup finish
+        if self.urgent or self.first is not None:
+            self.stopped = True
+            raise Stop(signum)
+        self.first = signum
+        self._got.set()
+
+    def serving(self) -> None:
+        self.urgent = False
+
+    def ignore(self) -> None:
+        """From now on signals change nothing (the cleanup at exit is short and must finish)."""
+        self.stopped = True
+
+    def wait_first(self) -> int:
+        while not self._got.wait(0.5):
+            pass
+        self.urgent = True  # from now on (draining) a signal stops at once
+        return self.first
+
+
+def notify(state: str) -> None:
+    """Tell systemd (Type=notify: NOTIFY_SOCKET) what we are doing; nothing without it."""
+    path = os.environ.get("NOTIFY_SOCKET")
+    if not path:
+        return
+    addr = "\0" + path[1:] if path.startswith("@") else path
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+            s.sendto(state.encode(), addr)
+    except OSError as e:
+        note(f"edgekv serve: warning: could not notify systemd at {path}: {e.strerror or e}")
+
+
+# -- warm-up and drain
+WARM_UP = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hi!"}]
+WARM_UP_PARAMS = (SamplingParams(temperature=0.0),  # greedy
+                  SamplingParams(temperature=0.7, top_k=40, top_p=0.9, repeat_penalty=1.1, seed=0))
+# its own tenant where the engine keeps tenants' prefixes apart: no client is told of cached
+# tokens it never sent
+WARM_UP_OWNER = {"tenant": "edgekv-warm-up"} if "tenant" in Request.__dataclass_fields__ else {}
+
+
+def warm_up(engine, codec) -> int:
+    """One short prefill and decode through every path a request takes, before /health says ready:
+    the chat template and the tokenizer, the engine's batched step (two sequences in one call),
+    greedy and filtered sampling, the detokenizer. The first call of each costs seconds on a board
+    (lazy set-up in onnxruntime or TensorRT, the weights' pages read from disk); this way the first
+    client does not pay it. Returns the tokens decoded; a model that cannot decode is an error."""
+    prompt = codec.chat_ids(WARM_UP)
+    done = [threading.Event() for _ in WARM_UP_PARAMS]
+    reqs = [Request(prompt, 2, p, stop_ids=codec.stop_ids, **WARM_UP_OWNER,
+                    emit=lambda kind, value, ev=ev: ev.set() if kind == "done" else None)
+            for p, ev in zip(WARM_UP_PARAMS, done)]
+    for r in reqs:
+        engine.submit(r)
+    for ev in done:
+        while not ev.wait(0.2):  # short waits: a signal's handler runs between them
+            pass
+    for r in reqs:
+        if r.finish_reason not in ("stop", "length"):
+            raise EdgeKVError(f"the warm-up request ended with {r.finish_reason!r} (see the lines above): "
+                              "the model cannot decode on this backend")
+        dec = StreamDecoder(codec)
+        for t in r.out:
+            dec.push(t)
+        dec.flush()
+    return sum(len(r.out) for r in reqs)
+
+
+def busy(engine, http: BackgroundServer) -> int:
+    """Requests not finished: in the engine (running or waiting), or a reply still being written."""
+    s = engine.stats()
+    return max(s["active"] + s["waiting"], http.in_flight())
+
+
+def drain(server, engine, http: BackgroundServer, seconds: float) -> None:
+    """No new requests (503 "draining"), running ones finish within `seconds`, the rest are cut."""
+    server.set_state("draining")
+    notify("STOPPING=1\nSTATUS=draining")
+    note(f"edgekv serve: draining: {busy(engine, http)} requests running, up to {seconds:g} s "
+         "(signal again to stop now)")
+    deadline = time.monotonic() + seconds
+    while busy(engine, http) and time.monotonic() < deadline:
+        time.sleep(0.05)  # a second signal raises Stop here
+    left = busy(engine, http)
+    if left:
+        note(f"edgekv serve: {left} requests still running after {seconds:g} s were cut")
+        http.abort()
+    else:
+        http.close()
+
+
+# -- the command
+def api_keys_of(args) -> list[str]:
+    """--api-key (repeatable) and the keys of --api-key-file, one per line (# comments, blanks skipped)."""
+    keys = list(args.api_key or [])
+    if args.api_key_file:
+        keys += _read_keys(args.api_key_file)
+    for k in keys:
+        if not k or not k.isascii() or not k.isprintable() or " " in k:
+            raise EdgeKVError("an API key must be printable ASCII without spaces (it travels in an HTTP header)")
+    return keys
+
+
+def _read_keys(path: str) -> list[str]:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as e:
+        raise EdgeKVError(f"--api-key-file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise EdgeKVError(f"--api-key-file {path} is not UTF-8 text") from None
+    keys = [s for s in (line.strip() for line in text.splitlines()) if s and not s.startswith("#")]
+    if not keys:
+        raise EdgeKVError(f"--api-key-file {path} holds no key (one key per line)")
+    return keys
+
+
+def access_log(quiet: bool) -> None:
+    """The app's access lines (logger edgekv.serve, INFO) on stderr, unless --quiet (then warnings only)."""
+    log = logging.getLogger(ACCESS_LOG)
+    if not log.handlers:
+        h = logging.StreamHandler(sys.stderr)
+        h.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        log.addHandler(h)
+    log.setLevel(logging.WARNING if quiet else logging.INFO)
+    log.propagate = False
 
 
 def cmd_serve(args) -> int:
-    uvicorn = _import_serving()
+    _import_serving()
     if args.parallel < 1 or args.queue < 0:
         raise EdgeKVError("--parallel must be at least 1 and --queue at least 0")
-    if args.host not in LOCAL_HOSTS and not args.api_key:
+    keys = api_keys_of(args)
+    access_log(args.quiet)
+    sock = listen_socket(args.host, args.port)
+    if args.host not in LOCAL_HOSTS and not keys:
         note(f"edgekv serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
              "port can use the model")
-    rt = open_runtime(args.bundle, ctx=args.ctx, backend=args.backend, threads=args.threads)
-    engine, app = build(rt, args.ctx, args.parallel, args.queue, args.api_key)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", lifespan="off")
-    server = uvicorn.Server(config)
-    host = f"[{args.host}]" if ":" in args.host else args.host
-    print(f"edgekv serve: http://{host}:{args.port}/v1 (model {rt.bundle.manifest.get('name')}, {rt.backend.name}, "
-          f"{engine.capacity} KV cells, {engine.parallel} parallel, queue {args.queue})", flush=True)
-    try:
-        server.run()
-    finally:
-        engine.stop()
-        rt.close()
-    return 0
+    http = rt = engine = None
+    with Signals() as signals:
+        try:
+            gate = Gate()
+            http = BackgroundServer(gate, args.host, sock=sock, read_timeout=args.read_timeout)
+            print(f"edgekv serve: {url_of(args.host, http.port)}/v1 (loading {args.bundle})", flush=True)
+            notify("STATUS=loading")
+            t0 = time.perf_counter()
+            rt = open_runtime(args.bundle, ctx=args.ctx, backend=args.backend, threads=args.threads)
+            engine, server = build_server(rt, args.ctx, args.parallel, args.queue, api_keys=keys,
+                                          max_body_bytes=args.max_body, bind_host=args.host)
+            server.set_state("loading")
+            gate.open(server.app())  # the app answers "loading" itself until ready
+            warm_up(engine, rt.codec)
+            server.set_state("ready")
+            signals.serving()
+            print(f"edgekv serve: ready in {time.perf_counter() - t0:.1f} s (model {rt.bundle.manifest.get('name')}, "
+                  f"{rt.backend.name}, {engine.capacity} KV cells, {engine.parallel} parallel, queue {args.queue})",
+                  flush=True)
+            notify("READY=1\nSTATUS=ready")
+            signals.wait_first()
+            drain(server, engine, http, args.drain_seconds)
+            note("edgekv serve: stopped")
+            return 0
+        except Stop as s:
+            if http is not None:
+                http.abort()
+            note(f"edgekv serve: stopped at once ({signal.Signals(s.signum).name})")
+            # before ready nothing was being served: a clean stop; a second signal cut requests short
+            return 128 + s.signum if signals.first is not None else 0
+        finally:
+            signals.ignore()
+            if http is not None:
+                http.close()
+            sock.close()
+            if engine is not None:
+                engine.stop()
+            if rt is not None:
+                rt.close()
