@@ -118,16 +118,17 @@ def test_cancel_frees_cells_at_the_next_step(rt_float):
     assert b.out == alone(rt_float, b.prompt, 50)[0]
 
 
-def test_queue_bound_and_waiting_for_cells(rt_float):
-    engine = rt_float.engine(capacity=64, parallel=4, max_queue=2, prefill_chunk=16, max_prefixes=0)
-    # each needs 20 + 30 - 1 cells: the second does not fit beside the first and waits
-    a, b = Request(ids(20, 1), 30), Request(ids(20, 2), 30)
-    engine.submit(a), engine.submit(b)
+def test_queue_bound(rt_float):
+    """With every slot taken, max_queue requests wait and the next is refused; the waiting ones
+    run in turn (cells are reserved on demand: tests/test_engine_hardening.py)."""
+    engine = rt_float.engine(capacity=64, parallel=1, max_queue=2, prefill_chunk=16, max_prefixes=0)
+    a, b, c = Request(ids(20, 1), 30), Request(ids(20, 2), 30), Request(ids(5, 3), 5)
+    engine.submit(a), engine.submit(b), engine.submit(c)
     with pytest.raises(QueueFull):
-        engine.submit(Request(ids(5, 3), 5))
+        engine.submit(Request(ids(5, 4), 5))
     engine.step()
-    assert engine.active == [a] and list(engine.waiting) == [b]
-    run_until_done(engine, [a, b])
+    assert engine.active == [a] and list(engine.waiting) == [b, c]
+    run_until_done(engine, [a, b, c])
     assert b.out == alone(rt_float, b.prompt, 30)[0]
     with pytest.raises(ContextOverflow):
         engine.submit(Request(ids(64, 4), 5))

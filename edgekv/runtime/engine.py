@@ -12,8 +12,11 @@ sees. The new tokens' K/V land in a contiguous run of free cells (in a chat turn
 not compact, a step may be split over several runs). A finished or cancelled sequence drops its cells at once; its prompt's cells stay in the
 prefix cache for the next request that starts the same way.
 
-Admission reserves every cell a request may need (prompt + max_tokens), so a running sequence
-never runs out of cells; requests that do not fit wait in a bounded queue (`QueueFull` past it).
+Cells are reserved on demand: admission reserves a request's prompt and a small headroom, a
+decoding request claims more as it goes, and when the pool runs out the youngest running request
+is preempted (its cells freed, its prompt and reply so far prefilled again when it is readmitted:
+vLLM's recompute), so one request's large max_tokens does not hold the pool for the others.
+Requests that cannot start wait in a bounded queue (`QueueFull` past it).
 The engine's thread makes every graph call; callers submit and cancel from any thread and get
 tokens through the request's `emit` callback (called on the engine thread).
 
@@ -41,6 +44,12 @@ from edgekv.runtime.sequence import NO_LIMIT, FedTokens
 
 NON_FINITE = ("the model produced non-finite logits (NaN or infinity); the bundle's weights may be damaged: "
               "check them with `edgekv verify BUNDLE`")
+# cells a request reserves beyond its prompt at admission, and claims at a time while it decodes:
+# enough that a new request does not preempt at once, small beside a pool (docs/serve.md)
+HEADROOM = 16
+# steps in a row that failed every request they sampled (non-finite logits) or raised: the engine
+# is failing everything (`Engine.fault`); one good row resets it
+FAULT_STEPS = 3
 
 
 class NonFinite(EdgeKVError):
@@ -103,10 +112,37 @@ class Held(FedTokens):
         self._cells, self._ids = list(cells), list(ids)
 
 
+class Health:
+    """Whether the engine is failing everything: the last FAULT_STEPS steps each raised or had
+    only non-finite rows among those it sampled (a request's own sampling error does not count:
+    one client must not make the server look down). Written by the stepping thread, read by any."""
+
+    def __init__(self):
+        self.failed_steps, self.reason = 0, ""
+        self.good = self.bad = 0  # rows of the step under way
+
+    def row(self, finite: bool) -> None:
+        if finite:
+            self.good += 1
+        else:
+            self.bad += 1
+
+    def step_ended(self, error: str | None = None) -> None:
+        if error is None and self.good:
+            self.failed_steps = 0
+        elif error is not None or self.bad:
+            self.failed_steps, self.reason = self.failed_steps + 1, error or NON_FINITE
+        self.good = self.bad = 0
+
+    def fault(self) -> str | None:
+        n = self.failed_steps
+        return f"the last {n} engine steps failed every request in them: {self.reason}" if n >= FAULT_STEPS else None
+
+
 @dataclass(eq=False)
 class Request:
     prompt: list[int]
-    max_tokens: int
+    max_tokens: int  # the caller's; the engine's cap of it is max_new
     params: SamplingParams = field(default_factory=SamplingParams)
     stop_ids: set[int] = field(default_factory=set)
     emit: Callable[[str, object], None] | None = None  # ("token", id) then ("done", reason); engine thread
@@ -114,15 +150,21 @@ class Request:
     held: Held | None = None  # append to this sequence (its cells are the context; the prompt is only what is new)
     feed_last: bool = False  # feed the last token (a stop token too) so the held cells hold the whole turn
     rng: np.random.Generator | None = None  # default: one seeded with params.seed
+    tenant: str = ""  # whose prompt it is (an API key's id): prefixes are reused only within a tenant
     # the engine's bookkeeping
+    feed: list[int] = field(default_factory=list)  # to prefill: the prompt (after a preemption, and the reply so far)
+    max_new: int = 0  # max_tokens capped to the room left after the prompt
+    order: int = 0  # arrival number: the youngest running request is preempted first
+    preempted: int = 0  # times its cells were taken back (it then prefilled again)
+    error: str | None = None  # why it ended with finish reason "error" (one line)
     cells: list[int] = field(default_factory=list)  # cells of the tokens in context, in position order
     pos: int = 0  # the next token's position
     fed_ids: list[int] = field(default_factory=list)  # every token fed, in order
-    fed: int = 0  # prompt tokens in cells
+    fed: int = 0  # tokens of feed in cells
     reused: int = 0  # of which taken from the prefix cache
     out: list[int] = field(default_factory=list)
     next_token: int | None = None  # sampled, to be fed at the next step
-    budget: int = 0  # cells it may still claim (reserved at admission)
+    budget: int = 0  # cells reserved for it and not yet written (admission, then HEADROOM at a time)
     finish_reason: str | None = None
     cancelled: bool = False
     limit_reason: str = "length"  # why it ends at max_tokens ("context": capped to the room left)
@@ -156,23 +198,28 @@ class Engine:
         self.held: list[Held] = []
         self.cond = threading.Condition()
         self.counters = dict.fromkeys(("requests", "prompt_tokens", "reused_tokens", "prefilled_tokens",
-                                       "generated_tokens", "steps", "calls", "moved_cells"), 0)
+                                       "generated_tokens", "steps", "calls", "moved_cells", "preempted"), 0)
         self.counters["compaction_seconds"] = 0.0
         self._thread: threading.Thread | None = None
         self._stop = False
         self._paused = False
         self._turn: Turn | None = None
+        self._arrivals = 0
+        self.health = Health()
 
     # -- from any thread
     def submit(self, req: Request) -> Request:
-        """Queue a request (its max_tokens capped to the room left after its prompt)."""
+        """Queue a request (it may generate max_tokens capped to the room left after its prompt).
+        QueueFull when it could not start at the next step and `max_queue` requests wait already
+        (`max_queue` 0: nothing waits, a request that can start now still starts)."""
         if not req.prompt:
             raise EdgeKVError("empty prompt: nothing to feed the model")
+        req.feed, req.max_new, req.limit_reason = list(req.prompt), req.max_tokens, "length"
         if req.held is None:
             if len(req.prompt) >= self.limit:
                 raise ContextOverflow(f"the prompt has {len(req.prompt)} tokens; the context holds {self.limit} "
                                       f"(prompt and at least one new token)", setting="capacity", fix="raise {}")
-            req.max_tokens = max(1, min(req.max_tokens, self.limit - len(req.prompt)))
+            req.max_new = max(1, min(req.max_tokens, self.limit - len(req.prompt)))
         else:
             room = req.held.room()
             if len(req.prompt) > room:
@@ -181,15 +228,37 @@ class Engine:
                                       fix="raise {}")
             # the last sampled token needs no room when it is not fed (a reply cut at the context's end)
             cap = room - len(req.prompt) + 1
-            if req.max_tokens > cap:
-                req.max_tokens, req.limit_reason = cap, "context"
+            if req.max_new > cap:
+                req.max_new, req.limit_reason = cap, "context"
         req.t_submit = time.perf_counter()
         with self.cond:
-            if len(self.waiting) >= self.max_queue:
-                raise QueueFull(f"the wait queue is full ({self.max_queue} requests waiting)")
+            if self._queued_behind() >= self.max_queue and self._would_wait(req):
+                raise QueueFull(f"the wait queue is full ({self.max_queue} requests may wait)")
+            self._arrivals += 1
+            req.order = self._arrivals
             self.waiting.append(req)
             self.cond.notify()
         return req
+
+    def _queued_behind(self) -> int:
+        """Waiting requests beyond the slots the next step admits into (with self.cond held)."""
+        return max(0, len(self.waiting) - max(0, self.parallel - len(self.active)))
+
+    def _would_wait(self, req: Request) -> bool:
+        """`req` would not start at the next step: no slot left for it, or the cells the
+        requests before it and it reserve at admission are not free (nor only cached). Read
+        while the engine thread may be stepping: an estimate, exact between steps."""
+        if len(self.active) + len(self.waiting) >= self.parallel:
+            return True
+        if req.held is not None:
+            return False
+        need = sum(self._admission_need(r, 0) for r in [*self.waiting, req] if r.held is None)
+        return need > self.pool.free() + self.pool.cached_only() - self.reserved()
+
+    def fault(self) -> str | None:
+        """None while the engine works; a one-line reason while it fails every request (the
+        last FAULT_STEPS steps raised or gave only non-finite logits: damaged weights)."""
+        return self.health.fault()
 
     def cancel(self, req: Request) -> None:
         """Stop a request (a client gone); its cells are freed at the next step."""
@@ -238,32 +307,101 @@ class Engine:
             except Exception as e:  # one bad step must not kill the server: fail what was running
                 note(f"engine: step failed: {type(e).__name__}: {e}")
                 for req in list(self.active):
+                    req.error = f"the engine step failed: {type(e).__name__}: {e}"
                     self._finish(req, "error")
 
     def reserved(self) -> int:
         return sum(r.budget for r in self.active)
 
     def step(self) -> bool:
-        """Admit what fits, drop what was cancelled, and run one batched step. False when idle."""
-        self._admit()
+        """Drop what was cancelled, give every decoding request its next cell (preempting when
+        the pool runs out), admit what fits, and run one batched step. False when idle."""
+        try:
+            ran = self._step()
+        except Exception as e:
+            self.health.step_ended(f"{type(e).__name__}: {e}")
+            raise
+        self.health.step_ended()
+        return ran
+
+    def _step(self) -> bool:
         for req in [r for r in self.active if r.cancelled]:
             self._finish(req, "cancelled")
+        self._grow()
+        self._admit()
         if not self.active:
             return False
         pieces = [(r, [r.next_token], True) for r in self.active if r.next_token is not None]
         # prompt tokens ride along up to the chunk, within what one call takes (a TensorRT profile)
         budget = min(self.prefill_chunk, self.backend.max_tokens_per_call - len(pieces))
         for r in self.active:
-            if r.fed < len(r.prompt) and budget > 0:
-                take = min(budget, len(r.prompt) - r.fed)
+            if r.fed < len(r.feed) and budget > 0:
+                take = min(budget, len(r.feed) - r.fed)
                 if r.held is not None and r.held.ring:  # a ring streams a longer prompt through its cells
                     take = min(take, self.capacity - r.held.sinks)
-                pieces.append((r, r.prompt[r.fed: r.fed + take], False))
+                pieces.append((r, r.feed[r.fed: r.fed + take], False))
                 budget -= take
         self._tidy(sum(len(t) for _, t, _ in pieces))
         self._place(deque(pieces))
         self.counters["steps"] += 1
         return True
+
+    # -- cells on demand
+    def _spare(self) -> int:
+        """Free cells no request has reserved."""
+        return self.pool.free() - self.reserved()
+
+    def _total(self, req: Request) -> int:
+        """Cells a request (not held) holds at its end: its prompt and its reply but the last
+        token (that one too when it is fed)."""
+        return len(req.prompt) + req.max_new - (0 if req.feed_last else 1)
+
+    def _admission_need(self, req: Request, reused: int) -> int:
+        """Cells admission reserves for a request (not held) whose first `reused` tokens are
+        cached: its feed and HEADROOM more; after a preemption everything to its end (it waits
+        until that is free instead of being preempted again as soon as it is back)."""
+        if req.preempted:
+            return self._total(req) - reused
+        return len(req.feed) - reused + min(HEADROOM, self._total(req) - len(req.feed))
+
+    def _grow(self) -> None:
+        """Every decoding request (not held: those reserved everything) gets a cell for its next
+        token, claimed HEADROOM at a time, oldest request first; when the pool has none, room
+        is made (`_make_room`)."""
+        for req in sorted(self.active, key=lambda r: r.order):
+            if req.held is not None or req.next_token is None or req.budget > 0 or req not in self.active:
+                continue
+            if self._make_room(req):
+                req.budget = min(HEADROOM, self._total(req) - len(req.cells), self._spare())
+
+    def _make_room(self, req: Request) -> bool:
+        """Until a cell is spare: cached prefixes give way (least recently used first), then the
+        youngest running request is preempted — `req` itself when it is the youngest (then False)."""
+        while self._spare() < 1:
+            if self.pool.evict_one():
+                continue
+            victim = max((r for r in self.active if r.held is None), key=lambda r: r.order)
+            self._preempt(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _preempt(self, req: Request) -> None:
+        """Take a running request's cells back (vLLM's recompute): it goes to the front of the
+        queue with its prompt and its reply so far to prefill, and resumes from their last
+        token's logits as if it had decoded on (what it emitted stays emitted; its sampler's
+        state is untouched). One that only had its last token left to feed just ends."""
+        self.counters["preempted"] += 1
+        if req.closing:
+            self._finish(req, req.closing)
+            return
+        self.pool.drop(req.cells)
+        req.feed = req.prompt + req.out
+        req.cells, req.fed_ids, req.fed, req.pos, req.budget, req.next_token = [], [], 0, 0, 0, None
+        req.preempted += 1
+        with self.cond:  # one move for `_would_wait`, which counts both lists
+            self.active.remove(req)
+            self.waiting.appendleft(req)
 
     def _admit(self) -> None:
         with self.cond:
@@ -277,22 +415,32 @@ class Engine:
                 if req.held is not None:
                     if not self._admit_held(req):
                         return
-                else:
-                    k, cells = self.pool.lookup(req.prompt[:-1])  # the last prompt token is always fed: its logits
-                    need = len(req.prompt) - k + req.max_tokens - 1
-                    self.pool.take(cells)  # held before any eviction below
-                    while self.pool.free() - self.reserved() < need and self.pool.evict_one():
-                        pass
-                    if self.pool.free() - self.reserved() < need:
-                        self.pool.drop(cells)
-                        return  # it waits until running sequences free their cells
-                    req.cells, req.fed, req.reused, req.budget, req.pos = [int(c) for c in cells], k, k, need, k
+                elif not self._admit_one(req):
+                    return  # it waits until running sequences free their cells
                 self.waiting.popleft()
                 self.active.append(req)
+                if req.preempted:
+                    continue  # counted when it first came in
                 c = self.counters
                 c["requests"] += 1
                 c["prompt_tokens"] += len(req.prompt)
                 c["reused_tokens"] += req.reused
+
+    def _admit_one(self, req: Request) -> bool:
+        """A request (not held) takes the cells of its tenant's longest cached prefix and reserves
+        `_admission_need`, cached prefixes giving way; False when that is not free."""
+        k, cells = self.pool.lookup(req.feed[:-1], req.tenant)  # the last token is always fed: its logits
+        need = self._admission_need(req, k)
+        self.pool.take(cells)  # held before any eviction below
+        while self._spare() < need and self.pool.evict_one():
+            pass
+        if self._spare() < need:
+            self.pool.drop(cells)
+            return False
+        req.cells, req.fed, req.budget, req.pos = [int(c) for c in cells], k, need, k
+        if not req.preempted:  # cached tokens of its own prompt, not of its first admission's work
+            req.reused = k
+        return True
 
     def _admit_held(self, req: Request) -> bool:
         """A request appending to a held sequence: its cells are the context, it reserves what it
@@ -301,7 +449,7 @@ class Engine:
         if any(r.held is h for r in self.active):
             raise EdgeKVError("a held sequence runs one request at a time")
         # every prompt token is fed; of the sampled ones all but the last (feed_last: all)
-        need = min(len(req.prompt) + max(0, req.max_tokens - (0 if req.feed_last else 1)), h.room())
+        need = min(len(req.prompt) + max(0, req.max_new - (0 if req.feed_last else 1)), h.room())
         free = self.pool.free() - self.reserved()
         while free < need and self.pool.evict_one():
             free = self.pool.free() - self.reserved()
@@ -407,7 +555,7 @@ class Engine:
             if req.cells:
                 mask[0, r: r + n, req.cells] = True  # its own past, wherever its cells are
             mask[0, r: r + n, p + r: p + r + n] = np.tri(n, dtype=np.bool_)  # its new tokens, causally
-            if dec or req.fed + n == len(req.prompt):
+            if dec or req.fed + n == len(req.feed):
                 rows.append(r + n - 1)  # the last token of a prompt, or a decode step: sample from it
             r += n
         idx = np.asarray([rows or [s - 1]], np.int64)
@@ -423,6 +571,7 @@ class Engine:
             req.fed_ids.extend(toks)
             req.pos += n
             req.budget -= n
+            assert req.budget >= 0, "a request wrote more cells than it had reserved"
             r += n
             if dec:
                 req.next_token = None
@@ -432,16 +581,36 @@ class Engine:
             else:
                 req.fed += n
                 self.counters["prefilled_tokens"] += n
-                if req.fed == len(req.prompt) and req.held is None:
-                    self.pool.remember(req.prompt, np.asarray(req.cells[: req.fed]))
-            if dec or req.fed == len(req.prompt):
-                if req.closing:  # its last token is in the cells now
-                    self._finish(req, req.closing)
-                elif req.max_tokens == 0:  # only fed (a held prompt)
-                    self._finish(req, "length")
-                else:
-                    self._sample(req, logits[0, j])
+                if req.fed == len(req.feed) and req.held is None:
+                    self.pool.remember(req.feed, np.asarray(req.cells[: req.fed]), req.tenant)
+            if dec or req.fed == len(req.feed):
+                try:
+                    self._after_row(req, logits[0, j])
+                except Exception as e:
+                    if req.held is not None:  # chat: the turn is rolled back
+                        raise
+                    self._fail(req, e)
                 j += 1
+
+    def _after_row(self, req: Request, row: np.ndarray) -> None:
+        if req.closing:  # its last token is in the cells now
+            self._finish(req, req.closing)
+        elif req.max_new == 0:  # only fed (a held prompt)
+            self._finish(req, "length")
+        else:
+            self._sample(req, row)
+
+    def _fail(self, req: Request, e: Exception) -> None:
+        """One request's sampling or stop handling raised: it alone ends, finish reason "error"
+        (one that had ended already, its emit raising inside `_finish`, keeps its reason)."""
+        note(f"engine: a request failed: {type(e).__name__}: {e}")
+        if req not in self.active:
+            return
+        req.error = f"{type(e).__name__}: {e}"
+        try:
+            self._finish(req, "error")
+        except Exception as again:  # its emit is broken: it has left all the same
+            note(f"engine: a request's emit failed: {type(again).__name__}: {again}")
 
     def _can_feed(self, req: Request) -> bool:
         """One more token of this request fits: a cell (a ring overwrites) and a verified position."""
@@ -451,10 +620,13 @@ class Engine:
     def _sample(self, req: Request, row: np.ndarray) -> None:
         if req.cancelled:
             return  # dropped at the next step
-        if not np.isfinite(row).all():  # damaged weights or an overflow: never sample from it
+        finite = bool(np.isfinite(row).all())
+        self.health.row(finite)
+        if not finite:  # damaged weights or an overflow: never sample from it
             if req.held is not None:  # chat: the turn is rolled back
                 raise NonFinite(NON_FINITE)
             note(f"engine: {NON_FINITE}")
+            req.error = NON_FINITE
             self._finish(req, "error")
             return
         if req.record_logits:
@@ -475,7 +647,7 @@ class Engine:
             self.counters["generated_tokens"] += 1
             if req.emit:
                 req.emit("token", tok)
-            if len(req.out) >= req.max_tokens:
+            if len(req.out) >= req.max_new:
                 reason = req.limit_reason
         if reason is None:
             req.next_token = tok
@@ -493,7 +665,7 @@ class Engine:
             if reason in ("stop", "length") and len(req.cells) > len(req.prompt):
                 # the whole conversation so far (prompt and the reply tokens that were fed): a client's
                 # next turn sends it back with its new message, and prefills only that
-                self.pool.remember((req.prompt + req.out)[: len(req.cells)], np.asarray(req.cells))
+                self.pool.remember((req.prompt + req.out)[: len(req.cells)], np.asarray(req.cells), req.tenant)
             self.pool.drop(req.cells)
         req.cells, req.budget, req.next_token = [], 0, None
         self.active.remove(req)

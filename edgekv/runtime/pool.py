@@ -17,6 +17,25 @@ from typing import NamedTuple
 import numpy as np
 
 
+class Prefix(tuple):
+    """A prefix-cache key: the token ids (the tuple) and the tenant whose prompt they were (one
+    API key's clients; "" for all when there is one). Equal only to a key of the same tenant."""
+
+    def __new__(cls, ids, tenant: str = ""):
+        key = super().__new__(cls, (int(t) for t in ids))
+        key.tenant = tenant
+        return key
+
+    def __eq__(self, other):
+        return isinstance(other, Prefix) and self.tenant == other.tenant and tuple.__eq__(self, other)
+
+    def __ne__(self, other):
+        return not self == other
+
+    def __hash__(self):
+        return hash((self.tenant, tuple(self)))
+
+
 class PoolState(NamedTuple):
     """A copy of who holds what (`CellPool.state`)."""
     refs: np.ndarray
@@ -30,7 +49,7 @@ class CellPool:
         self.refs = np.zeros(capacity, np.int32)  # every owner: sequences and prefix-cache entries
         self.cache_refs = np.zeros(capacity, np.int32)  # of which prefix-cache entries
         self.max_prefixes = max_prefixes
-        self.prefixes: OrderedDict[tuple[int, ...], np.ndarray] = OrderedDict()  # LRU first
+        self.prefixes: OrderedDict[Prefix, np.ndarray] = OrderedDict()  # LRU first
 
     # -- counts
     def used(self) -> int:
@@ -82,14 +101,15 @@ class CellPool:
         return int(starts[i]), int(min(lengths[i], want))
 
     # -- prefix cache
-    def lookup(self, ids: list[int]) -> tuple[int, np.ndarray]:
-        """The longest cached prefix of `ids`: (its length, its cells). The entry becomes the
-        most recently used."""
+    def lookup(self, ids: list[int], tenant: str = "") -> tuple[int, np.ndarray]:
+        """The longest prefix of `ids` cached by `tenant`: (its length, its cells). The entry
+        becomes the most recently used. Another tenant's entries are never matched: a reused
+        prefix (faster, and reported as cached tokens) would tell a client another's prompt."""
         best, best_key = 0, None
         arr = np.asarray(ids, np.int64)
         for key in self.prefixes:
             n = min(len(key), len(arr))
-            if n <= best:
+            if n <= best or key.tenant != tenant:
                 continue
             same = np.asarray(key[:n], np.int64) == arr[:n]
             k = n if same.all() else int(np.argmin(same))
@@ -100,14 +120,16 @@ class CellPool:
         self.prefixes.move_to_end(best_key)
         return best, self.prefixes[best_key][:best]
 
-    def remember(self, ids: list[int], cells: np.ndarray) -> None:
-        """Cache the cells of `ids` (a computed prompt); an entry it extends is replaced."""
-        key = tuple(int(t) for t in ids)
+    def remember(self, ids: list[int], cells: np.ndarray, tenant: str = "") -> None:
+        """Cache the cells of `ids` (a computed prompt) for `tenant`; an entry of the same
+        tenant it extends is replaced."""
+        key = Prefix(ids, tenant)
         if not key:
             return
-        for old in [k for k in self.prefixes if len(k) <= len(key) and key[: len(k)] == k]:
+        mine = [k for k in self.prefixes if k.tenant == tenant]
+        for old in [k for k in mine if len(k) <= len(key) and key[: len(k)] == tuple(k)]:
             self._forget(old)
-        if any(len(k) > len(key) and k[: len(key)] == key for k in self.prefixes):
+        if any(len(k) > len(key) and k[: len(key)] == tuple(key) for k in mine):
             return  # a longer entry already holds these cells
         cells = np.asarray(cells, np.int64).copy()
         self.take(cells)
@@ -123,7 +145,7 @@ class CellPool:
         self._forget(next(iter(self.prefixes)))
         return True
 
-    def _forget(self, key: tuple[int, ...]) -> None:
+    def _forget(self, key: "Prefix") -> None:
         cells = self.prefixes.pop(key)
         np.add.at(self.cache_refs, cells, -1)
         self.drop(cells)
