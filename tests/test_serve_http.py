@@ -179,20 +179,22 @@ def test_queue_full_is_429(rt):
     srv = BackgroundServer(app)
     body = {"model": "t", "messages": MSGS, "max_tokens": 4, "temperature": 0.0}
     try:
-        engine.pause()  # nothing is admitted: the first request fills the queue
+        engine.pause()  # nothing is admitted: the first request takes the free slot, the second the queue
         waiting = {}
-        t = threading.Thread(target=lambda: waiting.setdefault("r", httpx.post(
-            srv.url + "/v1/chat/completions", json=body, timeout=60)))
-        t.start()
-        while engine.stats()["waiting"] < 1:
-            time.sleep(0.01)
+        threads = [threading.Thread(target=lambda i=i: waiting.setdefault(i, httpx.post(
+            srv.url + "/v1/chat/completions", json=body, timeout=60))) for i in range(2)]
+        for i, t in enumerate(threads):
+            t.start()
+            while engine.stats()["waiting"] < i + 1:
+                time.sleep(0.01)
         r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
-        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full" and r.headers["retry-after"]
         with pytest.raises(openai.RateLimitError):
             client(srv.url).chat.completions.create(model="t", messages=MSGS, max_tokens=2)
         engine.pause(False)
-        t.join(60)
-        assert waiting["r"].status_code == 200  # the waiting one ran
+        for t in threads:
+            t.join(60)
+        assert [waiting[i].status_code for i in range(2)] == [200, 200]  # the waiting ones ran
     finally:
         srv.close()
         engine.stop()

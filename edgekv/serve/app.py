@@ -267,10 +267,6 @@ class Ask:
     chat: bool
 
 
-def _tenant_field(tenant: str) -> dict:  # TEMP until the engine's Request.tenant lands
-    return {"tenant": tenant} if "tenant" in Request.__dataclass_fields__ else {}
-
-
 def tenant_of(key: str) -> str:
     """A stable, non-secret name for an API key: the engine keeps each tenant's prefixes apart."""
     return hashlib.sha256(key.encode("utf-8")).hexdigest()[:16]
@@ -391,7 +387,7 @@ class Server:
 
     # -- endpoints
     async def health(self, request: HttpRequest) -> Response:
-        reason = getattr(self.engine, "fault", lambda: None)()  # TEMP until Engine.fault lands
+        reason = self.engine.fault()
         status = "ok" if self.state == "ready" and reason is None else ("error" if reason else self.state)
         body = {"status": status, "state": self.state, **({"reason": reason} if reason else {}), **self.engine.stats()}
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
@@ -442,7 +438,7 @@ class Server:
         queue: asyncio.Queue = asyncio.Queue()
         req = Request(ask.prompt, ask.max_tokens, ask.params, stop_ids=self.codec.stop_ids,
                       emit=lambda kind, value: loop.call_soon_threadsafe(queue.put_nowait, (kind, value)),
-                      **_tenant_field(request.state.tenant))
+                      tenant=request.state.tenant)
         try:
             self.engine.submit(req)
         except ContextOverflow as e:
