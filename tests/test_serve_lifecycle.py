@@ -228,6 +228,10 @@ def test_loading_until_the_warm_up_has_decoded(serve):
             # the warm-up went through the engine before ready: two sequences, decoded
             assert r.json()["requests"] == 2 and r.json()["generated_tokens"] >= 2
             assert ns.recv(4096) == b"READY=1\nSTATUS=ready"
+            # the warm-up's prompt, sent by a client: nothing of it is reported cached (not its own)
+            from edgekv.serve.server import WARM_UP
+            r = s.post({"messages": WARM_UP, "max_tokens": 1})
+            assert r.status_code == 200 and r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
             assert "ready" in s.stdout()
             s.proc.send_signal(signal.SIGTERM)
             assert ns.recv(4096) == b"STOPPING=1\nSTATUS=draining"
@@ -237,6 +241,14 @@ def test_loading_until_the_warm_up_has_decoded(serve):
 
 
 # -- stop
+def test_a_signal_while_loading_stops_at_once_with_0(serve):
+    s = serve(gates={"load": ""})
+    assert s.health().json() == {"status": "loading"}
+    s.proc.send_signal(signal.SIGTERM)
+    assert s.wait() == 0
+    assert "stopped at once (SIGTERM)" in s.stderr() and "Traceback" not in s.stderr()
+
+
 def test_sigterm_drains_the_running_stream_then_exits_0(serve, tmp_path):
     """With the engine held mid-stream: SIGTERM turns /health to 503 draining, a new request gets
     503, the running stream then completes with the text it gets alone, and the exit is 0. Also:

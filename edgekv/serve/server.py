@@ -326,9 +326,7 @@ def notify(state: str) -> None:
 WARM_UP = [{"role": "system", "content": "You are a helpful assistant."}, {"role": "user", "content": "Hi!"}]
 WARM_UP_PARAMS = (SamplingParams(temperature=0.0),  # greedy
                   SamplingParams(temperature=0.7, top_k=40, top_p=0.9, repeat_penalty=1.1, seed=0))
-# its own tenant where the engine keeps tenants' prefixes apart: no client is told of cached
-# tokens it never sent
-WARM_UP_OWNER = {"tenant": "edgekv-warm-up"} if "tenant" in Request.__dataclass_fields__ else {}
+WARM_UP_TENANT = "edgekv-warm-up"  # its own prefixes: no client is told of cached tokens it never sent
 
 
 def warm_up(engine, codec) -> int:
@@ -339,7 +337,7 @@ def warm_up(engine, codec) -> int:
     client does not pay it. Returns the tokens decoded; a model that cannot decode is an error."""
     prompt = codec.chat_ids(WARM_UP)
     done = [threading.Event() for _ in WARM_UP_PARAMS]
-    reqs = [Request(prompt, 2, p, stop_ids=codec.stop_ids, **WARM_UP_OWNER,
+    reqs = [Request(prompt, 2, p, stop_ids=codec.stop_ids, tenant=WARM_UP_TENANT,
                     emit=lambda kind, value, ev=ev: ev.set() if kind == "done" else None)
             for p, ev in zip(WARM_UP_PARAMS, done)]
     for r in reqs:
@@ -440,12 +438,14 @@ def cmd_serve(args) -> int:
                                           max_body_bytes=args.max_body, bind_host=args.host)
             server.set_state("loading")
             gate.open(server.app())  # the app answers "loading" itself until ready
+            t1 = time.perf_counter()
             warm_up(engine, rt.codec)
             server.set_state("ready")
             signals.serving()
-            print(f"edgekv serve: ready in {time.perf_counter() - t0:.1f} s (model {rt.bundle.manifest.get('name')}, "
-                  f"{rt.backend.name}, {engine.capacity} KV cells, {engine.parallel} parallel, queue {args.queue})",
-                  flush=True)
+            t2 = time.perf_counter()
+            print(f"edgekv serve: ready in {t2 - t0:.1f} s, warm-up {t2 - t1:.1f} s (model "
+                  f"{rt.bundle.manifest.get('name')}, {rt.backend.name}, {engine.capacity} KV cells, {engine.parallel} "
+                  f"parallel, queue {args.queue})", flush=True)
             notify("READY=1\nSTATUS=ready")
             signals.wait_first()
             drain(server, engine, http, args.drain_seconds)
