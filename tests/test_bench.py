@@ -31,6 +31,13 @@ def test_bench_reports_all_measurements(tiny_bundle_int8, tmp_path):
     assert d["decode_ratio_big_vs_small_capacity"] > 0 and 0 < d["fraction_of_bandwidth_bound"]
     assert d["rss"]["tokens"] == 40 and d["peak_rss_mib"] > 0
     assert "of the bound" in r.stdout and "RSS over 40 decoded tokens" in r.stdout
+    # progress on stderr while it times (the default bench is minutes before its table): a line per
+    # round, and each stage's time when it ends
+    err = r.stderr.splitlines()
+    rounds = [x for x in err if x.startswith("  round ")]
+    assert [x.split(" timed")[0] for x in rounds] == ["  round 1/2 (warm-up)", "  round 2/2"]
+    for what in ("timing", "RSS", "read bandwidth"):
+        assert any(x.startswith(f"  {what}: done in ") for x in err), (what, r.stderr)
 
 
 # -- rates from a fake clock: time passes only when the fake backend runs (a prefill call costs

@@ -106,9 +106,9 @@ def test_ratios_are_edgekv_over_llama_cpp_at_the_largest_capacity():
 def test_missing_llama_cpp_python_is_one_line_with_the_install_command(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
-    with pytest.raises(EdgeKVError, match=r'CMAKE_ARGS="-DGGML_NATIVE=ON" pip install "edgekv\[bench\]"') as e:
+    with pytest.raises(EdgeKVError, match=r'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON .*" pip install "edgekv\[bench\]"') as e:
         bench.llama_cpp_gguf("")
-    assert "\n" not in str(e.value)
+    assert "\n" not in str(e.value) and f'CMAKE_ARGS="{bench.LLAMA_CPP_FLAGS}"' in str(e.value)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is not installed")
@@ -164,3 +164,54 @@ def test_transformers_with_several_bundles_is_one_line(tiny_bundle_int8, tiny_bu
                         "--transformers", "smollm2-135m-instruct"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert r.returncode != 0 and r.stderr.count("\n") == 1 and "give it one bundle" in r.stderr
     assert "configurations" not in r.stderr and not r.stdout
+
+
+# a llama-cpp-python built for instructions this CPU does not run (GGML_NATIVE=ON where the VM does
+# not enable the AMX the CPU reports): its process dies of SIGILL as soon as llama.cpp runs
+SIGILL_FAKE = '''
+import os, resource, signal
+from . import llama_cpp  # the ctypes module, as in the real package
+__version__ = "fake-sigill"
+
+class Llama:
+    def __init__(self, *args, **kwargs):
+        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core file in the test's folder
+        os.kill(os.getpid(), signal.SIGILL)
+'''
+
+
+@pytest.fixture()
+def sigill_llama(tmp_path):
+    pkg = tmp_path / "sigill" / "llama_cpp"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(SIGILL_FAKE)
+    (pkg / "llama_cpp.py").write_text("def llama_model_default_params():\n    return None\n")
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    return tmp_path / "sigill", gguf
+
+
+def test_llama_cpp_dying_of_sigill_is_one_line_with_the_rebuild_flags(tiny_bundle_int8, sigill_llama, tmp_path):
+    """The peer's crash ends its own process only: edgekv prints its table and JSON, then one
+    error line naming the build flags that work, and exits 1 (no traceback, no signal of its own)."""
+    from tests.test_cli_errors import assert_clean_error
+
+    fake, gguf = sigill_llama
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, PYTHONPATH=f"{fake}{os.pathsep}{ROOT}")
+    r = subprocess.run([sys.executable, "-m", "edgekv", "bench", str(tiny_bundle_int8), "--prompt-lengths", "8",
+                        "--capacities", "32", "--fill", "8", "--decode-tokens", "2", "--rss-tokens", "20",
+                        "--repeat", "1", "--threads", "1", "--json", str(out), "--llama-cpp", str(gguf)],
+                       capture_output=True, text=True, env=env, cwd=ROOT, timeout=600)
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    assert_clean_error(r, "llama.cpp died of an illegal instruction (SIGILL)")
+    assert f'CMAKE_ARGS="{bench.LLAMA_CPP_FLAGS}"' in r.stderr.strip().splitlines()[-1]
+    assert "decode tok/s" in r.stdout and "of the bound" in r.stdout  # edgekv's own results, printed
+    assert "llama_cpp" not in json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("cmd", ["bench", "eval"])
+def test_llama_cpp_help_names_the_build_flags(cmd):
+    r = subprocess.run([sys.executable, "-m", "edgekv", cmd, "--help"], capture_output=True, text=True, cwd=ROOT)
+    text = " ".join(r.stdout.split())  # argparse wraps lines
+    assert f'CMAKE_ARGS="{bench.LLAMA_CPP_FLAGS}"' in text and "GGML_NATIVE=ON" not in text

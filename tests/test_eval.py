@@ -67,6 +67,33 @@ def test_float_vs_float_kld_zero_and_outputs_written(tiny_bundle_float, tiny_bun
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 
 
+def test_eval_labels_name_the_reference_the_weights_and_the_kv_bytes(tiny_bundle_float, tiny_bundle_int8):
+    """Two bundles of the same float32 weights: the same weights MiB (4 bytes per parameter, not
+    the graph file, which also holds each KV scheme's constants); the float-KV row says what a
+    float32 cache costs instead of "saving -100 %"; the plot's axis names the run's reference."""
+    import io
+
+    from edgekv.format.bundle import load_bundle
+    from edgekv.tools.evaluate import plot_labels
+
+    text = "The capital of France is Paris. " * 60
+    out = io.StringIO()
+    res = evaluate([str(tiny_bundle_int8), str(tiny_bundle_float)], text, ctx=64, chunks=1, out=out)
+    n_params = load_bundle(tiny_bundle_float).manifest["model"]["n_params"]
+    assert [r["weights_mib"] for r in res["results"]] == [4 * n_params / 2**20] * 2
+    printed = out.getvalue()
+    assert "-100" not in printed and "no saving vs fp16 (2.00x its bytes)" in printed
+    assert "its own reference" not in printed and "no float-weights float-KV bundle" not in printed
+    assert res["reference_is"] == "float weights + float KV"
+    assert "mean KLD vs float weights + float KV" in plot_labels(res)[1]
+
+    alone = io.StringIO()
+    res = evaluate([str(tiny_bundle_int8)], text, ctx=64, chunks=1, out=alone)
+    lines = [x for x in alone.getvalue().splitlines() if "its own reference" in x]
+    assert len(lines) == 1 and "tiny-int8" in lines[0]
+    assert "mean KLD vs float weights + int8 KV" in plot_labels(res)[1]
+
+
 def test_chunked_scoring_equals_token_by_token(tiny_bundle_int8):
     """What eval scores in chunks is what decode sees one token at a time."""
     text = "The capital of France is Paris. The capital of Germany is Berlin. " * 10

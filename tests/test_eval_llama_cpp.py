@@ -76,8 +76,11 @@ def test_llama_cpp_scored_on_the_same_windows(tiny_bundle_float, fake_llama, tmp
     assert r.returncode == 0, r.stderr[-2000:]
     ids = TextCodec(b).encode(text.read_text())
     fed = [json.loads(line) for line in log.read_text().splitlines()]
-    # three windows of 33 tokens from the start, no overlap; each fed whole but its last token, from position 0
-    assert fed == [[0, ids[s: s + 32]] for s in (0, 33, 66)]
+    # first the probe in a child process (llama_cpp_bench --probe: a window of 9 of bench's tokens),
+    # then three windows of 33 tokens from the start, no overlap; each fed whole but its last token, from position 0
+    from edgekv.tools.bench import sample_tokens
+
+    assert fed == [[0, sample_tokens(9, vocab)[:8]]] + [[0, ids[s: s + 32]] for s in (0, 33, 66)]
     res = json.loads((tmp_path / "out" / "eval.json").read_text())
     ref, lc = res["results"]
     assert ref["kld_mean"] == 0 and lc["label"] == "llama.cpp" and lc["weights"] == "gguf"
@@ -110,3 +113,25 @@ def test_a_gguf_llama_cpp_cannot_load_is_one_line(tiny_bundle_float, fake_llama,
     r = run_eval(tiny_bundle_float, text, gguf, fake, log, vocab, tmp_path / "eval.json")
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert "cannot load model.gguf" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_llama_cpp_dying_of_sigill_ends_only_its_own_process(tiny_bundle_float, tmp_path):
+    """eval scores llama.cpp in its own process, but runs it once in a child first: a build that
+    dies of an illegal instruction is one error line, not eval killed by the signal."""
+    from edgekv.tools.bench import LLAMA_CPP_FLAGS
+    from tests.test_bench_llama_cpp import SIGILL_FAKE
+    from tests.test_cli_errors import assert_clean_error
+
+    pkg = tmp_path / "sigill" / "llama_cpp"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text(SIGILL_FAKE)
+    (pkg / "llama_cpp.py").write_text("def llama_model_default_params():\n    return None\n")
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF")
+    text = tmp_path / "text.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
+    r = run_eval(tiny_bundle_float, text, gguf, tmp_path / "sigill", tmp_path / "unused.log", 384,
+                 tmp_path / "out" / "eval.json")
+    assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
+    assert_clean_error(r, "--llama-cpp: llama.cpp died of an illegal instruction (SIGILL)")
+    assert f'CMAKE_ARGS="{LLAMA_CPP_FLAGS}"' in r.stderr
