@@ -13,10 +13,19 @@ wrote starts with the zip signature and `__meta__.npy` as its first member's nam
 offset 0 and 30). A file that starts so (or is empty) is ours: when it cannot be read it is
 "ours but damaged" and --prompt-cache rebuilds it; any other file is not ours and is never
 overwritten. A load reads and checks the whole file (meta, every array's shape and dtype, the
-bundle, ids against the vocab and the slots) before it changes anything."""
+bundle, ids against the vocab and the slots) before it changes anything.
+
+Which bundle: the source checksum says which model, not which bundle of it. The KV values a bundle
+writes depend also on its stored weights (format and group), its compute dtype and its graph
+(model.onnx and its data file, by the manifest's sha256), so the meta records those
+(`kv_origin`) and a load compares them: a chat saved with the float-weights bundle would
+otherwise continue differently in the int4-weights one, silently. A file without the record
+(an older edgekv) is refused, since it may come from another bundle of the model; /load! takes
+it on the user's word, and a prompt cache without it is rebuilt."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 
@@ -31,15 +40,42 @@ FORMAT = 1
 SIGNATURE = ((0, b"PK\x03\x04"), (30, b"__meta__.npy"))
 
 
-def save(session, path: str) -> None:
+def kv_origin(bundle) -> dict:
+    """What decides the KV values this bundle writes, beside the model and the KV scheme: the
+    stored weights, the compute dtype and the graph files' sha256 (none in an older manifest)."""
+    man = bundle.manifest
+    onnx, hashes = man["files"]["onnx"], man["files"].get("sha256", {})
+    return {"weights": bundle.weights, "group": man["weights"].get("group"), "dtype": bundle.dtype,
+            "graph_sha256": {name: h for name, h in sorted(hashes.items()) if name.startswith(onnx)}}
+
+
+def save(session, path: str, replace_any: bool = False) -> None:
+    """Write the conversation to `path`. A file there that is not a saved chat (is_ours) is
+    replaced only with `replace_any` (/save! FILE): a typo must not turn notes.txt into a zip."""
+    if not replace_any and kind_of(path) == "a file" and not is_ours(path):
+        raise EdgeKVError(f"{path}: not a saved edgekv chat; refusing to replace it (/save! {path} replaces it)")
     bundle, seq = session.bundle, session.seq
     meta = {"edgekv_chat": FORMAT, "bundle_sha256": bundle.manifest["source"].get("sha256"),
-            "bundle_scheme": bundle.scheme.name, "system": session.system, "messages": session.messages,
-            "ids": seq.ids, "ring": {"w": seq.n, "sinks": seq.sinks}}
+            "bundle_scheme": bundle.scheme.name, "kv_origin": kv_origin(bundle), "system": session.system,
+            "messages": session.messages, "ids": seq.ids, "ring": {"w": seq.n, "sinks": seq.sinks}}
     snap = session.engine.snapshot(seq)
-    with atomic_open(path, "wb") as f:
-        # __meta__ first: its name at a fixed offset is how a file is known to be ours (SIGNATURE)
-        np.savez(f, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **snap)
+    with atomic_open(path, "wb") as f:  # a Ctrl-C or an error here: the temporary file is removed
+        try:
+            # __meta__ first: its name at a fixed offset is how a file is known to be ours (SIGNATURE)
+            np.savez(f, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **snap)
+        except Exception as e:
+            if interrupted(e):  # zipfile's close refuses a member the Ctrl-C left open: it is still a Ctrl-C
+                raise KeyboardInterrupt from None
+            raise
+
+
+def interrupted(e: BaseException) -> bool:
+    """A KeyboardInterrupt is among the exceptions that led to `e`."""
+    while e is not None:
+        if isinstance(e, KeyboardInterrupt):
+            return True
+        e = e.__context__
+    return False
 
 
 def is_ours(path: str) -> bool:
@@ -61,8 +97,9 @@ class Saved:
     sinks: int | None  # the ring's sinks it loads with (sinks_for)
 
 
-def read(session, path: str) -> Saved:
-    """Read and check the whole file against this session; change nothing."""
+def read(session, path: str, trust_unrecorded: bool = False) -> Saved:
+    """Read and check the whole file against this session; change nothing. `trust_unrecorded`:
+    accept a file that does not record which weights made its KV (/load!)."""
     kind = kind_of(path)
     if kind is None:
         raise EdgeKVError(f"{path}: no such file")
@@ -72,14 +109,16 @@ def read(session, path: str) -> Saved:
         with np.load(path, allow_pickle=False) as z:  # never unpickle: an .npz may carry code
             meta = json.loads(bytes(z["__meta__"]).decode())
             snap = {k: z[k] for k in z.files if k != "__meta__"}
-    except Exception as e:  # numpy and zipfile raise many kinds for a damaged file
-        damaged = "damaged or not a saved edgekv chat" if is_ours(path) else "not a saved edgekv chat"
-        raise EdgeKVError(f"{path}: {damaged} ({type(e).__name__})") from None
+    except Exception:  # numpy and zipfile raise many kinds for a damaged or foreign file
+        raise EdgeKVError(f"{path}: {unreadable(path)}") from None
     check_meta(meta, path)
     bundle = session.bundle
-    if (meta.get("bundle_sha256"), meta.get("bundle_scheme")) != (bundle.manifest["source"].get("sha256"),
-                                                                 bundle.scheme.name):
-        raise EdgeKVError(f"{path}: saved with another model or KV scheme")
+    diff = origin_difference(meta, bundle)
+    if diff:
+        raise EdgeKVError(f"{path}: {diff}")
+    if "kv_origin" not in meta and not trust_unrecorded:
+        raise EdgeKVError(f"{path}: saved by an older edgekv that did not record which weights made its KV cache "
+                          f"(it may be another bundle's of this model); /load! {path} loads it anyway")
     n = session.cache.slots_in(snap)  # every buffer, its shape and dtype
     ids, vocab = meta["ids"], bundle.model["vocab_size"]
     if any(not 0 <= t < vocab for t in ids):
@@ -94,6 +133,42 @@ def read(session, path: str) -> Saved:
         raise EdgeKVError(f"{path}: snapshot of a wrapped ring does not fit this cache")
     seq.check_restore(n, ids)
     return Saved(meta, snap, n, sinks)
+
+
+def unreadable(path: str) -> str:
+    """Why a file that numpy cannot read is not loaded, in words (no exception class names)."""
+    if kind_of(path) == "a file" and os.path.getsize(path) == 0:
+        return "empty file, not a saved edgekv chat"
+    if is_ours(path):
+        return "a damaged saved edgekv chat (truncated or corrupt); it cannot be loaded"
+    return "not a saved edgekv chat"
+
+
+def origin_difference(meta: dict, bundle) -> str | None:
+    """How the bundle that saved `meta` differs from `bundle` in what decides the KV values, in
+    words (None: the same, or not recorded)."""
+    if meta.get("bundle_sha256") != bundle.manifest["source"].get("sha256"):
+        return "saved with another model (source sha256 differs)"
+    if meta.get("bundle_scheme") != bundle.scheme.name:
+        return f"saved with KV scheme {meta.get('bundle_scheme')}, this bundle's is {bundle.scheme.name}"
+    saved, here = meta.get("kv_origin"), kv_origin(bundle)
+    if saved is None:
+        return None
+    if (saved["weights"], saved["group"]) != (here["weights"], here["group"]):
+        return f"saved with {weights_words(saved)}, this bundle has {weights_words(here)}"
+    if saved["dtype"] != here["dtype"]:
+        return f"saved with {saved['dtype']} compute, this bundle computes in {here['dtype']}"
+    a, b = saved["graph_sha256"], here["graph_sha256"]
+    for name in sorted(set(a) | set(b)):
+        if a.get(name) != b.get(name):
+            return (f"saved with another {name} (sha256 {(a.get(name) or 'unrecorded')[:12]}, this bundle's "
+                    f"{(b.get(name) or 'unrecorded')[:12]})")
+    return None
+
+
+def weights_words(origin: dict) -> str:
+    group = f" (group {origin['group']})" if origin["group"] else ""
+    return f"{origin['weights']} weights{group}"
 
 
 def sinks_for(session, meta: dict) -> int | None:
@@ -111,6 +186,7 @@ def sinks_for(session, meta: dict) -> int | None:
 
 
 _META = {"edgekv_chat": int, "system": (str, type(None)), "messages": list, "ids": list, "ring": dict}
+_ORIGIN = {"weights": str, "group": (int, type(None)), "dtype": str, "graph_sha256": dict}
 
 
 def check_meta(meta, path: str) -> None:
@@ -131,14 +207,18 @@ def check_meta(meta, path: str) -> None:
         v = meta["ring"].get(key)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
             raise bad(f"ring.{key} is not a slot count")
+    origin = meta.get("kv_origin")
+    if origin is not None and not (isinstance(origin, dict) and all(
+            isinstance(origin.get(k), t) for k, t in _ORIGIN.items()) and all(
+            isinstance(h, str) for h in origin["graph_sha256"].values())):
+        raise bad("kv_origin is not a record of weights, group, dtype and graph sha256")
 
 
-def load(session, path: str) -> None:
-    """Replace the session's conversation with the saved one; on any error nothing changes."""
-    saved = read(session, path)
+def restore(session, saved: Saved) -> None:
+    """Put a checked file's cells and ids into the session's sequence (Engine.restore: all or
+    nothing); the conversation's messages are the session's to set (ChatSession.load)."""
     session.engine.restore(session.seq, saved.snap, saved.meta["ids"], w=saved.meta["ring"].get("w"),
                            sinks=saved.sinks)
-    session.system, session.messages = saved.meta["system"], saved.meta["messages"]
 
 
 def warm_system(session, prompt_cache: str | None) -> str:

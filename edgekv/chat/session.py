@@ -35,7 +35,8 @@ class ChatSession:
         self.policy = POLICIES[context]
         self.conv = Conversation(codec, system)
         self.policy.prepare(self.seq, codec, system)
-        self.last = Stats()
+        self.last: Stats | None = None  # the last completed turn's (None: none since the start or a /load)
+        self.loaded_from: str | None = None  # the file of the last /load
         self.last_prompt_ids: list[int] = []
 
     # -- what the session holds
@@ -138,8 +139,7 @@ class ChatSession:
             self._rollback(before)
             if not isinstance(e, KeyboardInterrupt):
                 raise
-            st.stop_reason = "interrupted"
-            self.last = st
+            st.stop_reason = "interrupted"  # self.last stays the last completed turn's
             return "", st
         return text, self.last
 
@@ -182,11 +182,41 @@ class ChatSession:
     def warm_system(self, prompt_cache: str | None) -> str:
         return persistence.warm_system(self, prompt_cache)
 
-    def save(self, path: str) -> None:
-        persistence.save(self, path)
+    def save(self, path: str, replace_any: bool = False) -> None:
+        persistence.save(self, path, replace_any)
 
-    def load(self, path: str) -> None:
-        persistence.load(self, path)
+    def load(self, path: str, trust_unrecorded: bool = False) -> tuple[int, int]:
+        """Replace the conversation with a saved one; returns (exchanges, cached tokens) loaded.
+        All or nothing, a Ctrl-C included: the file is read and checked whole first; then the
+        messages and the cells change inside one engine turn, which an interrupt anywhere in it
+        rolls back; one that comes once the load is whole has nothing left to cancel."""
+        saved = persistence.read(self, path, trust_unrecorded)
+        loaded = len(saved.meta["messages"]) // 2, saved.n
+        before = self._loaded_state()
+        whole = False
+        try:
+            self.engine.begin_turn()
+            self._set_loaded_state((saved.meta["system"], saved.meta["messages"], 0, None, str(path), []))
+            persistence.restore(self, saved)
+            whole = True
+            self.engine.end_turn()
+            return loaded
+        except BaseException:
+            if whole:
+                self.engine.end_turn()
+                return loaded
+            self.engine.rollback()
+            self._set_loaded_state(before)
+            raise
+
+    def _loaded_state(self) -> tuple:
+        """What a /load replaces beside the cells: the conversation and what /stats says of it."""
+        return (self.conv.system, self.conv.messages, self.conv.dropped_turns, self.last, self.loaded_from,
+                self.last_prompt_ids)
+
+    def _set_loaded_state(self, state: tuple) -> None:
+        (self.conv.system, self.conv.messages, self.conv.dropped_turns, self.last, self.loaded_from,
+         self.last_prompt_ids) = state
 
 
 def stats_of(req: Request, t0: float) -> Stats:

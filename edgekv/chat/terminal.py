@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from edgekv.chat.session import ChatSession
@@ -16,14 +17,24 @@ HELP = """commands:
   /undo            forget the last exchange (the cache is truncated, not recomputed)
   /system TEXT     set a new system prompt (resets the conversation)
   /stats           cache and speed of the last reply
-  /save FILE       save the conversation and its KV cache
-  /load FILE       load a saved conversation (same bundle only)
-  /quit            exit (Ctrl-D too); Ctrl-C stops a reply"""
+  /save FILE       save the conversation and its KV cache (never over a file that is not a saved chat)
+  /save! FILE      the same, over any regular file
+  /load FILE       load a saved conversation (made with this bundle only)
+  /load! FILE      the same, for a file from an older edgekv that did not record its bundle's weights
+  /quit            exit (Ctrl-D too); Ctrl-C stops a reply, or cancels a /save or /load"""
 
 
 def session_stats(s: ChatSession) -> str:
-    return stats_line(s.last, s.cache, s.seq) + (
-        f" | {s.dropped_turns} old turn(s) dropped" if s.dropped_turns else "")
+    """The last completed turn's stats line, or, before any turn since the start or a /load, what
+    the cache holds."""
+    dropped = f" | {s.dropped_turns} old turn(s) dropped" if s.dropped_turns else ""
+    if s.last is not None:
+        return stats_line(s.last, s.cache, s.seq) + dropped
+    mib, n = 2 ** 20, s.seq.n
+    since = " since /load" if s.loaded_from else ""
+    return (f"(no turn yet{since}) | KV {n}/{s.cache.capacity} slots, {s.cache.used_bytes(n) / mib:.2f} / "
+            f"{s.cache.nbytes / mib:.2f} MiB | position {s.seq.pos}"
+            + (" | ring: oldest tokens overwritten" if s.seq.wrapped else "") + dropped)
 
 
 def cmd_chat(args, explain=EdgeKVError.explain) -> int:
@@ -70,8 +81,11 @@ def chat_loop(args, rt, explain) -> int:
         if not line:
             continue
         if line.startswith("/"):
-            if handle_command(session, line, explain) == "quit":
-                return 0
+            try:
+                if handle_command(session, line, explain) == "quit":
+                    return 0
+            except KeyboardInterrupt:  # a command ends; the chat does not
+                print("\n(interrupted; Ctrl-D or /quit to exit)", file=sys.stderr, flush=True)
             continue
         out = sys.stdout
         write = (lambda s: (out.write(s), out.flush())) if not args.json else None
@@ -125,18 +139,46 @@ def handle_command(s: ChatSession, line: str, explain=EdgeKVError.explain):
                 print("(system prompt set; conversation reset)", file=err)
         elif cmd == "/stats":
             print(session_stats(s), file=err)
-        elif cmd == "/save":
+        elif cmd in ("/save", "/save!"):
             if not arg:
-                raise EdgeKVError("/save FILE")
-            s.save(arg)
-            print(f"(saved to {arg})", file=err)
-        elif cmd == "/load":
+                raise EdgeKVError(f"{cmd} FILE")
+            print(save_command(s, arg, replace_any=cmd == "/save!"), file=err)
+        elif cmd in ("/load", "/load!"):
             if not arg:
-                raise EdgeKVError("/load FILE")
-            s.load(arg)
-            print(f"(loaded {arg}: {len(s.messages) // 2} exchange(s), {s.seq.n} cached tokens)", file=err)
+                raise EdgeKVError(f"{cmd} FILE")
+            print(load_command(s, arg, trust_unrecorded=cmd == "/load!"), file=err)
         else:
             print(f"unknown command {cmd}; /help lists the commands", file=err)
     except EdgeKVError as e:
         print(f"error: {explain(e)}", file=err)
     return None
+
+
+def save_command(s: ChatSession, path: str, replace_any: bool) -> str:
+    """/save: Ctrl-C cancels it (the file is written to a temporary name and renamed at the end:
+    until then nothing is replaced, and the temporary file is removed)."""
+    before = file_identity(path)
+    try:
+        s.save(path, replace_any)
+    except KeyboardInterrupt:
+        if file_identity(path) == before:  # else it came after the rename: the new file is whole
+            return f"(/save cancelled: {path} {'is unchanged' if before else 'was not written'})"
+    return f"(saved to {path})"
+
+
+def load_command(s: ChatSession, path: str, trust_unrecorded: bool) -> str:
+    """/load: Ctrl-C cancels it (ChatSession.load is all or nothing)."""
+    try:
+        exchanges, cached = s.load(path, trust_unrecorded)
+    except KeyboardInterrupt:
+        return "(/load cancelled: the conversation is as it was)"
+    return f"(loaded {path}: {exchanges} exchange(s), {cached} cached tokens)"
+
+
+def file_identity(path: str):
+    """What tells a replaced file from the one there before (a rename brings another inode)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size

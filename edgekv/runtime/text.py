@@ -1,6 +1,7 @@
 """Tokenizer, chat template and streaming detokenization."""
 from __future__ import annotations
 
+import re
 import time
 
 from edgekv.errors import BundleError, EdgeKVError
@@ -52,27 +53,79 @@ def system_turn(system: str | None) -> list[dict]:
     return [{"role": "system", "content": system}] if system else []
 
 
-# a chat template's rendering: at most this many characters out and this many seconds of work
+# a chat template's rendering: at most this many characters out and this many seconds of work;
+# no value it makes may be larger (characters, or a list's items and their characters), no list
+# longer than the sandbox's range(), no number longer than MAX_INT_BITS
 MAX_RENDER_CHARS = 4 << 20
 MAX_RENDER_S = 5.0
+MAX_ITEMS = 100_000
+MAX_INT_BITS = 1 << 16
 
 
 def bounded_sandbox():
-    """Jinja's immutable sandbox whose every call and attribute lookup checks the render's
-    deadline (a template that loops without calling anything is bounded by MAX_RENDER_CHARS
-    and the sandbox's own range() limit)."""
+    """Jinja's immutable sandbox with bounded work and bounded memory.
+
+    Time: every call and attribute lookup checks the render's deadline (a template that loops
+    without calling anything is bounded by the alarm, MAX_RENDER_CHARS and the sandbox's own
+    range() limit). Memory: nothing is computed at compile time (jinja folds constant
+    expressions when it compiles, before any runtime check: `'ab' * 10**9` took the memory at
+    load), and whatever can make a large value from a short template is checked before it runs:
+    the operators * ** % + (intercepted: a sandbox never folds those), ~ (the code generator's
+    Concat), str methods that pad or join, the filters (their counts and widths, and what
+    replace, join, indent, wordwrap and urlize would make) and every value output."""
     import jinja2.sandbox
+    from jinja2.compiler import CodeGenerator
+
+    class BoundedCode(CodeGenerator):
+        def visit_Concat(self, node, frame):
+            # a ~ b ~ c: the parts are sized before they are joined (a loop doubling a string stops)
+            self.write("environment.join_parts(context, (")
+            for arg in node.nodes:
+                self.visit(arg, frame)
+                self.write(", ")
+            self.write("))")
 
     class Bounded(jinja2.sandbox.ImmutableSandboxedEnvironment):
         deadline = float("inf")
+        intercepted_binops = frozenset(["*", "**", "%", "+"])
+        code_generator_class = BoundedCode
+
+        def __init__(self, **kw):
+            super().__init__(**kw, optimized=False, finalize=_checked)  # optimized: jinja's constant folding
+            self.filters = {name: _bounded_filter(f) for name, f in self.filters.items()}
+            self.globals.pop("lipsum", None)  # lipsum(10**9): nothing a chat template needs
 
         def _tick(self):
             if time.monotonic() > self.deadline:
                 raise EdgeKVError(f"chat template: rendering took longer than {MAX_RENDER_S:g} s")
 
+        def call_binop(self, context, operator, left, right):
+            self._tick()
+            _check_binop(operator, left, right)
+            return _checked(super().call_binop(context, operator, left, right))
+
+        def join_parts(self, context, parts):
+            from jinja2.runtime import markup_join, str_join
+
+            _check_size(sum(_size(p) for p in parts))
+            return (markup_join if context.eval_ctx.autoescape else str_join)(parts)
+
         def call(self, context, obj, *args, **kwargs):
             self._tick()
-            return super().call(context, obj, *args, **kwargs)
+            _check_call(obj, args, kwargs)
+            return _checked(super().call(context, obj, *args, **kwargs))
+
+        def wrap_str_format(self, value):
+            # jinja >= 3.1.5 hands out str.format wrapped at attribute access (call() sees the wrapper)
+            wrapped = super().wrap_str_format(value)
+            if wrapped is None:
+                return None
+            fmt = value.__self__
+
+            def checked(*args, **kwargs):
+                _check_widths(fmt, _BRACES, args + tuple(kwargs.values()))
+                return wrapped(*args, **kwargs)
+            return checked
 
         def getattr(self, obj, attribute):
             self._tick()
@@ -83,6 +136,152 @@ def bounded_sandbox():
             return super().getitem(obj, argument)
 
     return Bounded
+
+
+def _too_big(what: str = "a value"):
+    raise EdgeKVError(f"chat template: makes {what} larger than {MAX_RENDER_CHARS} characters")
+
+
+def _size(x, depth: int = 0) -> int:
+    """About how many characters `x` renders to (a list: its items' and one per item), counted
+    only until it passes MAX_RENDER_CHARS."""
+    if isinstance(x, str):
+        return len(x)
+    if isinstance(x, int):
+        return x.bit_length() * 3 // 10 + 1
+    if isinstance(x, (list, tuple, dict)) and depth < 32:
+        total = len(x)
+        for item in (x.items() if isinstance(x, dict) else x):
+            total += _size(item, depth + 1)
+            if total > MAX_RENDER_CHARS:
+                break
+        return total
+    return 1
+
+
+def _check_size(n: int) -> None:
+    if n > MAX_RENDER_CHARS:
+        _too_big()
+
+
+def _checked(value):
+    """`value`, unless it is too large to make or to output."""
+    if isinstance(value, (list, tuple)) and len(value) > MAX_ITEMS:
+        raise EdgeKVError(f"chat template: makes a list of more than {MAX_ITEMS} items")
+    _check_size(_size(value))
+    return value
+
+
+def _check_binop(op: str, a, b) -> None:
+    """Refuse what `a op b` would make too large, before it is computed."""
+    seqs = (str, list, tuple)
+    if op == "*":
+        for seq, n in ((a, b), (b, a)):
+            if isinstance(seq, seqs) and isinstance(n, int):
+                if not isinstance(seq, str) and len(seq) * n > MAX_ITEMS:
+                    raise EdgeKVError(f"chat template: makes a list of more than {MAX_ITEMS} items")
+                _check_size(_size(seq) * n)
+        if isinstance(a, int) and isinstance(b, int) and a.bit_length() + b.bit_length() > MAX_INT_BITS:
+            _too_big_number()
+    elif op == "+" and isinstance(a, seqs) and isinstance(b, seqs):
+        _check_size(_size(a) + _size(b))
+    elif op == "**" and isinstance(a, int) and isinstance(b, int) and b > 0 and abs(a) > 1:
+        if b * abs(a).bit_length() > MAX_INT_BITS:
+            _too_big_number()
+    elif op == "%" and isinstance(a, str):
+        _check_widths(a, _PERCENT, b if isinstance(b, tuple) else (b,))
+
+
+def _too_big_number():
+    raise EdgeKVError(f"chat template: makes a number of more than {MAX_INT_BITS} bits")
+
+
+_PERCENT = re.compile(r"%[-#0 +]*(\*|\d+)?(?:\.(\*|\d+))?")  # '%10.3f': width and precision
+_BRACES = re.compile(r"\{[^{}]*?:((?:[^{}]|\{[^{}]*\})*)\}")  # '{:>10}': a field's spec (nested fields too)
+
+
+def _check_widths(fmt: str, pattern, args) -> None:
+    """A format string's widths and precisions (and a '*' or nested one's argument) stay in bounds."""
+    for m in pattern.finditer(fmt):
+        spec = m.group(0)
+        if any(int(n) > MAX_RENDER_CHARS for n in re.findall(r"\d+", spec)):
+            _too_big("a formatted field")
+        if "*" in spec or spec.count("{") > 1:
+            if any(isinstance(v, int) and v > MAX_RENDER_CHARS for v in args):
+                _too_big("a formatted field")
+    _check_size(len(fmt) + sum(_size(v) for v in args))
+
+
+_PADDING = ("center", "ljust", "rjust", "zfill")
+
+
+def _check_call(obj, args, kwargs) -> None:
+    """A str method that pads, joins, replaces or formats: what it would make stays in bounds."""
+    owner, name = getattr(obj, "__self__", None), getattr(obj, "__name__", "")
+    if not isinstance(owner, str):
+        return
+    values = args + tuple(kwargs.values())
+    if name in _PADDING and any(isinstance(v, int) and v > MAX_RENDER_CHARS for v in values):
+        _too_big()
+    elif name == "expandtabs" and values and isinstance(values[0], int):
+        _check_size(len(owner) + owner.count("\t") * values[0])
+    elif name in ("format", "format_map"):
+        _check_widths(owner, _BRACES, values)
+    elif name == "replace" and len(args) >= 2:
+        _check_size(_replaced_size(owner, args[0], args[1]))
+    elif name == "join" and args and isinstance(args[0], (list, tuple)):
+        _check_size(_size(args[0]) + len(owner) * len(args[0]))
+
+
+def _replaced_size(s, old, new) -> int:
+    if not (isinstance(s, str) and isinstance(old, str) and isinstance(new, str)):
+        return 0
+    return len(s) + (s.count(old) if old else len(s) + 1) * len(new)
+
+
+def _bounded_filter(f):
+    """A jinja filter whose arguments are checked first (counts and widths, and what the filters
+    that grow their input would make) and whose result is checked after."""
+    import functools
+
+    skip = 1 if getattr(f, "jinja_pass_arg", None) is not None else 0  # eval context / environment first
+
+    @functools.wraps(f)  # keeps jinja_pass_arg
+    def bounded(*args, **kwargs):
+        value, rest = (args[skip] if len(args) > skip else None), args[skip + 1:]
+        if any(isinstance(v, int) and v > MAX_RENDER_CHARS for v in rest + tuple(kwargs.values())):
+            _too_big()
+        if f.__name__ in ("do_batch", "sync_do_batch", "do_slice", "sync_do_slice") and \
+                any(isinstance(v, int) and v > MAX_ITEMS for v in rest[:1]):
+            raise EdgeKVError(f"chat template: makes a list of more than {MAX_ITEMS} items")
+        _check_growth(f.__name__, value, rest, kwargs)
+        return _checked(f(*args, **kwargs))
+
+    return bounded
+
+
+def _check_growth(name: str, value, rest: tuple, kwargs: dict) -> None:
+    """What the filters that can multiply their input's size would make, before they make it."""
+    if name == "do_replace" and isinstance(value, str):
+        _check_size(_replaced_size(value, _arg(rest, kwargs, 0, "old", ""), _arg(rest, kwargs, 1, "new", "")))
+    elif name == "do_join" and isinstance(value, (list, tuple)):
+        sep = _arg(rest, kwargs, 0, "d", "")
+        _check_size(_size(value) + (len(sep) if isinstance(sep, str) else 0) * len(value))
+    elif name == "do_indent" and isinstance(value, str):
+        width = _arg(rest, kwargs, 0, "width", 4)
+        w = len(width) if isinstance(width, str) else width if isinstance(width, int) else 0
+        _check_size(len(value) + (value.count("\n") + 1) * w)
+    elif name == "do_wordwrap" and isinstance(value, str):
+        width, wrap = _arg(rest, kwargs, 0, "width", 79), _arg(rest, kwargs, 2, "wrapstring", None)
+        if isinstance(wrap, str) and isinstance(width, int) and width > 0:
+            _check_size(len(value) + (len(value) // width + value.count("\n") + 1) * len(wrap))
+    elif name == "do_format" and isinstance(value, str):
+        _check_widths(value, _PERCENT, rest + tuple(kwargs.values()))
+
+
+def _arg(rest: tuple, kwargs: dict, i: int, name: str, default):
+    """A filter's argument after its value: positional `i` or keyword `name`."""
+    return rest[i] if len(rest) > i else kwargs.get(name, default)
 
 
 def render_bounded(template, **ctx) -> str:
