@@ -1,0 +1,592 @@
+"""A bundle's plain graph rewritten at load into onnxruntime's fused ops (docs/fused.md).
+
+The bundle stays as it is (standard ONNX, TensorRT-parsable). At load this module derives a second
+graph from it for onnxruntime's CPU provider:
+
+- per layer, one com.microsoft GroupQueryAttention in place of the plain attention block (RoPE,
+  quantize of the new K/V, the two attention products, softmax, the mask), fed the layer's own
+  packed q|k|v projection and writing the layer's cache;
+- the residual Add before an RMSNorm folded with it into SkipSimplifiedLayerNormalization.
+
+Everything else (embedding, projections, MLP, head, their quantized weights) is the bundle's own
+graph, its weights read from the bundle's data file: nothing is stored twice. What is new is tiny
+and derived: the RoPE cos/sin tables (from the graph's own inv_freq constant) and, for a static
+int8 cache, the layer's calibrated scales in GroupQueryAttention's PER_CHANNEL shape [1, Hkv, 1, D].
+
+The fused graph's I/O differs from the plain contract (docs/graph.md) in the cache and the mask:
+
+  inputs   input_ids, position_ids, logits_index (as before), seqlens_k int32 [B] (tokens in
+           the cache after this call, minus 1), total_sequence_length int32 [] (their maximum),
+           past.{i}.key / .value [B, Hkv, C, D] (BNSH, the whole buffer of capacity C)
+  outputs  logits; present.{i}.key / .value [B, Hkv, C, D]: the same buffer (bound at the same
+           address as past: GroupQueryAttention writes the new tokens in place)
+
+No key_mask: GroupQueryAttention's causal rule over each entry's first seqlens_k + 1 slots is the
+linear cache's mask; rings and the serving pool's masks are what the integration still has to
+design (docs/fused.md). The per-token int8 scheme cannot be expressed (the op has no per-token
+scales), nor int4's levels and rotation: those bundles raise NotFusable, and the caller keeps the
+plain graph.
+
+Needs the `onnx` package (a runtime dependency already, for cast_cache_reads in ort.py).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from edgekv.errors import BundleError
+from edgekv.format.bundle import Bundle
+
+# GroupQueryAttention's CPU kernel takes an int8 cache from onnxruntime 1.27 (docs/fused.md)
+MIN_ORT = (1, 27)
+MS = "com.microsoft"
+SEQLENS = "seqlens_k"
+TOTAL = "total_sequence_length"
+
+
+class NotFusable(BundleError):
+    """This bundle's graph has a layer the fused ops cannot express (the message says which)."""
+
+
+def ort_version_ok(version: str) -> bool:
+    """onnxruntime `version` has GroupQueryAttention's int8-cache CPU kernel."""
+    parts = []
+    for p in version.split(".")[:2]:
+        digits = "".join(c for c in p if c.isdigit())
+        parts.append(int(digits or 0))
+    return tuple(parts) >= MIN_ORT
+
+
+class _Graph:
+    """The plain graph with the look-ups the matcher needs: producers, consumers, constants."""
+
+    def __init__(self, model, base_dir: str):
+        import onnx
+        from onnx import numpy_helper
+
+        self.onnx, self.nh = onnx, numpy_helper
+        self.model, self.g, self.base_dir = model, model.graph, base_dir
+        self.inits = {t.name: t for t in self.g.initializer}
+        self.reindex()
+
+    def reindex(self) -> None:
+        self.producer = {o: n for n in self.g.node for o in n.output if o}
+        self.consumers: dict[str, list] = {}
+        for n in self.g.node:
+            for i in n.input:
+                if i:
+                    self.consumers.setdefault(i, []).append(n)
+
+    def const(self, name: str) -> np.ndarray | None:
+        """The value of a constant tensor (initializer or Constant node), else None."""
+        t = self.inits.get(name)
+        if t is not None:
+            if t.data_location == self.onnx.TensorProto.EXTERNAL:
+                return self.nh.to_array(t, self.base_dir)
+            return self.nh.to_array(t)
+        n = self.producer.get(name)
+        if n is not None and n.op_type == "Constant":
+            return self.nh.to_array(n.attribute[0].t) if n.attribute[0].name == "value" else None
+        return None
+
+    def const_dims(self, name: str) -> list[int] | None:
+        """Dims of a weight: an initializer, or the DequantizeLinear of one (quantized weights)."""
+        t = self.inits.get(name)
+        if t is not None:
+            return list(t.dims)
+        n = self.producer.get(name)
+        if n is not None and n.op_type == "Constant":
+            return list(n.attribute[0].t.dims)
+        if n is not None and n.op_type == "DequantizeLinear" and n.input[0] in self.inits:
+            return list(self.inits[n.input[0]].dims)
+        return None
+
+    def op(self, name: str, *ops: str):
+        """The node producing `name` if it is one of `ops`, else None."""
+        n = self.producer.get(name)
+        return n if n is not None and n.op_type in ops else None
+
+    def attr(self, node, name: str, default=None):
+        for a in node.attribute:
+            if a.name == name:
+                return self.onnx.helper.get_attribute_value(a)
+        return default
+
+
+class Layer:
+    """What one layer's attention block was found to be in the plain graph."""
+
+    def __init__(self, i: int, qkv: str, attn_out: str, k_scale, v_scale):
+        self.i, self.qkv, self.attn_out = i, qkv, attn_out
+        self.k_scale, self.v_scale = k_scale, v_scale  # [Hkv, D] constants (static int8), else None
+
+
+def _back_to_split(g: _Graph, name: str, scheme_kind: str):
+    """Walk from present.{i}.* back to the Split output it was cut from. A float cache stores the
+    Split's output as it is; a static int8 cache QuantizeLinear(Clip(Round(x / scale), -127, 127))
+    with a constant scale. Returns (Split node, its output, the constant scale or None)."""
+    scale = None
+    if scheme_kind == "static":
+        q = g.op(name, "QuantizeLinear")
+        clip = q and g.op(q.input[0], "Clip")
+        rnd = clip and g.op(clip.input[0], "Round")
+        div = rnd and g.op(rnd.input[0], "Div")
+        if div is None or g.const(q.input[1]) is None or float(g.const(q.input[1])) != 1.0:
+            raise NotFusable(f"{name}: not written as QuantizeLinear(Clip(Round(x / scale)), 1.0)")
+        lo, hi = (g.const(clip.input[k]) for k in (1, 2))
+        if lo is None or hi is None or float(lo) != -127.0 or float(hi) != 127.0:
+            raise NotFusable(f"{name}: the cache's codes are not clamped to +-127")
+        scale = g.const(div.input[1])
+        if scale is None:  # a computed scale: the per-token scheme
+            raise NotFusable(f"{name}: its scale is computed per token (GroupQueryAttention has no per-token mode)")
+        name = div.input[0]
+    split = g.op(name, "Split")
+    if split is None:
+        raise NotFusable(f"{name}: not cut from the projection by a Split")
+    return split, name, scale
+
+
+def _split_sizes(g: _Graph, split) -> list[int] | None:
+    if len(split.input) > 1 and split.input[1]:
+        v = g.const(split.input[1])
+        return None if v is None else [int(x) for x in v]
+    return None
+
+
+def _match_layer(g: _Graph, i: int, m: dict, kind: str, rope: dict) -> Layer:
+    """Recognise layer i's attention block by its structure (docs/fused.md, "What is matched"):
+    present.{i}.key <- Split[H, Hkv] of the RoPE'd q|k <- qk*cos + (qk@rot)*sin, qk and v the
+    Split[H+Hkv, Hkv] of Transpose(Reshape(qkv)); the attention's output is what the output
+    projection (a [H*D, E] weight) multiplies, found back from the residual Add."""
+    H, Hkv, D, E = m["n_heads"], m["n_kv_heads"], m["head_dim"], m["hidden_size"]
+    ksplit, kname, ks = _back_to_split(g, f"present.{i}.key", kind)
+    vsplit, vname, vs = _back_to_split(g, f"present.{i}.value", kind)
+    if _split_sizes(g, ksplit) != [H, Hkv] or list(ksplit.output).index(kname) != 1:
+        raise NotFusable(f"layer {i}: the keys are not the last {Hkv} heads of the RoPE'd q|k")
+    if _split_sizes(g, vsplit) != [H + Hkv, Hkv] or list(vsplit.output).index(vname) != 1:
+        raise NotFusable(f"layer {i}: the values are not the last {Hkv} heads of q|k|v")
+    qk = vsplit.output[0]
+    _match_rope(g, i, ksplit.input[0], qk, rope)
+    tr = g.op(vsplit.input[0], "Transpose")
+    if tr is None or list(g.attr(tr, "perm", [])) != [1, 0, 2, 3]:
+        raise NotFusable(f"layer {i}: q|k|v is not made slot-major by Transpose [1, 0, 2, 3]")
+    rs = g.op(tr.input[0], "Reshape")
+    if rs is None:
+        raise NotFusable(f"layer {i}: q|k|v is not a Reshape of the projection")
+    qkv = rs.input[0]
+    h = _activation_of(g, qkv, [E, (H + 2 * Hkv) * D])
+    if h is None:
+        raise NotFusable(f"layer {i}: no q|k|v projection of width {(H + 2 * Hkv) * D} found")
+    attn_out = _attention_output(g, i, h, [H * D, E])
+    for s in (ks, vs):
+        if s is not None and s.shape != (Hkv, D):
+            raise NotFusable(f"layer {i}: static scale of shape {s.shape}, expected {(Hkv, D)}")
+    return Layer(i, qkv, attn_out, ks, vs)
+
+
+def _match_rope(g: _Graph, i: int, rope_out: str, qk: str, rope: dict) -> None:
+    """rope_out = qk * cos + (qk @ R) * sin with R rotate_half's matrix, cos/sin the graph's
+    cos/sin of position_ids * inv_freq. Records inv_freq (the same constant in every layer)."""
+    add = g.op(rope_out, "Add")
+    muls = [g.op(x, "Mul") for x in add.input] if add is not None else []
+    if len(muls) != 2 or None in muls:
+        raise NotFusable(f"layer {i}: RoPE is not qk * cos + (qk @ R) * sin")
+    plain = next((mm for mm in muls if qk in mm.input), None)
+    rot = next((mm for mm in muls if mm is not plain), None)
+    mat = None
+    if rot is not None:
+        mat = next((g.op(x, "MatMul") for x in rot.input if g.op(x, "MatMul")), None)
+    if plain is None or mat is None or mat.input[0] != qk:
+        raise NotFusable(f"layer {i}: RoPE is not qk * cos + (qk @ R) * sin")
+    d = rope["D"]
+    r = g.const(mat.input[1])
+    if r is None or r.shape != (d, d) or not np.array_equal(r, rotate_half_matrix(d)):
+        raise NotFusable(f"layer {i}: RoPE's rotation is not rotate_half (interleaved or partial rotary)")
+    cos = _table_source(g, next(x for x in plain.input if x != qk), "Cos")
+    sin = _table_source(g, next(x for x in rot.input if x != mat.output[0]), "Sin")
+    inv = _inv_freq(g, cos.input[0])
+    if cos.input[0] != sin.input[0] or inv is None:
+        raise NotFusable(f"layer {i}: cos/sin are not of position_ids * inv_freq")
+    if rope.get("inv_freq") is not None and not np.array_equal(rope["inv_freq"], inv):
+        raise NotFusable(f"layer {i}: a RoPE frequency table unlike layer 0's")
+    rope["inv_freq"] = inv
+
+
+def rotate_half_matrix(d: int) -> np.ndarray:
+    """The exporter's rotate_half matrix (export/model.py): x @ R = cat(-x[d/2:], x[:d/2])."""
+    h = d // 2
+    r = np.zeros((d, d), np.float32)
+    r[np.arange(h) + h, np.arange(h)] = -1.0
+    r[np.arange(h), np.arange(h) + h] = 1.0
+    return r
+
+
+def _table_source(g: _Graph, name: str, op: str):
+    """Follow the cos/sin tensor back through layout ops (Unsqueeze, Slice, Transpose) to `op`."""
+    n = g.producer.get(name)
+    while n is not None and n.op_type in ("Unsqueeze", "Slice", "Transpose", "Reshape", "Identity", "Cast"):
+        n = g.producer.get(n.input[0])
+    if n is None or n.op_type != op:
+        raise NotFusable(f"RoPE's {op.lower()} table is not a {op} of the positions")
+    return n
+
+
+def _inv_freq(g: _Graph, name: str) -> np.ndarray | None:
+    """name = Concat(f, f), f = Unsqueeze(Cast(position_ids)) * inv_freq: inv_freq, else None."""
+    cat = g.op(name, "Concat")
+    if cat is None or len(cat.input) != 2 or cat.input[0] != cat.input[1]:
+        return None
+    mul = g.op(cat.input[0], "Mul")
+    if mul is None:
+        return None
+    for a, b in (mul.input, mul.input[::-1]):
+        inv = g.const(b)
+        un = g.op(a, "Unsqueeze")
+        cast = un and g.op(un.input[0], "Cast")
+        if inv is not None and cast is not None and cast.input[0] == "position_ids":
+            return inv.astype(np.float32).reshape(-1)
+    return None
+
+
+def _weight_matmul_input(g: _Graph, out: str, dims: list[int], depth: int = 6) -> str | None:
+    """The activation a [K, N] weight multiplies on the way to `out`: walks back through Add
+    (bias, GGUF Q4_1's minimum term) to the MatMul whose B is a weight of `dims`."""
+    n = g.producer.get(out)
+    if n is None or depth == 0:
+        return None
+    if n.op_type == "MatMul" and g.const_dims(n.input[1]) == dims:
+        return n.input[0]
+    if n.op_type == "Add":
+        for x in n.input:
+            a = _weight_matmul_input(g, x, dims, depth - 1)
+            if a is not None:
+                return a
+    return None
+
+
+def _activation_of(g: _Graph, qkv: str, dims: list[int]) -> str | None:
+    return _weight_matmul_input(g, qkv, dims)
+
+
+def _attention_output(g: _Graph, i: int, h: str, wo_dims: list[int]) -> str:
+    """h = RMSNorm(x) is what the q|k|v projection multiplies; x's consumer Add is the residual
+    x + wo(attention); the tensor the [H*D, E] weight there multiplies is the attention's output."""
+    norm_in = _rmsnorm_input(g, h)
+    if norm_in is None:
+        raise NotFusable(f"layer {i}: the q|k|v projection's input is not an RMSNorm")
+    x, _, _ = norm_in
+    for add in g.consumers.get(x, []):
+        if add.op_type != "Add":
+            continue
+        other = add.input[1] if add.input[0] == x else add.input[0]
+        a = _weight_matmul_input(g, other, wo_dims)
+        if a is not None:
+            return a
+    raise NotFusable(f"layer {i}: no residual Add of an output projection found")
+
+
+def _rmsnorm_input(g: _Graph, h: str):
+    """h = weight * (x / Sqrt(ReduceMean(x^2) + eps)) (export/model.py's RMSNorm): (x, weight
+    name, eps), else None."""
+    mul = g.op(h, "Mul")
+    if mul is None:
+        return None
+    for w, d in (mul.input, mul.input[::-1]):
+        div = g.op(d, "Div")
+        if div is None or g.const(w) is None:
+            continue
+        x = div.input[0]
+        sq = g.op(div.input[1], "Sqrt")
+        add = sq and g.op(sq.input[0], "Add")
+        if add is None:
+            continue
+        for mean_name, eps_name in (add.input, add.input[::-1]):
+            mean = g.op(mean_name, "ReduceMean")
+            eps = g.const(eps_name)
+            pw = mean and g.op(mean.input[0], "Pow")
+            if pw is not None and eps is not None and pw.input[0] == x and float(g.const(pw.input[1])) == 2.0:
+                return x, w, float(eps)
+    return None
+
+
+class FusedGraph:
+    """The rewritten model and what the rewrite did."""
+
+    def __init__(self, model, layers: list[Layer], skip_norms: int, kind: str):
+        self.model = model
+        self.layers = layers
+        self.skip_norms = skip_norms
+        self.kind = kind  # "float" | "static": the cache the fused graph reads and writes
+
+    def serialize(self) -> bytes:
+        return self.model.SerializeToString()
+
+
+def fuse_bundle(bundle: Bundle, max_positions: int | None = None, skip_norm: bool = True) -> FusedGraph:
+    """Derive the fused graph from `bundle`'s plain graph (its weights stay in the bundle's data
+    file). max_positions: rows of the RoPE tables (default: the bundle's verified context)."""
+    import onnx
+
+    kind = bundle.scheme.kind
+    if kind not in ("float", "static"):
+        raise NotFusable(f"{bundle.path}: the {bundle.manifest['kv']['scheme']} KV scheme has no GroupQueryAttention "
+                         f"form (the op's int8 cache takes only constant per-tensor or per-channel scales)")
+    model = onnx.load(str(bundle.onnx_path), load_external_data=False)
+    g = _Graph(model, str(bundle.onnx_path.parent))
+    m = bundle.model
+    rope = {"D": m["head_dim"]}
+    layers = [_match_layer(g, i, m, kind, rope) for i in range(m["n_layers"])]
+    _emit_attention(g, layers, m, kind, rope["inv_freq"], max_positions or bundle.max_context)
+    skips = _emit_skip_norms(g) if skip_norm else 0
+    _prune(g)
+    _check_fused(g, m["n_layers"])
+    return FusedGraph(model, layers, skips, kind)
+
+
+def _emit_attention(g: _Graph, layers: list[Layer], m: dict, kind: str, inv_freq: np.ndarray, positions: int) -> None:
+    onnx, helper, nh = g.onnx, g.onnx.helper, g.nh
+    H, Hkv, D = m["n_heads"], m["n_kv_heads"], m["head_dim"]
+    freqs = np.arange(positions, dtype=np.float32)[:, None] * inv_freq[None]  # as the graph: f32 positions x f32 table
+    g.g.initializer.extend([nh.from_array(np.cos(freqs).astype(np.float32), "fused.cos_cache"),
+                            nh.from_array(np.sin(freqs).astype(np.float32), "fused.sin_cache")])
+    attrs = dict(num_heads=H, kv_num_heads=Hkv, do_rotary=1, rotary_interleaved=0)
+    if kind == "static":
+        attrs.update(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=8)
+    new_nodes = []
+    renames = {}
+    for L in layers:
+        i = L.i
+        ins = [L.qkv, "", "", f"past.{i}.key", f"past.{i}.value", SEQLENS, TOTAL, "fused.cos_cache",
+               "fused.sin_cache", "position_ids", "", ""]
+        if kind == "static":
+            ins += [f"fused.{i}.k_scale", f"fused.{i}.v_scale"]
+            g.g.initializer.extend([nh.from_array(L.k_scale.astype(np.float32).reshape(1, Hkv, 1, D), ins[-2]),
+                                    nh.from_array(L.v_scale.astype(np.float32).reshape(1, Hkv, 1, D), ins[-1])])
+        out = f"fused.{i}.attn"
+        new_nodes.append(helper.make_node("GroupQueryAttention", ins, [out, f"fused.{i}.key", f"fused.{i}.value"],
+                                          name=f"fused.{i}.gqa", domain=MS, **attrs))
+        renames[L.attn_out] = out
+    # consumers of the old attention outputs read the fused ones; the old present.* are renamed
+    # away so the fused node's outputs can take the graph outputs' names
+    for n in g.g.node:
+        for k, x in enumerate(n.input):
+            if x in renames:
+                n.input[k] = renames[x]
+    for L in layers:
+        for which in ("key", "value"):
+            old = f"present.{L.i}.{which}"
+            _rename(g, old, old + ".plain")
+            for n in new_nodes:
+                for k, o in enumerate(n.output):
+                    if o == f"fused.{L.i}.{which}":
+                        n.output[k] = old
+    g.g.node.extend(new_nodes)
+    _set_io(g, layers, m, kind)
+    if not any(o.domain == MS for o in g.model.opset_import):
+        g.model.opset_import.append(helper.make_opsetid(MS, 1))
+    g.reindex()
+
+
+def _rename(g: _Graph, old: str, new: str) -> None:
+    for n in g.g.node:
+        for k, x in enumerate(n.input):
+            if x == old:
+                n.input[k] = new
+        for k, x in enumerate(n.output):
+            if x == old:
+                n.output[k] = new
+
+
+def _set_io(g: _Graph, layers: list[Layer], m: dict, kind: str) -> None:
+    """The cache tensors become BNSH [batch, Hkv, cache, D]; seqlens_k and total_sequence_length
+    come in; key_mask goes once nothing reads it (_prune)."""
+    helper, TP = g.onnx.helper, g.onnx.TensorProto
+    Hkv, D = m["n_kv_heads"], m["head_dim"]
+    cache = {f"{p}.{L.i}.{w}" for L in layers for p in ("past", "present") for w in ("key", "value")}
+    for vi in [*g.g.input, *g.g.output]:
+        if vi.name in cache:
+            elem = vi.type.tensor_type.elem_type
+            vi.CopyFrom(helper.make_tensor_value_info(vi.name, elem, ["batch", Hkv, "cache", D]))
+    g.g.input.extend([helper.make_tensor_value_info(SEQLENS, TP.INT32, ["batch"]),
+                      helper.make_tensor_value_info(TOTAL, TP.INT32, [])])
+
+
+def _emit_skip_norms(g: _Graph) -> int:
+    """Every RMSNorm whose input is a residual Add (x + a, both activations) becomes one
+    SkipSimplifiedLayerNormalization(x, a, weight) whose 4th output is the sum, which the Add's
+    other readers take. The final norm reads a Gather of the sum (logits_index) and stays."""
+    helper = g.onnx.helper
+    count = 0
+    for mul in list(g.g.node):
+        if mul.op_type != "Mul" or not mul.output:
+            continue
+        found = _rmsnorm_input(g, mul.output[0])
+        if found is None:
+            continue
+        x, w, eps = found
+        add = g.op(x, "Add")
+        if add is None or any(g.const(a) is not None for a in add.input):
+            continue
+        out, norm = mul.output[0], f"fused.skipnorm.{count}"
+        g.g.node.append(helper.make_node("SkipSimplifiedLayerNormalization", [add.input[0], add.input[1], w],
+                                         [norm + ".out", "", "", norm + ".sum"], name=norm, domain=MS, epsilon=eps))
+        inside = _norm_nodes(g, x, out)  # the plain norm's own ops read x; everyone else takes the sum
+        for n in g.g.node:
+            for k, v in enumerate(n.input):
+                if v == out:
+                    n.input[k] = norm + ".out"
+                elif v == x and id(n) not in inside:
+                    n.input[k] = norm + ".sum"
+        for o in g.g.output:  # (a graph output would keep its name; none is expected here)
+            if o.name in (x, out):
+                raise NotFusable(f"{o.name}: a graph output inside a residual norm")
+        g.reindex()
+        count += 1
+    _toposort(g)
+    return count
+
+
+def _norm_nodes(g: _Graph, x: str, out: str) -> set[int]:
+    """ids of the plain RMSNorm's nodes from x to out (the ancestors of out that read x's subtree)."""
+    seen, stack = set(), [g.producer[out]]
+    while stack:
+        n = stack.pop()
+        if id(n) in seen:
+            continue
+        seen.add(id(n))
+        for v in n.input:
+            p = g.producer.get(v)
+            if v != x and p is not None and p.op_type != "Constant" and v not in g.inits:
+                stack.append(p)
+    return seen
+
+
+def _toposort(g: _Graph) -> None:
+    """Order the nodes so every input is produced before it is read (new nodes were appended)."""
+    have = {i.name for i in g.g.input} | {t.name for t in g.g.initializer} | {""}
+    nodes, out = list(g.g.node), []
+    pending = nodes
+    while pending:
+        rest = []
+        for n in pending:
+            if all(x in have for x in n.input):
+                out.append(n)
+                have.update(n.output)
+            else:
+                rest.append(n)
+        if len(rest) == len(pending):
+            raise NotFusable("the rewritten graph has a cycle or an input nobody produces: "
+                             + ", ".join(x for n in rest[:3] for x in n.input if x not in have))
+        pending = rest
+    del g.g.node[:]
+    g.g.node.extend(out)
+    g.reindex()
+
+
+def _prune(g: _Graph) -> None:
+    """Drop every node, initializer and graph input the outputs no longer need."""
+    _toposort(g)
+    need = {o.name for o in g.g.output}
+    keep = []
+    for n in reversed(list(g.g.node)):
+        if any(o in need for o in n.output):
+            keep.append(n)
+            need.update(x for x in n.input if x)
+            for a in n.attribute:  # subgraphs (none expected) would read outer names
+                if a.g.node:
+                    raise NotFusable("the graph has control flow")
+    del g.g.node[:]
+    g.g.node.extend(reversed(keep))
+    inits = [t for t in g.g.initializer if t.name in need]
+    del g.g.initializer[:]
+    g.g.initializer.extend(inits)
+    inputs = [i for i in g.g.input if i.name in need or i.name.startswith("past.")]
+    del g.g.input[:]
+    g.g.input.extend(inputs)
+    del g.g.value_info[:]
+    g.inits = {t.name: t for t in g.g.initializer}
+    g.reindex()
+
+
+def _check_fused(g: _Graph, n_layers: int) -> None:
+    """A silent half-rewrite must not pass: one GroupQueryAttention per layer, reading its own
+    past.*, and nothing else reading the cache or a key mask."""
+    gqa = [n for n in g.g.node if n.op_type == "GroupQueryAttention"]
+    if len(gqa) != n_layers:
+        raise NotFusable(f"{len(gqa)} GroupQueryAttention nodes for {n_layers} layers")
+    for name, readers in g.consumers.items():
+        if name.startswith("past.") and any(r.op_type != "GroupQueryAttention" for r in readers):
+            raise NotFusable(f"{name} is still read by plain ops")
+    if "key_mask" in g.consumers:
+        raise NotFusable("the key mask is still read")
+
+
+def fused_inputs(n: int, s: int) -> dict[str, np.ndarray]:
+    """seqlens_k and total_sequence_length of a call of s new tokens after n cached ones (one
+    sequence, batch 1)."""
+    return {SEQLENS: np.array([n + s - 1], np.int32), TOTAL: np.array(n + s, np.int32)}
+
+
+class FusedRunner:
+    """The fused graph on onnxruntime's CPU provider for one linear sequence, its cache one
+    contiguous BNSH buffer [1, Hkv, capacity, D] per layer and K/V, bound as past and present
+    at the same address (GroupQueryAttention appends in place). The standalone form the
+    integration folds into OrtBackend and KVCache (docs/fused.md)."""
+
+    def __init__(self, bundle: Bundle, capacity: int, threads: int | None = None, matmul_accuracy: int | None = None,
+                 skip_norm: bool = True):
+        from edgekv.runtime.backends.ort import MATMUL_ACCURACY, _import_ort
+
+        ort = _import_ort()
+        if not ort_version_ok(ort.__version__):
+            raise NotFusable(f"the fused path needs onnxruntime >= {'.'.join(map(str, MIN_ORT))} "
+                             f"(this is {ort.__version__})")
+        if capacity > bundle.max_context:
+            raise BundleError(f"a cache of {capacity} slots exceeds the {bundle.max_context} tokens this bundle was verified for")
+        self.fused = fuse_bundle(bundle, skip_norm=skip_norm)
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = threads or 0
+        opts.inter_op_num_threads = 1
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        opts.log_severity_level = 3
+        opts.enable_mem_pattern = True
+        acc = MATMUL_ACCURACY if matmul_accuracy is None else matmul_accuracy
+        opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(acc))
+        opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(bundle.onnx_path.parent))
+        off = ["QDQPropagationTransformer"] if bundle.weights == "int4" else None  # as OrtBackend (docs/weights.md)
+        self.session = ort.InferenceSession(self.fused.serialize(), opts, providers=["CPUExecutionProvider"],
+                                            disabled_optimizers=off)
+        m = bundle.model
+        self.capacity, self.vocab = capacity, m["vocab_size"]
+        dtype = np.int8 if self.fused.kind == "static" else np.float32
+        self.buffers = {f"{w}.{i}": np.zeros((1, m["n_kv_heads"], capacity, m["head_dim"]), dtype)
+                        for i in range(m["n_layers"]) for w in ("key", "value")}
+        self.io = self.session.io_binding()
+        for name, buf in self.buffers.items():
+            w, i = name.split(".")
+            for io_name, bind in ((f"past.{i}.{w}", self.io.bind_input), (f"present.{i}.{w}", self.io.bind_output)):
+                bind(io_name, "cpu", 0, buf.dtype, list(buf.shape), buf.ctypes.data)
+        self.n = 0  # tokens in the cache
+
+    def reset(self) -> None:
+        self.n = 0
+
+    def run(self, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
+        """One call of S = input_ids.shape[1] new tokens after the n cached ones: logits [1, K, V]."""
+        s = input_ids.shape[1]
+        if self.n + s > self.capacity:
+            raise BundleError(f"context full: {self.n} + {s} tokens exceed the cache capacity of {self.capacity}")
+        feeds = {"input_ids": np.ascontiguousarray(input_ids, np.int64),
+                 "position_ids": np.arange(self.n, self.n + s, dtype=np.int64)[None],
+                 "logits_index": np.ascontiguousarray(logits_index, np.int64), **fused_inputs(self.n, s)}
+        self._feeds = feeds  # kept alive: the binding points into them
+        for name, a in feeds.items():
+            self.io.bind_input(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
+        logits = np.empty((1, logits_index.shape[1], self.vocab), np.float32)
+        self.io.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
+        self.session.run_with_iobinding(self.io)
+        self.n += s
+        return logits
+
+    def cache(self, layer: int, which: str) -> np.ndarray:
+        """The filled slots of one cache tensor, slot-major [n, Hkv, D] (as the plain cache holds them)."""
+        return self.buffers[f"{which}.{layer}"][0, :, : self.n].transpose(1, 0, 2)
