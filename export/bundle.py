@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -317,8 +318,12 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
     model.load_state_dict(src.state_dict, strict=False)  # inv_freq is computed, lm_head may be tied
     calibration = None
     if model.scheme.kind == "static" or model.scheme.center_keys:
-        calibration = calibrate(model, src, kv, calib_text, calib_tokens)
-    plan, awq = quantize_model(model, src, weights, group, method, requantize, (calib_text, calib_tokens))
+        with stage("calibrating", f" {kv}"):
+            calibration = calibrate(model, src, kv, calib_text, calib_tokens)
+    plan, awq = {}, None
+    if weights != "float":
+        with stage("quantizing weights", f" to {weights}"):
+            plan, awq = quantize_model(model, src, weights, group, method, requantize, (calib_text, calib_tokens))
     model = model.to(torch_dtype).eval()
 
     out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -429,6 +434,11 @@ def check_out_dir(out_dir: Path, force: bool) -> None:
     kind = kind_of(out_dir)
     if kind not in (None, "a folder"):
         raise ExportError(f"{out_dir}: is {kind}; --out must be a folder (or a new name)")
+    above = next(p for p in out_dir.absolute().parents if kind_of(p) is not None)  # "/" at the latest
+    if not above.is_dir():
+        raise ExportError(f"{out_dir}: cannot make a folder there, {above} is {kind_of(above)}")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise ExportError(f"{out_dir}: cannot write in {above} (no permission)")
     if kind and not force and not replaceable(out_dir):
         raise ExportError(f"{out_dir}: a folder with other files, not an edgekv bundle; choose another --out "
                           f"(or --force: its contents are moved aside to {out_dir.name}.old-*, not deleted)")
@@ -443,7 +453,8 @@ def quantize_model(model: Transformer, src: Source, weights: str, group: int, me
     state = {k: v.float().numpy() for k, v in src.state_dict.items() if v.dim() == 2}
     if src.config.tie_word_embeddings:  # the head is stored apart from the table (8-bit blocks for the MatMul, the table's own for the Gather)
         state["lm_head.weight"] = state["embed.weight"]
-    note(f"quantizing weights to {weights}" + (f" (groups of {group} where requantized)" if weights == "int4" else "") + " ...")
+    if weights == "int4":
+        note(f"  groups of {group} where requantized")
     try:
         kept = {} if requantize else dict(src.blocks)  # requantize: ignore the source's own blocks (for comparison)
         if src.config.tie_word_embeddings and "embed.weight" in kept:
@@ -559,7 +570,7 @@ def calibrate(model: Transformer, src: Source, kv: str, calib_text: str | None, 
     from export.calibrate import key_mean, kv_absmax, set_key_offsets, set_static_scales
 
     ids, desc = calibration_ids(src, calib_text, calib_tokens)
-    note(f"calibrating {kv} on {len(ids)} tokens of {desc[:60]}...")
+    note(f"  on {len(ids)} tokens of {desc[:60]}...")
     ref = Transformer(src.config, "float").eval()
     ref.load_state_dict(src.state_dict, strict=False)
     if model.scheme.center_keys:

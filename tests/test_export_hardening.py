@@ -134,6 +134,9 @@ def test_out_refused_before_the_model_is_read(tmp_path):
     r = run_edgekv("export", bad, "--out", out)
     assert_clean_error(r, "not an edgekv bundle")
     assert "broken.gguf" not in r.stderr and (out / "thesis.tex").read_text() == "keep"
+    r = run_edgekv("export", bad, "--out", out / "thesis.tex" / "B")  # a folder inside a file: never makeable
+    assert_clean_error(r, "cannot make a folder there")
+    assert "broken.gguf" not in r.stderr and (out / "thesis.tex").read_text() == "keep"
 
 
 def test_default_out_refused_without_loading_the_model(tiny_llama, tmp_path, monkeypatch):

@@ -25,7 +25,7 @@ def kind_of(path: str | os.PathLike) -> str | None:
     """What is at `path` (never following a symlink): None if nothing, "a file", or another kind."""
     try:
         mode = os.lstat(path).st_mode
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # nothing there (a path under a file: nothing can be)
         return None
     if stat.S_ISREG(mode):
         return "a file"

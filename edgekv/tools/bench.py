@@ -76,10 +76,10 @@ def measure(rt: Runtime, configs: list[tuple[int, int]], decode_tokens: int, rep
     A line after each round (a round of the default bench takes about a minute here)."""
     caches = {C: rt.cache(C) for C in sorted({c for c, _ in configs})}
     gens = {key: rt.generator(cache=caches[key[0]]) for key in configs}
-    t0 = time.monotonic()
+    t0 = time.perf_counter()
 
     def done(r: int) -> None:
-        note(f"  round {r + 1}/{repeat + 1}{' (warm-up)' if r == 0 else ''} timed  [{time.monotonic() - t0:.0f} s]")
+        note(f"  round {r + 1}/{repeat + 1}{' (warm-up)' if r == 0 else ''} timed  [{time.perf_counter() - t0:.0f} s]")
     return measure_runs(gens, rt.bundle.model["vocab_size"], decode_tokens, repeat, done)
 
 
