@@ -118,7 +118,7 @@ def read(session, path: str, trust_unrecorded: bool = False) -> Saved:
         raise EdgeKVError(f"{path}: {diff}")
     if "kv_origin" not in meta and not trust_unrecorded:
         raise EdgeKVError(f"{path}: saved by an older edgekv that did not record which weights made its KV cache "
-                          f"(it may be another bundle's of this model); /load! {path} loads it anyway")
+                          f"(it may come from another bundle of this model); /load! {path} loads it anyway")
     n = session.cache.slots_in(snap)  # every buffer, its shape and dtype
     ids, vocab = meta["ids"], bundle.model["vocab_size"]
     if any(not 0 <= t < vocab for t in ids):
