@@ -22,7 +22,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from edgekv.runtime.assemble import open_runtime  # noqa: E402
-from edgekv.serve.app import STATES, Server, StopText, max_token_chars  # noqa: E402
+from edgekv.serve.app import STATES, Server, StopText, encode_unlocked, max_token_chars  # noqa: E402
 from edgekv.serve.server import BackgroundServer  # noqa: E402
 
 MSGS = [{"role": "system", "content": "The capital of France is Paris."},
@@ -90,11 +90,11 @@ class BlockingCodec:
     def __getattr__(self, name):
         return getattr(self.codec, name)
 
-    def chat_ids(self, messages, add_generation_prompt=True):
+    def render(self, messages, add_generation_prompt=True):
         self.renders += 1
         self.started.set()
         assert self.release.wait(60)
-        return self.codec.chat_ids(messages, add_generation_prompt)
+        return self.codec.render(messages, add_generation_prompt)
 
 
 # -- 1. cancel on disconnect, streaming or not
@@ -176,6 +176,32 @@ def test_text_far_longer_than_the_context_is_refused_before_tokenizing(rt):
         r = httpx.post(url + "/v1/completions", json={"prompt": "a" * (server.max_chars + 1)}, timeout=60)
         assert is_openai_error(r, 413, "prompt")
         assert chat(url, {}).status_code == 200 and codec.renders == 1
+
+
+@given(st.text(alphabet="abc é東🙂\n Paris robots<|im_start|>", max_size=200))
+@settings(max_examples=150, deadline=None)
+def test_encode_unlocked_is_the_codecs_encode(rt, text):
+    assert encode_unlocked(rt.codec, text) == rt.codec.encode(text)
+
+
+def test_the_tokenizer_lets_the_event_loop_run(rt):
+    """While a long text is tokenized on a worker thread another thread (the event loop) runs:
+    it gets the interpreter before the tokenizer is half done (Tokenizer.encode holds the GIL to
+    the end: the other thread ran only after it returned)."""
+    text = "robots trains tea Paris " * 20_000
+    started, t = threading.Event(), {}
+
+    def work():
+        t["start"] = time.perf_counter()
+        started.set()
+        encode_unlocked(rt.codec, text)
+        t["end"] = time.perf_counter()
+    w = threading.Thread(target=work)
+    w.start()
+    started.wait()
+    t["other"] = time.perf_counter()
+    w.join()
+    assert t["other"] - t["start"] < (t["end"] - t["start"]) / 2
 
 
 def test_health_answers_while_a_template_renders(rt):
@@ -416,8 +442,8 @@ def test_health_states(rt):
 
 def test_an_unexpected_failure_is_a_json_500(rt):
     class Broken(BlockingCodec):
-        def chat_ids(self, messages, add_generation_prompt=True):
-            raise RuntimeError("tokenizer exploded")
+        def render(self, messages, add_generation_prompt=True):
+            raise RuntimeError("template exploded")
     with serving(rt, codec=Broken(rt.codec, block=False)) as (server, engine, url):
         r = chat(url, {})
         assert is_openai_error(r, 500) and r.json()["error"]["type"] == "server_error"
