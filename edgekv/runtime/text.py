@@ -100,9 +100,12 @@ def bounded_sandbox():
                 raise EdgeKVError(f"chat template: rendering took longer than {MAX_RENDER_S:g} s")
 
         def call_binop(self, context, operator, left, right):
+            if operator == "+" and type(left) is str and type(right) is str:  # templates' glue: kept fast
+                _check_size(len(left) + len(right))
+                return left + right
             self._tick()
-            _check_binop(operator, left, right)
-            return _checked(super().call_binop(context, operator, left, right))
+            _check_binop(operator, left, right)  # sizes the result before it is computed
+            return self.binop_table[operator](left, right)
 
         def join_parts(self, context, parts):
             from jinja2.runtime import markup_join, str_join
@@ -166,6 +169,9 @@ def _check_size(n: int) -> None:
 
 def _checked(value):
     """`value`, unless it is too large to make or to output."""
+    if type(value) is str:  # most values: sized at once
+        _check_size(len(value))
+        return value
     if isinstance(value, (list, tuple)) and len(value) > MAX_ITEMS:
         raise EdgeKVError(f"chat template: makes a list of more than {MAX_ITEMS} items")
     _check_size(_size(value))
