@@ -431,6 +431,19 @@ def test_headers_sent_a_byte_at_a_time_are_cut(slow_server):
         assert closed_by_server(c, head).startswith(b"HTTP/1.1 408")
 
 
+def test_the_next_request_on_a_kept_connection_has_its_deadline_too(slow_server):
+    with connect(slow_server) as c:
+        c.sendall(b"GET / HTTP/1.1\r\nHost: localhost\r\n\r\n")
+        reply = b""
+        while not reply.endswith(b"0\r\n\r\n"):  # the chunked body's end
+            part = c.recv(4096)
+            assert part, reply
+            reply += part
+        assert b"ok" in reply
+        head = b"GET / HTTP/1.1\r\nHost: localhost\r\n" + b"X-Slow: " + b"a" * 10_000
+        assert closed_by_server(c, head).startswith(b"HTTP/1.1 408")
+
+
 def test_a_body_sent_a_byte_at_a_time_is_cut(slow_server):
     with connect(slow_server) as c:
         c.sendall(b"POST / HTTP/1.1\r\nHost: localhost\r\nContent-Length: 10000\r\n\r\n")

@@ -180,7 +180,7 @@ def deadline_protocol(read_timeout: float):
             self._deadline = None
             if self.transport.is_closing():
                 return
-            if self.cycle is None or not self.cycle.response_started:
+            if self.conn.our_state in (h11.IDLE, h11.SEND_RESPONSE):  # nothing of a reply sent yet
                 self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
             self.transport.close()
 
@@ -196,8 +196,7 @@ class BackgroundServer:
                  read_timeout: float = READ_TIMEOUT):
         uvicorn = _import_serving()
         sock = sock or listen_socket(host, port)
-        self.loop: asyncio.AbstractEventLoop | None = None
-        self.server = _uvicorn_server()(self, uvicorn.Config(
+        self.server = _uvicorn_server()(uvicorn.Config(
             app, log_level="warning", access_log=False, lifespan="off", http=deadline_protocol(read_timeout),
             timeout_keep_alive=KEEP_ALIVE, timeout_graceful_shutdown=CUT_AFTER))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, name="edgekv-http",
@@ -220,8 +219,8 @@ class BackgroundServer:
 
     def abort(self) -> None:
         """Close every connection now (their handlers see a client gone and cancel their requests), then stop."""
-        if self.loop is not None and self.thread.is_alive():
-            self.loop.call_soon_threadsafe(self._cut)
+        if self.server.loop is not None and self.thread.is_alive():
+            self.server.loop.call_soon_threadsafe(self._cut)
         self.close()
 
     def _cut(self) -> None:
@@ -236,11 +235,9 @@ def _uvicorn_server():
 
     class Uvicorn(uvicorn.Server):
         """uvicorn.Server that leaves the signals to the main thread (cmd_serve; uvicorn skips them on
-        another thread anyway) and tells its owner its event loop."""
+        another thread anyway) and keeps its event loop, for abort() to reach the connections."""
 
-        def __init__(self, owner: BackgroundServer, config):
-            super().__init__(config)
-            self.owner = owner
+        loop: asyncio.AbstractEventLoop | None = None
 
         def install_signal_handlers(self) -> None:  # uvicorn before 0.29
             pass
@@ -249,7 +246,7 @@ def _uvicorn_server():
             return contextlib.nullcontext()
 
         async def startup(self, sockets=None) -> None:
-            self.owner.loop = asyncio.get_running_loop()
+            self.loop = asyncio.get_running_loop()
             await super().startup(sockets=sockets)
 
     return Uvicorn
