@@ -4,6 +4,7 @@ float KV to float tolerance, static int8 KV to the same codes but for GroupQuery
 documented clamp to -128 (docs/fused.md)."""
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -13,7 +14,7 @@ ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
 from conftest import _export  # noqa: E402
-from edgekv.format.bundle import load_bundle  # noqa: E402
+from edgekv.format.bundle import file_sha256, load_bundle  # noqa: E402
 from edgekv.runtime.backends.fused import (  # noqa: E402
     MIN_ORT, FusedRunner, NotFusable, fuse_bundle, ort_version_ok)
 from edgekv.runtime.backends.ort import OrtBackend  # noqa: E402
@@ -182,5 +183,10 @@ def test_an_unknown_rope_is_refused(tiny_bundle_float, tmp_path):
     rot.CopyFrom(onnx.numpy_helper.from_array(-onnx.numpy_helper.to_array(rot), "rot"))
     onnx.save_model(m, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                     location=path.name + ".data", size_threshold=1024)
+    manifest = json.loads((dst / "edgekv.json").read_text())  # the bundle's own record of its files
+    for name in ("model.onnx", "model.onnx.data"):
+        manifest["files"]["sizes"][name] = (dst / name).stat().st_size
+        manifest["files"]["sha256"][name] = file_sha256(dst / name)
+    (dst / "edgekv.json").write_text(json.dumps(manifest))
     with pytest.raises(NotFusable, match="rotate_half"):
         fuse_bundle(load_bundle(dst))
