@@ -203,6 +203,29 @@ def test_a_pool_too_small_for_every_max_tokens_preempts_and_each_equals_alone(rt
     assert_clean(engine)
 
 
+def test_a_preempted_request_resumes_from_its_cached_prompt(rt_float):
+    """The prompt's cells stay in the prefix cache while the reply's are enough to free: the
+    preempted request prefills only its reply again (and still equals its lone decode)."""
+    engine = rt_float.engine(capacity=96, parallel=4, prefill_chunk=16)
+    old, young = Request(ids(10, 75), 41), Request(ids(30, 76), 40, record_logits=True)
+    resumed, admit = [], engine._admit_one
+
+    def spy(req):
+        ok = admit(req)
+        if ok and req.preempted:
+            resumed.append(req.fed)  # tokens taken from the cache at its readmission
+        return ok
+
+    engine._admit_one = spy
+    engine.submit(old), engine.submit(young)
+    run_checked(engine, [old, young])
+    assert young.preempted and resumed and min(resumed) >= len(young.prompt)
+    want_toks, want_rows = alone(rt_float, young.prompt, 40)
+    assert young.out == want_toks and old.out == alone(rt_float, old.prompt, 41)[0]
+    np.testing.assert_allclose(np.stack(young.logits), np.stack(want_rows), atol=1e-4, rtol=1e-4)
+    assert young.reused == 0  # what the client is told: nothing of its prompt was cached when it came
+
+
 def test_a_preempted_sampled_request_draws_what_it_draws_uninterrupted(rt_float):
     """Recompute leaves the request's random source alone: with a seed it draws the same tokens
     preempted or not (the logits are the same to float rounding)."""

@@ -375,10 +375,11 @@ class Engine:
                 req.budget = min(HEADROOM, self._total(req) - len(req.cells), self._spare())
 
     def _make_room(self, req: Request) -> bool:
-        """Until a cell is spare: cached prefixes give way (least recently used first), then the
-        youngest running request is preempted — `req` itself when it is the youngest (then False)."""
+        """Until a cell is spare: cached prefixes that free one give way (least recently used
+        first), then the youngest running request is preempted — `req` itself when it is the
+        youngest (then False)."""
         while self._spare() < 1:
-            if self.pool.evict_one():
+            if self.pool.evict_freeing():
                 continue
             victim = max((r for r in self.active if r.held is None), key=lambda r: r.order)
             self._preempt(victim)
@@ -432,7 +433,7 @@ class Engine:
         k, cells = self.pool.lookup(req.feed[:-1], req.tenant)  # the last token is always fed: its logits
         need = self._admission_need(req, k)
         self.pool.take(cells)  # held before any eviction below
-        while self._spare() < need and self.pool.evict_one():
+        while self._spare() < need and self.pool.evict_freeing():
             pass
         if self._spare() < need:
             self.pool.drop(cells)

@@ -145,6 +145,17 @@ class CellPool:
         self._forget(next(iter(self.prefixes)))
         return True
 
+    def evict_freeing(self) -> bool:
+        """Drop the least recently used prefix whose eviction frees a cell (one no sequence and no
+        other entry holds); False when there is none. An entry whose cells a running request
+        holds stays: it frees nothing now, and it is what that request resumes from after a
+        preemption."""
+        for key, cells in self.prefixes.items():
+            if (self.refs[cells] == 1).any():
+                self._forget(key)
+                return True
+        return False
+
     def _forget(self, key: "Prefix") -> None:
         cells = self.prefixes.pop(key)
         np.add.at(self.cache_refs, cells, -1)
