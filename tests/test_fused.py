@@ -172,6 +172,14 @@ def test_per_token_scheme_is_refused(tiny_bundle_int8):
         fuse_bundle(load_bundle(tiny_bundle_int8))
 
 
+def test_a_float16_graph_is_refused(tiny_bundle_float):
+    """The rewrite writes float32 RoPE tables: a float16 graph must be refused, not half-fused."""
+    b = load_bundle(tiny_bundle_float)
+    b.manifest["dtype"] = "float16"
+    with pytest.raises(NotFusable, match="float16"):
+        fuse_bundle(b)
+
+
 def test_an_unknown_rope_is_refused(tiny_bundle_float, tmp_path):
     """A graph whose RoPE is not the rotate_half form (here: its rotation matrix negated) must be
     refused, not fused into the op's RoPE."""

@@ -330,6 +330,8 @@ def fuse_bundle(bundle: Bundle, max_positions: int | None = None, skip_norm: boo
     if kind not in ("float", "static"):
         raise NotFusable(f"{bundle.path}: the {bundle.manifest['kv']['scheme']} KV scheme has no GroupQueryAttention "
                          f"form (the op's int8 cache takes only constant per-tensor or per-channel scales)")
+    if bundle.dtype != "float32":  # the RoPE tables and the op's T are written as float32
+        raise NotFusable(f"{bundle.path}: a {bundle.dtype} graph (the fused rewrite handles float32 graphs only)")
     model = onnx.load(str(bundle.onnx_path), load_external_data=False)
     g = _Graph(model, str(bundle.onnx_path.parent))
     m = bundle.model
