@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 from edgekv.errors import EdgeKVError, note
+from edgekv.format.bundle import load_bundle
 from edgekv.runtime.assemble import Runtime, open_runtime
 from edgekv.runtime.backends.base import PREFILL_CHUNK
 from edgekv.runtime.engine import Request
@@ -417,6 +418,7 @@ def cmd_serve(args) -> int:
     if args.parallel < 1 or args.queue < 0:
         raise EdgeKVError("--parallel must be at least 1 and --queue at least 0")
     keys = api_keys_of(args)
+    bundle = load_bundle(args.bundle)  # a wrong path or a broken manifest is one line before any URL
     access_log(args.quiet)
     sock = listen_socket(args.host, args.port)
     if args.host not in LOCAL_HOSTS and not keys:
@@ -430,7 +432,7 @@ def cmd_serve(args) -> int:
             print(f"edgekv serve: {url_of(args.host, http.port)}/v1 (loading {args.bundle})", flush=True)
             notify("STATUS=loading")
             t0 = time.perf_counter()
-            rt = open_runtime(args.bundle, ctx=args.ctx, backend=args.backend, threads=args.threads)
+            rt = open_runtime(bundle, ctx=args.ctx, backend=args.backend, threads=args.threads)
             engine, server = build_server(rt, args.ctx, args.parallel, args.queue, api_keys=keys,
                                           max_body_bytes=args.max_body, bind_host=args.host)
             server.set_state("loading")
