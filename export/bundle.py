@@ -93,7 +93,7 @@ def source_weights(path: Path, weights: str) -> tuple[str, str]:
     if weights != "auto":
         return weights, "as asked"
     if path.is_dir():
-        return "float", "auto: a float source (Hugging Face folder)"
+        return "float", "auto: a Hugging Face folder holds float weights"
     try:
         types = gguf_matrix_types(path)
     except SourceError as e:

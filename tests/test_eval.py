@@ -94,6 +94,20 @@ def test_eval_labels_name_the_reference_the_weights_and_the_kv_bytes(tiny_bundle
     assert "mean KLD vs float weights + int8 KV" in plot_labels(res)[1]
 
 
+def test_eval_says_when_no_float_kv_bundle_is_the_reference(tiny_bundle_int8, tmp_path):
+    import io
+    import shutil
+
+    twin = tmp_path / "int8-twin"
+    shutil.copytree(tiny_bundle_int8, twin)
+    out = io.StringIO()
+    res = evaluate([str(twin), str(tiny_bundle_int8)], "The capital of France is Paris. " * 60, ctx=64, chunks=1,
+                   out=out)
+    lines = [x for x in out.getvalue().splitlines() if "no float-weights float-KV bundle given" in x]
+    assert len(lines) == 1 and "int8-twin (float weights + int8 KV)" in lines[0]
+    assert res["reference_is"] == "float weights + int8 KV"
+
+
 def test_chunked_scoring_equals_token_by_token(tiny_bundle_int8):
     """What eval scores in chunks is what decode sees one token at a time."""
     text = "The capital of France is Paris. The capital of Germany is Berlin. " * 10

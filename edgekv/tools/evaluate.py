@@ -51,7 +51,8 @@ class SchemeResult:
     scheme: str
     bytes_per_token: int
     weights: str = "float"  # stored weight format
-    weight_bytes: int = 0   # the graph and its weights on disk: what the runtime holds
+    weight_bytes: int = 0   # the weights as stored (stored_weight_bytes): the same for the same weights
+    graph_bytes: int = 0    # the graph file on disk (the weights and the KV scheme's constants): what the runtime holds
     nll: list = field(default_factory=list)  # per scored token
     kld: list = field(default_factory=list)
     top1: list = field(default_factory=list)
@@ -145,7 +146,7 @@ def evaluate(paths: list[str], text: str | None = None, ctx: int = 1024, chunks:
             runtimes.append(rt)
             runners.append(functools.partial(run_window, rt.generator(prefill_chunk=prefill_chunk)))
             results.append(SchemeResult(b.path.name, b.scheme.name, b.kv_bytes_per_token(), b.weights,
-                                        stored_weight_bytes(b)))
+                                        stored_weight_bytes(b), b.graph_bytes()))
         if llama_cpp is not None:  # scored after every bundle, compared with the same reference
             m = bundles[0].model
             check_llama_cpp_runs(llama_cpp, ctx, threads, m["vocab_size"])
@@ -235,7 +236,8 @@ def summarize(bundles, results, ref_i, ctx, text_desc, n_windows, out) -> dict:
                "kld_p99": float(np.percentile(kld, 99)), "top1_pct": 100 * float(np.mean(r.top1)),
                "kv_bytes_per_token": r.bytes_per_token, "kv_vs_fp16": r.bytes_per_token / f16,
                "kv_mib_at_ctx": r.bytes_per_token * ctx / 2**20, "weights": r.weights,
-               "weights_mib": r.weight_bytes / 2**20, "total_mib_at_ctx": (r.weight_bytes + r.bytes_per_token * ctx) / 2**20,
+               "weights_mib": r.weight_bytes / 2**20,
+               "total_mib_at_ctx": ((r.graph_bytes or r.weight_bytes) + r.bytes_per_token * ctx) / 2**20,
                "saving_vs_fp16_pct": 100 * (1 - r.bytes_per_token / f16), "tokens_scored": len(r.nll)}
         rows.append(row)
         print(f"\n{r.label} ({r.name})", file=out)
@@ -244,7 +246,8 @@ def summarize(bundles, results, ref_i, ctx, text_desc, n_windows, out) -> dict:
               f"top-1 agreement = {row['top1_pct']:.2f} %", file=out)
         print(f"  KV {r.bytes_per_token} B/token ({row['kv_vs_fp16']:.3f}x fp16), {row['kv_mib_at_ctx']:.2f} MiB at "
               f"ctx {ctx}, {saving(row['kv_vs_fp16'])}", file=out)
-        print(f"  weights {r.weights}: {row['weights_mib']:.1f} MiB; total {row['total_mib_at_ctx']:.1f} MiB at ctx {ctx}",
+        print(f"  weights {r.weights}: {row['weights_mib']:.1f} MiB; total {row['total_mib_at_ctx']:.1f} MiB at ctx {ctx} "
+              f"(the graph file, its constants included, + the KV cache)",
               file=out)
     return {"ctx": ctx, "windows": n_windows, "text": text_desc, "reference": ref.name,
             "reference_is": describe(ref), "fp16_bytes_per_token": f16, "results": rows}
@@ -262,7 +265,7 @@ def saving(vs_fp16: float) -> str:
 def plot_labels(res: dict) -> tuple[str, str, str]:
     """The plot's x label, y label and title: the KLD is against the run's own reference."""
     ref = res.get("reference_is", "the reference")
-    return (f"memory: weights + KV cache at ctx {res['ctx']} (MiB)",
+    return (f"memory: graph file (weights and constants) + KV cache at ctx {res['ctx']} (MiB)",
             f"mean KLD vs {ref} (log)",
             f"Accuracy vs memory — ctx {res['ctx']}, {res['windows']} windows; reference {res['reference']}")
 
