@@ -94,7 +94,7 @@ def test_save_refuses_to_replace_a_file_that_is_not_a_saved_chat(tiny_bundle_int
         assert f"/save! {p}" in err[0], err  # says how to replace it on purpose
         assert p.read_bytes() == before
     assert sorted(x.name for x in tmp_path.iterdir()) == ["notes.txt", "other.zip"]  # no temp file left
-    # a saved chat (ours) and an empty file are replaced by a plain /save
+    # this conversation's saved chat and an empty file are replaced by a plain /save
     chat, empty = tmp_path / "c.npz", tmp_path / "empty.npz"
     s.save(str(chat))
     empty.write_bytes(b"")
@@ -104,6 +104,15 @@ def test_save_refuses_to_replace_a_file_that_is_not_a_saved_chat(tiny_bundle_int
         t = session(tiny_bundle_int8)
         t.load(str(p))
         assert t.messages == s.messages and t.ids == s.ids
+    # another conversation's saved chat is not (`/save c.npz` typed for `/load c.npz`), until it is loaded
+    another = session(tiny_bundle_int8)
+    before = chat.read_bytes()
+    err = command(another, f"/save {chat}", capsys)
+    assert len(err) == 1 and "another conversation's saved chat" in err[0] and f"/save! {chat}" in err[0], err
+    assert chat.read_bytes() == before
+    another.load(str(chat))
+    another.reply("And of Spain?")
+    assert command(another, f"/save {chat}", capsys) == [f"(saved to {chat})"]
     # /save! replaces a file that is not a saved chat, because the user said so
     assert command(s, f"/save! {notes}", capsys) == [f"(saved to {notes})"]
     t = session(tiny_bundle_int8)
@@ -223,12 +232,11 @@ LOAD_FILES = ("edgekv/chat/persistence.py", "edgekv/chat/session.py", "edgekv/ru
 # a Ctrl-C inside zipfile.open leaves the zip a member it never closed: its __del__ complains (ignored)
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_ctrl_c_at_every_line_of_save_leaves_the_file_whole_and_the_chat_going(tiny_bundle_int8, tmp_path, capsys):
-    old = session(tiny_bundle_int8)
-    old.reply("Hi")
-    target = tmp_path / "c.npz"
-    old.save(str(target))  # an older save of another conversation: "unchanged" is visible
-    old_bytes = target.read_bytes()
     s = session(tiny_bundle_int8)
+    s.reply("Hi")
+    target = tmp_path / "c.npz"
+    s.save(str(target))  # an older save of this conversation: "unchanged" is visible
+    old_bytes = target.read_bytes()
     s.reply("What is the capital of France?")
     before = state(s)
     cancelled = completed = 0

@@ -49,14 +49,31 @@ def kv_origin(bundle) -> dict:
             "graph_sha256": {name: h for name, h in sorted(hashes.items()) if name.startswith(onnx)}}
 
 
-def save(session, path: str, replace_any: bool = False) -> None:
-    """Write the conversation to `path`. A file there that is not a saved chat (is_ours) is
-    replaced only with `replace_any` (/save! FILE): a typo must not turn notes.txt into a zip."""
-    if not replace_any and kind_of(path) == "a file" and not is_ours(path):
+def check_replaceable(path: str, conversation: str) -> None:
+    """What a plain /save may replace: nothing, an empty or damaged file of ours, or a saved chat
+    of this conversation (`conversation`: its id, which the file's meta records). Anything else
+    needs /save! FILE: `/save notes.txt` must not turn notes into a zip, nor `/save c.npz` typed for
+    `/load c.npz` replace another conversation's saved chat."""
+    if kind_of(path) != "a file" or os.path.getsize(path) == 0:
+        return  # nothing to lose (anything but a regular file is refused by the write itself)
+    if not is_ours(path):
         raise EdgeKVError(f"{path}: not a saved edgekv chat; refusing to replace it (/save! {path} replaces it)")
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            theirs = json.loads(bytes(z["__meta__"]).decode()).get("conversation")
+    except Exception:  # ours but damaged: it cannot be loaded, nothing to keep
+        return
+    if theirs != conversation:
+        raise EdgeKVError(f"{path}: holds another conversation's saved chat; refusing to replace it "
+                          f"(/save! {path} replaces it)")
+
+
+def save(session, path: str) -> None:
+    """Write the conversation to `path` (atomically: a Ctrl-C or an error leaves what was there)."""
     bundle, seq = session.bundle, session.seq
     meta = {"edgekv_chat": FORMAT, "bundle_sha256": bundle.manifest["source"].get("sha256"),
-            "bundle_scheme": bundle.scheme.name, "kv_origin": kv_origin(bundle), "system": session.system,
+            "bundle_scheme": bundle.scheme.name, "kv_origin": kv_origin(bundle),
+            "conversation": session.conversation_id, "system": session.system,
             "messages": session.messages, "ids": seq.ids, "ring": {"w": seq.n, "sinks": seq.sinks}}
     snap = session.engine.snapshot(seq)
     with atomic_open(path, "wb") as f:  # a Ctrl-C or an error here: the temporary file is removed
@@ -207,6 +224,8 @@ def check_meta(meta, path: str) -> None:
         v = meta["ring"].get(key)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
             raise bad(f"ring.{key} is not a slot count")
+    if not isinstance(meta.get("conversation", ""), str):
+        raise bad("conversation is not an id")
     origin = meta.get("kv_origin")
     if origin is not None and not (isinstance(origin, dict) and all(
             isinstance(origin.get(k), t) for k, t in _ORIGIN.items()) and all(

@@ -10,6 +10,7 @@ saved-chat format persistence.py."""
 from __future__ import annotations
 
 import time
+import uuid
 
 import numpy as np
 
@@ -37,6 +38,8 @@ class ChatSession:
         self.policy.prepare(self.seq, codec, system)
         self.last: Stats | None = None  # the last completed turn's (None: none since the start or a /load)
         self.loaded_from: str | None = None  # the file of the last /load
+        # which conversation this is, in its saved chats: a plain /save replaces only those (/load takes the file's)
+        self.conversation_id = uuid.uuid4().hex
         self.last_prompt_ids: list[int] = []
 
     # -- what the session holds
@@ -183,7 +186,11 @@ class ChatSession:
         return persistence.warm_system(self, prompt_cache)
 
     def save(self, path: str, replace_any: bool = False) -> None:
-        persistence.save(self, path, replace_any)
+        """Save the conversation; over nothing, an empty file or its own saved chat unless
+        `replace_any` (/save! FILE: any regular file)."""
+        if not replace_any:
+            persistence.check_replaceable(path, self.conversation_id)
+        persistence.save(self, path)
 
     def load(self, path: str, trust_unrecorded: bool = False) -> tuple[int, int]:
         """Replace the conversation with a saved one; returns (exchanges, cached tokens) loaded.
@@ -192,11 +199,13 @@ class ChatSession:
         rolls back; one that comes once the load is whole has nothing left to cancel."""
         saved = persistence.read(self, path, trust_unrecorded)
         loaded = len(saved.meta["messages"]) // 2, saved.n
+        conversation = saved.meta.get("conversation") or self.conversation_id  # (older files have none)
         before = self._loaded_state()
         whole = False
         try:
             self.engine.begin_turn()
-            self._set_loaded_state((saved.meta["system"], saved.meta["messages"], 0, None, str(path), []))
+            self._set_loaded_state((saved.meta["system"], saved.meta["messages"], 0, None, str(path), conversation,
+                                    []))
             persistence.restore(self, saved)
             whole = True
             self.engine.end_turn()
@@ -212,11 +221,11 @@ class ChatSession:
     def _loaded_state(self) -> tuple:
         """What a /load replaces beside the cells: the conversation and what /stats says of it."""
         return (self.conv.system, self.conv.messages, self.conv.dropped_turns, self.last, self.loaded_from,
-                self.last_prompt_ids)
+                self.conversation_id, self.last_prompt_ids)
 
     def _set_loaded_state(self, state: tuple) -> None:
         (self.conv.system, self.conv.messages, self.conv.dropped_turns, self.last, self.loaded_from,
-         self.last_prompt_ids) = state
+         self.conversation_id, self.last_prompt_ids) = state
 
 
 def stats_of(req: Request, t0: float) -> Stats:

@@ -17,7 +17,7 @@ HELP = """commands:
   /undo            forget the last exchange (the cache is truncated, not recomputed)
   /system TEXT     set a new system prompt (resets the conversation)
   /stats           cache and speed of the last reply
-  /save FILE       save the conversation and its KV cache (never over a file that is not a saved chat)
+  /save FILE       save the conversation and its KV cache (over nothing but its own saved chats)
   /save! FILE      the same, over any regular file
   /load FILE       load a saved conversation (made with this bundle only)
   /load! FILE      the same, for a file from an older edgekv that did not record its bundle's weights
