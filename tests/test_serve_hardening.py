@@ -400,7 +400,8 @@ def test_429_says_retry_after(rt):
         refused, threads = [], []
         for _ in range(3):  # until one is refused (the ones the next step would admit wait too)
             n = engine.stats()["waiting"]
-            threads.append(threading.Thread(target=lambda: (r := chat(url, {})).status_code == 429 and refused.append(r)))
+            threads.append(threading.Thread(
+                target=lambda: (r := chat(url, {})).status_code == 429 and refused.append(r)))
             threads[-1].start()
             wait_for(lambda: engine.stats()["waiting"] > n or refused, "a request waiting or refused")
             if refused:

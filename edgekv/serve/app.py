@@ -435,9 +435,9 @@ class Server:
 
     async def serve(self, request: HttpRequest, prepare: Callable[[bytes], Ask]) -> Response:
         if self.state != "ready":
-            raise ApiError(503, f"the server is {self.state}; retry later" +
-                           (" (or on another server)" if self.state == "draining" else ""),
-                           kind="server_error", code=f"server_{self.state}", headers={"Retry-After": str(RETRY_AFTER_S)})
+            elsewhere = " (or on another server)" if self.state == "draining" else ""
+            raise ApiError(503, f"the server is {self.state}; retry later{elsewhere}", kind="server_error",
+                           code=f"server_{self.state}", headers={"Retry-After": str(RETRY_AFTER_S)})
         raw = await self.read_body(request)
         ask = await asyncio.to_thread(prepare, raw)
         loop = asyncio.get_running_loop()
