@@ -18,7 +18,7 @@ from tests.test_serve_engine import alone, batch_schedule, run_until_done
 
 INT4_NAME = "smollm2-135m-instruct-int8-wint4"  # what models/quickstart.sh exports
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "What is 2 + 2?", "Say hello in German."]
-STEPS = 24
+STEPS = 16
 
 
 def assert_same(got_toks, got_rows, want_toks, want_rows, what):

@@ -323,6 +323,7 @@ class OrtBackend:
     device = "cpu"
     max_tokens_per_call = UNLIMITED
     stage_present = True  # a one-token call writes present.* to staging buffers, copied to the cache after
+    exact_attention = True  # ExactAttention's integer products are CPU kernels (MatMulInteger u8 x s8)
 
     def __init__(self, bundle: Bundle, threads: int | None = None, max_logits_rows: int = 1,
                  past_bucket: int = PAST_BUCKET, matmul_accuracy: int = MATMUL_ACCURACY,
@@ -347,7 +348,7 @@ class OrtBackend:
         try:
             graph = cast_cache_reads(bundle.onnx_path)
             # row-independent attention (default: EDGEKV_EXACT, on); self.exact: whether it runs
-            want = exact_default() if exact is None else exact
+            want = self.exact_attention and (exact_default() if exact is None else exact)
             graph, self.exact = exact_graph(graph, bundle.max_context) if want else (graph, False)
             # the rewritten graph comes as bytes: its weights are still found beside model.onnx
             opts.add_session_config_entry("session.model_external_initializers_file_folder_path",
@@ -499,6 +500,7 @@ class OrtCudaBackend(OrtBackend):
     name = "ort-cuda"
     device = "cuda"
     stage_present = False  # the cache is device memory: present.* is bound at the write slot
+    exact_attention = False  # the graph as written: its u8 x s8 MatMul would run on the CPU
 
     def check_available(self, ort) -> None:
         have = ort.get_available_providers()
