@@ -44,6 +44,28 @@ def test_tiny_int8_batched_equals_alone_bit_for_bit(rt_int8):
         assert_same(reqs[k].out, reqs[k].logits, want_toks, want_rows, k)
 
 
+def test_exact_attention_computes_the_graphs_attention(tiny_bundle_int8):
+    """The rewrite changes sums, not what is summed: against the graph as written the logits
+    agree to float rounding (the tolerance is far below any wrong scale or dropped part)."""
+    from edgekv.format.bundle import load_bundle
+    from edgekv.runtime.backends.ort import OrtBackend
+    from edgekv.runtime.cache import KVCache
+    from edgekv.runtime.generate import Generator
+
+    b = load_bundle(tiny_bundle_int8)
+
+    def logits(exact):
+        be = OrtBackend(b, threads=1, exact=exact)
+        assert be.exact == exact
+        g = Generator(be, KVCache(b, 64, memory=be.memory), prefill_chunk=8)
+        rows = [g.prefill(list(range(5, 30))).copy()]  # chunked: past and new parts both used
+        return np.stack(rows + [g.decode_step(t).copy() for t in (7, 8, 9, 10)])
+
+    got, want = logits(True), logits(False)
+    assert not np.array_equal(got, want)  # the rewrite ran
+    np.testing.assert_allclose(got, want, atol=2e-3 * np.abs(want).max(), rtol=0)
+
+
 def test_edgekv_exact_0_runs_the_graph_as_written(tiny_bundle_int8, monkeypatch):
     monkeypatch.setenv("EDGEKV_EXACT", "0")
     with open_runtime(tiny_bundle_int8, ctx=64, backend="ort-cpu", threads=1) as rt:
