@@ -287,7 +287,7 @@ class Signals:
     def _handle(self, signum, frame) -> None:
         if self.stopped:
             return  # already stopping at once: let the cleanup finish
-        if self.urgent or self.first is not None:
+        if self.urgent:
             self.stopped = True
             raise Stop(signum)
         self.first = signum
