@@ -186,7 +186,7 @@ class ExactAttention:
         return groups or None
 
     def _split(self, src: str, mms: list):
-        """A source's products as (output replaced, [(slice or None, product)]): one product of
+        """A source's products as (the output they are replaced at, the products): one product of
         the whole row, or the past's [0:P] and the new tokens' [P:] added."""
         if len(mms) == 1 and mms[0].input[0] == src:
             return mms[0].output[0], [mms[0]]
