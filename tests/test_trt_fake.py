@@ -52,7 +52,7 @@ def test_build_engine_caches_and_the_trt_backend_matches_ort_cpu(bundle_copy, mo
     assert g.prefill_chunk == 16  # prefill is cut to the engine's profile
     # past_bucket=1: ort-cpu binds exactly the filled slots, as the engine does, so the two sum in
     # the same order and must agree bit for bit (a bucketed past adds masked keys: ~1e-6 apart)
-    ref = Generator(OrtBackend(b, threads=1, past_bucket=1), KVCache(b, 64), prefill_chunk=16)
+    ref = Generator(OrtBackend(b, threads=1, past_bucket=1, exact=False), KVCache(b, 64), prefill_chunk=16)
     seq = ids(40)
     got = [g.prefill(seq).copy()] + [g.decode_step(t).copy() for t in ids(8, 1)]
     want = [ref.prefill(seq).copy()] + [ref.decode_step(t).copy() for t in ids(8, 1)]
@@ -83,7 +83,7 @@ def test_trt_runs_a_wrapped_ring_through_staging(bundle_copy, monkeypatch):
     b = load_bundle(bundle_copy)
     be = make_backend("trt", b, ctx=32)
     g = Generator(be, KVCache(b, 32, memory=be.memory))
-    ref = Generator(OrtBackend(b, threads=1, past_bucket=1), KVCache(b, 32), prefill_chunk=8)
+    ref = Generator(OrtBackend(b, threads=1, past_bucket=1, exact=False), KVCache(b, 32), prefill_chunk=8)
     for gen in (g, ref):
         gen.seq.enable_ring(2)
     seq = ids(30)
@@ -94,7 +94,7 @@ def test_trt_runs_a_wrapped_ring_through_staging(bundle_copy, monkeypatch):
     np.testing.assert_array_equal(g.prefill(ids(6, 2)), ref.prefill(ids(6, 2)))  # a staged prefill chunk
     # chat's ring on the engine, wrapping within its turns: the same replies on trt as on ort-cpu
     sessions = [ChatSession(b, TextCodec(b), chat_engine(backend, b, 32, 8), SamplingParams(), None, 8, context="ring")
-                for backend in (be, OrtBackend(b, threads=1))]
+                for backend in (be, OrtBackend(b, threads=1, exact=False))]
     for q in ("hello there", "and again, please", "once more"):
         assert sessions[0].reply(q)[0] == sessions[1].reply(q)[0]
     assert all(s.ring and s.seq.wrapped for s in sessions)
@@ -129,7 +129,7 @@ def serve_on_trt_and_ort(bundle_copy, monkeypatch, schedule, max_steps, **engine
     b = load_bundle(bundle_copy)
     runs = {}
     for name, be in (("trt", make_backend("trt", b, ctx=64, max_logits_rows=16)),
-                     ("ort", OrtBackend(b, threads=1, max_logits_rows=16, past_bucket=1))):
+                     ("ort", OrtBackend(b, threads=1, max_logits_rows=16, past_bucket=1, exact=False))):
         be.max_tokens_per_call = 16  # the engine's profile: the same calls on both (trt: already)
         engine = Runtime(b, be, 64).engine(capacity=64, **engine_kw)
         reqs = schedule(engine)

@@ -77,19 +77,9 @@ class LlamaCppWindows:
     reference: it is not a bundle of the model, only the model's GGUF."""
 
     def __init__(self, gguf: Path, ctx: int, threads: int | None, vocab: int):
-        import llama_cpp
+        from edgekv.tools.llama_cpp_bench import load_for_scoring
 
-        from edgekv.tools.llama_cpp_bench import without_extra_bufts
-
-        without_extra_bufts(llama_cpp)
-        try:
-            self.llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=ctx, n_batch=512, n_threads=threads or None,
-                                       logits_all=True, verbose=False)
-        except (ValueError, RuntimeError, OSError) as e:  # what llama-cpp-python raises for a file it cannot load
-            raise EdgeKVError(f"--llama-cpp: llama.cpp cannot load {gguf.name} ({str(e).splitlines()[0][:200]})") from None
-        if self.llm.n_vocab() != vocab:
-            raise EdgeKVError(f"--llama-cpp: {gguf.name} has a vocabulary of {self.llm.n_vocab()}, the bundles {vocab}: "
-                              "not the same model")
+        self.llm = load_for_scoring(gguf, ctx, threads, vocab)
 
     def __call__(self, ids: list[int], first_scored: int) -> np.ndarray:
         self.llm.reset()

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import numpy as np
 
+from edgekv.errors import EdgeKVError
 from edgekv.tools.bench import measure_runs, rss_bytes, sample_tokens
 
 
@@ -93,14 +95,28 @@ def main(argv=None) -> None:
                       "peak_rss_mib": rss_bytes()[1] / 2**20}))
 
 
+def load_for_scoring(gguf: Path, ctx: int, threads: int | None, vocab: int):
+    """llama.cpp loaded as eval scores with it (every position's logits), checked against the bundles' vocabulary."""
+    import llama_cpp
+
+    without_extra_bufts(llama_cpp)
+    try:
+        llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=ctx, n_batch=512, n_threads=threads or None,
+                              logits_all=True, verbose=False)
+    except (ValueError, RuntimeError, OSError) as e:  # what llama-cpp-python raises for a file it cannot load
+        raise EdgeKVError(f"--llama-cpp: llama.cpp cannot load {gguf.name} ({str(e).splitlines()[0][:200]})") from None
+    if llm.n_vocab() != vocab:
+        raise EdgeKVError(f"--llama-cpp: {gguf.name} has a vocabulary of {llm.n_vocab()}, the bundles {vocab}: "
+                          "not the same model")
+    return llm
+
+
 def probe(gguf: str, n_ctx: int, threads: int, vocab: int) -> None:
-    """eval's llama.cpp path (evaluate.LlamaCppWindows) on one window of a few tokens."""
-    from pathlib import Path
-
-    from edgekv.tools.evaluate import LlamaCppWindows
-
+    """eval's llama.cpp path (load_for_scoring, then one window of a few tokens)."""
     ids = sample_tokens(min(n_ctx, 8) + 1, vocab)
-    LlamaCppWindows(Path(gguf), n_ctx, threads or None, vocab)(ids, len(ids) // 2)
+    llm = load_for_scoring(Path(gguf), n_ctx, threads or None, vocab)
+    llm.reset()
+    llm.eval(ids[:-1])
 
 
 if __name__ == "__main__":
