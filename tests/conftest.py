@@ -122,7 +122,7 @@ def made_by_this_exporter(path: Path, key: str) -> bool:
 def real_bundle(tmp_path_factory) -> Path:
     """The default recipe exported with the int8 scheme by the exporter under test. Outside CI a
     bundle is reused only if the exporter's sources are the ones that made it (export/bundle.py's
-    exporter_source_key): models/bundles/NAME (`edgekv export --kv int8`, float weights), or one
+    exporter_source_key): models/bundles/NAME (`edgekv export --kv int8 --weights float`), or one
     kept under models/bundles/.test-cache/<key>/."""
     from export.bundle import export_bundle, exporter_source_key
 
