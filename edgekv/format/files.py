@@ -51,11 +51,9 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb", **kw):
     """A file object that becomes `path` when the block ends without an error (else nothing
     changes). An OS error (no permission, disk full) is one line."""
     p = check_writable(path)
-    try:
+    tmp = None
+    try:  # mkstemp inside the try: a Ctrl-C right after it must not leave the temporary file behind
         fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
-    except OSError as e:
-        raise EdgeKVError(f"{p}: cannot write ({e.strerror or e})") from None
-    try:
         with os.fdopen(fd, mode, **kw) as f:
             yield f
             f.flush()
@@ -64,8 +62,9 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb", **kw):
         check_writable(p)  # still nothing but a regular file there (it may have changed meanwhile)
         os.replace(tmp, p)
     except BaseException as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         if isinstance(e, OSError):
             raise EdgeKVError(f"{p}: cannot write ({e.strerror or e})") from None
         raise
