@@ -180,15 +180,20 @@ class Llama:
 '''
 
 
-@pytest.fixture()
-def sigill_llama(tmp_path):
-    pkg = tmp_path / "sigill" / "llama_cpp"
+def fake_llama_package(tmp_path, name: str, source: str):
+    """(folder to put on PYTHONPATH, a stand-in .gguf): a llama_cpp package whose module is `source`."""
+    pkg = tmp_path / name / "llama_cpp"
     pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text(SIGILL_FAKE)
+    (pkg / "__init__.py").write_text(source)
     (pkg / "llama_cpp.py").write_text("def llama_model_default_params():\n    return None\n")
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"GGUF")
-    return tmp_path / "sigill", gguf
+    return tmp_path / name, gguf
+
+
+@pytest.fixture()
+def sigill_llama(tmp_path):
+    return fake_llama_package(tmp_path, "sigill", SIGILL_FAKE)
 
 
 def test_llama_cpp_dying_of_sigill_is_one_line_with_the_rebuild_flags(tiny_bundle_int8, sigill_llama, tmp_path):

@@ -50,13 +50,9 @@ class Llama:
 
 @pytest.fixture()
 def fake_llama(tmp_path):
-    pkg = tmp_path / "fake" / "llama_cpp"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text(FAKE)
-    (pkg / "llama_cpp.py").write_text("def llama_model_default_params():\n    return None\n")
-    gguf = tmp_path / "model.gguf"
-    gguf.write_bytes(b"GGUF")
-    return tmp_path / "fake", gguf, tmp_path / "llama.log"
+    from tests.test_bench_llama_cpp import fake_llama_package
+
+    return (*fake_llama_package(tmp_path, "fake", FAKE), tmp_path / "llama.log")
 
 
 def run_eval(bundle, text, gguf, fake, log, vocab, out):
@@ -119,18 +115,13 @@ def test_llama_cpp_dying_of_sigill_ends_only_its_own_process(tiny_bundle_float, 
     """eval scores llama.cpp in its own process, but runs it once in a child first: a build that
     dies of an illegal instruction is one error line, not eval killed by the signal."""
     from edgekv.tools.bench import LLAMA_CPP_FLAGS
-    from tests.test_bench_llama_cpp import SIGILL_FAKE
+    from tests.test_bench_llama_cpp import SIGILL_FAKE, fake_llama_package
     from tests.test_cli_errors import assert_clean_error
 
-    pkg = tmp_path / "sigill" / "llama_cpp"
-    pkg.mkdir(parents=True)
-    (pkg / "__init__.py").write_text(SIGILL_FAKE)
-    (pkg / "llama_cpp.py").write_text("def llama_model_default_params():\n    return None\n")
-    gguf = tmp_path / "model.gguf"
-    gguf.write_bytes(b"GGUF")
+    folder, gguf = fake_llama_package(tmp_path, "sigill", SIGILL_FAKE)
     text = tmp_path / "text.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 40)
-    r = run_eval(tiny_bundle_float, text, gguf, tmp_path / "sigill", tmp_path / "unused.log", 384,
+    r = run_eval(tiny_bundle_float, text, gguf, folder, tmp_path / "unused.log", 384,
                  tmp_path / "out" / "eval.json")
     assert r.returncode == 1, (r.returncode, r.stderr[-2000:])
     assert_clean_error(r, "--llama-cpp: llama.cpp died of an illegal instruction (SIGILL)")

@@ -536,7 +536,7 @@ class FusedRunner:
 
     def __init__(self, bundle: Bundle, capacity: int, threads: int | None = None, matmul_accuracy: int | None = None,
                  skip_norm: bool = True):
-        from edgekv.runtime.backends.ort import MATMUL_ACCURACY, _import_ort
+        from edgekv.runtime.backends.ort import MATMUL_ACCURACY, _import_ort, session_options
 
         ort = _import_ort()
         if not ort_version_ok(ort.__version__):
@@ -545,14 +545,7 @@ class FusedRunner:
         if capacity > bundle.max_context:
             raise BundleError(f"a cache of {capacity} slots exceeds the {bundle.max_context} tokens this bundle was verified for")
         self.fused = fuse_bundle(bundle, skip_norm=skip_norm)
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads or 0
-        opts.inter_op_num_threads = 1
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        opts.log_severity_level = 3
-        opts.enable_mem_pattern = True
-        acc = MATMUL_ACCURACY if matmul_accuracy is None else matmul_accuracy
-        opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(acc))
+        opts = session_options(ort, threads, MATMUL_ACCURACY if matmul_accuracy is None else matmul_accuracy)
         opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(bundle.onnx_path.parent))
         off = ["QDQPropagationTransformer"] if bundle.weights == "int4" else None  # as OrtBackend (docs/weights.md)
         self.session = ort.InferenceSession(self.fused.serialize(), opts, providers=["CPUExecutionProvider"],

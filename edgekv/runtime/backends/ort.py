@@ -317,6 +317,21 @@ def exact_graph(graph: bytes, max_cells: int) -> tuple[bytes, bool]:
     return model.SerializeToString(), True
 
 
+def session_options(ort, threads: int | None, matmul_accuracy: int):
+    """The CPU session's options, for the graph as written and for derived (fused) graphs alike."""
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads or 0
+    opts.inter_op_num_threads = 1
+    opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    opts.log_severity_level = 3
+    # a memory plan per input shape: decode steps repeat a few shapes (the past is bound in
+    # buckets), and one planned block per run is ~10 % faster than a node-by-node arena (docs/graph.md)
+    opts.enable_mem_pattern = True
+    # quantized weights: DequantizeLinear -> MatMul runs fused as MatMulNBits
+    opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(matmul_accuracy))
+    return opts
+
+
 class OrtBackend:
     """onnxruntime with IOBinding; the CPU provider (subclassed for CUDA)."""
     name = "ort-cpu"
@@ -330,16 +345,7 @@ class OrtBackend:
                  exact: bool | None = None):
         ort = self.ort = _import_ort()
         self.check_available(ort)
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = threads or 0
-        opts.inter_op_num_threads = 1
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        opts.log_severity_level = 3
-        # a memory plan per input shape: decode steps repeat a few shapes (the past is bound in
-        # buckets), and one planned block per run is ~10 % faster than a node-by-node arena (docs/graph.md)
-        opts.enable_mem_pattern = True
-        # quantized weights: DequantizeLinear -> MatMul runs fused as MatMulNBits
-        opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(matmul_accuracy))
+        opts = session_options(ort, threads, matmul_accuracy)
         if not bundle.onnx_path.is_file():
             raise BundleError(f"{bundle.path}: corrupt bundle ({bundle.onnx_path.name} is missing)")
         # onnxruntime's QDQ propagation copies the int8 cache's unit Q/DQ across a Transpose with a
