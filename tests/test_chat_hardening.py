@@ -551,3 +551,35 @@ def test_a_normal_chat_template_renders_as_plain_jinja_does(bundle_copy, templat
             want = plain.render(messages=msgs, add_generation_prompt=gen, bos_token=codec.special.get("bos_token") or "",
                                 eos_token=codec.special.get("eos_token") or "")
             assert codec.render(msgs, gen) == want
+
+
+def test_one_render_ending_does_not_lift_anothers_deadline(bundle_copy):
+    """A server renders on worker threads (no SIGALRM there): the time bound is each render's own.
+    A template that loops through attribute lookups for hours is stopped by its deadline even
+    while other renders on other threads start and end."""
+    import threading
+    import time
+
+    from edgekv.runtime import text
+
+    man = json.loads((bundle_copy / "edgekv.json").read_text())
+    man["chat_template"] = ("{% if messages[0]['content'] == 'loop' %}{% for i in range(100000) %}{% for j in range(100000) %}"
+                            "{% if j.real < 0 %}x{% endif %}{% endfor %}{% endfor %}{% else %}ok{% endif %}")
+    (bundle_copy / "edgekv.json").write_text(json.dumps(man))
+    codec = TextCodec(load_bundle(bundle_copy))
+    result = []
+
+    def hostile():
+        try:
+            codec.render([{"role": "user", "content": "loop"}])
+            result.append("rendered")
+        except EdgeKVError as e:
+            result.append(str(e))
+
+    t = threading.Thread(target=hostile, daemon=True)
+    t.start()
+    started = time.monotonic()
+    while t.is_alive() and time.monotonic() - started < 6 * text.MAX_RENDER_S:
+        assert codec.render([{"role": "user", "content": "hi"}]) == "ok"  # others start and end meanwhile
+        t.join(0.05)
+    assert result and "took longer than" in result[0], result

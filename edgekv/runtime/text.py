@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import threading
 import time
 
 from edgekv.errors import BundleError, EdgeKVError
@@ -86,7 +87,9 @@ def bounded_sandbox():
             self.write("))")
 
     class Bounded(jinja2.sandbox.ImmutableSandboxedEnvironment):
-        deadline = float("inf")
+        # each thread's render has its own deadline: a server renders on worker threads, and one
+        # render ending must not lift another's bound
+        _renders = threading.local()
         intercepted_binops = frozenset(["*", "**", "%", "+"])
         code_generator_class = BoundedCode
 
@@ -96,7 +99,7 @@ def bounded_sandbox():
             self.globals.pop("lipsum", None)  # lipsum(10**9): nothing a chat template needs
 
         def _tick(self):
-            if time.monotonic() > self.deadline:
+            if time.monotonic() > getattr(self._renders, "deadline", float("inf")):
                 raise EdgeKVError(f"chat template: rendering took longer than {MAX_RENDER_S:g} s")
 
         def call_binop(self, context, operator, left, right):
@@ -295,7 +298,7 @@ def render_bounded(template, **ctx) -> str:
     import jinja2
 
     env = template.environment
-    env.deadline = time.monotonic() + MAX_RENDER_S
+    env._renders.deadline = time.monotonic() + MAX_RENDER_S
     out, size = [], 0
     alarm = _Alarm(MAX_RENDER_S)  # also stops loops that call nothing (main thread only)
     try:
@@ -314,7 +317,7 @@ def render_bounded(template, **ctx) -> str:
         raise EdgeKVError(f"chat template: {type(e).__name__}: {str(e)[:120]}") from None
     finally:
         alarm.cancel()
-        env.deadline = float("inf")
+        env._renders.deadline = float("inf")
     return "".join(out)
 
 
