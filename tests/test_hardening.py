@@ -408,3 +408,27 @@ def test_flags_out_of_range_are_one_line_with_the_range(argv, pattern, capsys):
         main(argv)
     err = capsys.readouterr().err
     assert e.value.code == 2 and len(err.strip().splitlines()) == 1 and pattern in err, err
+
+
+def test_safe_writes_never_touch_the_process_umask(tmp_path, monkeypatch):
+    """Reading the umask means setting it (process-wide): a server thread creating a file meanwhile
+    would make it world-writable. A new file still gets 0666 less the umask."""
+    import os
+    import stat
+
+    from edgekv.format.files import write_bytes
+
+    mask = os.umask(0o022)
+    os.umask(mask)
+
+    def no_umask(*a):
+        raise AssertionError("os.umask called")
+
+    monkeypatch.setattr(os, "umask", no_umask)
+    write_bytes(tmp_path / "f.bin", b"x")
+    (tmp_path / "g.bin").write_bytes(b"old")
+    (tmp_path / "g.bin").chmod(0o600)
+    write_bytes(tmp_path / "g.bin", b"new")  # replaced: the new file's mode, as before
+    assert stat.S_IMODE((tmp_path / "f.bin").stat().st_mode) == 0o666 & ~mask
+    assert stat.S_IMODE((tmp_path / "g.bin").stat().st_mode) == 0o666 & ~mask
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["f.bin", "g.bin"]

@@ -547,6 +547,7 @@ def test_the_unit_verifies(tmp_path, fake_bundle):
     # check a copy that points at this root
     unit = (root / UNIT).read_text().replace("EnvironmentFile=/etc", f"EnvironmentFile={root}/etc")
     (tmp_path / "edgekv-serve.service").write_text(unit)
+    (tmp_path / "edgekv-serve.service").chmod(0o644)  # the copy's mode is this test's, not the installer's
     r = subprocess.run(["systemd-analyze", "verify", str(tmp_path / "edgekv-serve.service")], capture_output=True,
                        text=True, timeout=WAIT)
     problems = [line for line in (r.stdout + r.stderr).splitlines() if "edgekv-serve.service" in line]

@@ -1,6 +1,6 @@
 """Writing a user's files safely: every write edgekv makes to a path the user named goes here.
 
-A file is written to a unique temporary name in its own folder (mkstemp: two writers of the same
+A file is written to a unique temporary name in its own folder (O_EXCL: two writers of the same
 file never share one), flushed to disk, then renamed over the target (os.replace), so a reader
 sees the old file or the new one, never half of either. Only a regular file (or nothing) is ever
 replaced: a symlink, a device, a FIFO or a folder at the target is refused with one line, checked
@@ -52,13 +52,12 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb", **kw):
     changes). An OS error (no permission, disk full) is one line."""
     p = check_writable(path)
     tmp = None
-    try:  # mkstemp inside the try: a Ctrl-C right after it must not leave the temporary file behind
-        fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent)
+    try:  # the temporary file made inside the try: a Ctrl-C right after must not leave it behind
+        fd, tmp = _create_temp(p)
         with os.fdopen(fd, mode, **kw) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600; a new file gets the usual permissions
         check_writable(p)  # still nothing but a regular file there (it may have changed meanwhile)
         os.replace(tmp, p)
     except BaseException as e:
@@ -87,10 +86,18 @@ def write_json(path: str | os.PathLike, obj) -> None:
     write_text(path, json.dumps(obj, indent=1))
 
 
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
+def _create_temp(p: Path) -> tuple[int, str]:
+    """A new file beside `p` with a unique name (O_EXCL, never through a symlink), created 0666
+    less the umask as any new file is. Not mkstemp: its 0600 would need a chmod from the umask,
+    and reading the umask means setting it, process-wide, while other threads create files."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
+    for _ in range(100):
+        tmp = str(p.parent / f".{p.name}.{os.urandom(6).hex()}.tmp")
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name beside {p}")
 
 
 def _fsync_dir(folder: Path) -> None:
