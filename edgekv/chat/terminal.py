@@ -8,7 +8,7 @@ import sys
 from edgekv.chat.session import ChatSession
 from edgekv.errors import EdgeKVError
 from edgekv.runtime.assemble import open_runtime
-from edgekv.runtime.generate import stats_line, stats_record
+from edgekv.runtime.generate import kv_line, ring_note, stats_line, stats_record
 from edgekv.runtime.sampling import sampling_from
 
 HELP = """commands:
@@ -30,11 +30,8 @@ def session_stats(s: ChatSession) -> str:
     dropped = f" | {s.dropped_turns} old turn(s) dropped" if s.dropped_turns else ""
     if s.last is not None:
         return stats_line(s.last, s.cache, s.seq) + dropped
-    mib, n = 2 ** 20, s.seq.n
     since = " since /load" if s.loaded_from else ""
-    return (f"(no turn yet{since}) | KV {n}/{s.cache.capacity} slots, {s.cache.used_bytes(n) / mib:.2f} / "
-            f"{s.cache.nbytes / mib:.2f} MiB | position {s.seq.pos}"
-            + (" | ring: oldest tokens overwritten" if s.seq.wrapped else "") + dropped)
+    return (f"(no turn yet{since}) | {kv_line(s.cache, s.seq)} | position {s.seq.pos}" + ring_note(s.seq) + dropped)
 
 
 def cmd_chat(args, explain=EdgeKVError.explain) -> int:

@@ -39,12 +39,19 @@ class Stats:
         return self.decode_steps / self.decode_s if self.decode_s > 0 else 0.0
 
 
-def stats_line(st: Stats, cache: KVCache, seq: "Sequence | Held") -> str:
+def kv_line(cache: KVCache, seq: "Sequence | Held") -> str:
+    """What the cache holds: slots and bytes used / allocated."""
     mib = 2 ** 20
+    return f"KV {seq.n}/{cache.capacity} slots, {cache.used_bytes(seq.n) / mib:.2f} / {cache.nbytes / mib:.2f} MiB"
+
+
+def ring_note(seq: "Sequence | Held") -> str:
+    return " | ring: oldest tokens overwritten" if seq.wrapped else ""
+
+
+def stats_line(st: Stats, cache: KVCache, seq: "Sequence | Held") -> str:
     return (f"TTFT {st.ttft_s * 1000:.0f} ms | prefill {st.prompt_tokens} tok @ {st.prefill_tps:.1f} tok/s | "
-            f"decode {st.new_tokens} tok @ {st.decode_tps:.1f} tok/s | KV {seq.n}/{cache.capacity} slots, "
-            f"{cache.used_bytes(seq.n) / mib:.2f} / {cache.nbytes / mib:.2f} MiB"
-            + (" | ring: oldest tokens overwritten" if seq.wrapped else ""))
+            f"decode {st.new_tokens} tok @ {st.decode_tps:.1f} tok/s | {kv_line(cache, seq)}" + ring_note(seq))
 
 
 def stats_record(st: Stats, cache: KVCache, seq: "Sequence | Held") -> dict:

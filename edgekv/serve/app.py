@@ -29,6 +29,7 @@ from edgekv.errors import ContextOverflow, EdgeKVError, QueueFull
 from edgekv.runtime.engine import Engine, Request
 from edgekv.runtime.sampling import SamplingParams
 from edgekv.runtime.text import StreamDecoder, TextCodec
+from edgekv.serve import LOCAL_HOSTS
 from edgekv.serve.metrics import Metrics
 
 log = logging.getLogger("edgekv.serve")
@@ -38,7 +39,6 @@ MAX_STOP = 4  # stop sequences per request, as OpenAI's API
 # and a hostile body of nested empty lists (the worst case, ~20x its size once parsed) stays ~20 MB
 MAX_BODY_BYTES = 1 << 20
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}  # as given -> as rendered
-LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}  # a bind to one of these is reachable from this machine only
 LOCAL_NAMES = {"127.0.0.1", "localhost", "[::1]"}  # what a Host header may name for such a bind (any port)
 STATES = ("loading", "ready", "draining")
 RETRY_AFTER_S = 1  # a full queue drains in about one request's time

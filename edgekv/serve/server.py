@@ -29,8 +29,8 @@ from edgekv.runtime.backends.base import PREFILL_CHUNK
 from edgekv.runtime.engine import Request
 from edgekv.runtime.sampling import SamplingParams
 from edgekv.runtime.text import StreamDecoder
+from edgekv.serve import LOCAL_HOSTS
 
-LOCAL_HOSTS = {"127.0.0.1", "localhost", "::1"}
 READ_TIMEOUT = 15.0  # seconds a client has to send one whole request (headers and body)
 KEEP_ALIVE = 5  # seconds an idle keep-alive connection stays open (uvicorn's timer)
 CUT_AFTER = 2  # seconds uvicorn waits for connections at exit once our own drain is over
