@@ -118,7 +118,7 @@ def _add_sampling(p, temperature: float, top_p: float, top_k: int, repeat_penalt
 def _add_runtime(p):
     p.add_argument("--ctx", type=CTX, default=None, help="KV cache capacity in tokens (default: min(2048, bundle max))")
     p.add_argument("--backend", default="auto", choices=BACKENDS,
-                   help="auto = trt if an engine is built, else ort-cuda if onnxruntime has CUDA, else ort-cpu (ort-cpu sums attention in exact fixed point so that temperature 0 does not depend on batching or the prefix cache; EDGEKV_EXACT=0 runs the graph as written, ~10-20 %% faster decode)")
+                   help="auto = trt if an engine is built, else ort-cuda if onnxruntime has CUDA, else ort-cpu (ort-cpu sums attention in exact fixed point so that temperature 0 does not depend on batching or the prefix cache; EDGEKV_EXACT=0 runs the graph as written: faster prefill, less memory; README)")
     p.add_argument("--threads", type=THREADS, default=None, help="CPU threads (default: all available)")
 
 
