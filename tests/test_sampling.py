@@ -297,3 +297,70 @@ def test_generate_with_a_subnormal_temperature_is_greedy_through_the_cli(tiny_bu
         return json.loads(r.stdout.strip().splitlines()[-1])["tokens"]
 
     assert tokens("1e-310") == tokens("0")
+
+
+# -- logprobs: the distribution the token was sampled from ---------------------------------------
+
+def oracle_logprobs(logits, temperature, penalty, last_n, history, forbidden=()) -> np.ndarray:
+    """float64, written out plainly: the mask, the penalty per distinct recent token, the
+    temperature (1 when greedy), log-softmax."""
+    x = [float(v) for v in logits]
+    for i in forbidden:
+        x[i] = -np.inf
+    for t in set(history[-last_n:] if last_n else []):
+        x[t] = x[t] / penalty if x[t] > 0 else x[t] * penalty
+    t = temperature if temperature > 0 else 1.0
+    m = max(x)
+    z = [(v - m) / t for v in x]
+    lse = np.log(sum(np.exp(v) for v in z))
+    return np.array([v - lse for v in z])
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7, 1.6])
+def test_logprobs_are_the_log_softmax_the_sampler_saw(temperature):
+    from edgekv.runtime.constraint import constrain
+    from edgekv.runtime.sampling import logprobs
+
+    rng = np.random.default_rng(7)
+    for trial in range(10):
+        logits = (rng.standard_normal(200) * 3).astype(np.float32)
+        forbidden = rng.choice(200, 150, replace=False)
+        history = rng.integers(0, 200, 40).tolist()
+
+        class Mask:  # a constraint that forbids `forbidden`
+            def allowed(self):
+                ok = np.ones(200, bool)
+                ok[forbidden] = False
+                return ok
+
+        seen = constrain(logits, Mask())  # what the sampler is handed
+        p = SamplingParams(temperature=temperature, repeat_penalty=1.3, repeat_last_n=32)
+        tok = sample(seen, p, rng, history)
+        # the sampler penalizes in float32: the oracle, in float64, agrees to float32 rounding
+        want = oracle_logprobs(logits, temperature, 1.3, 32, history, forbidden)
+        got = logprobs(seen, p, history, tok, top_n=5)
+        assert got.token == tok and got.logprob == pytest.approx(want[tok], abs=2e-6)
+        order = sorted((i for i in range(200) if np.isfinite(want[i])), key=lambda i: (-want[i], i))
+        assert [i for i, _ in got.top] == order[:5]
+        assert [v for _, v in got.top] == pytest.approx([want[i] for i in order[:5]], abs=2e-6)
+        assert not set(forbidden.tolist()) & {i for i, _ in got.top}
+
+
+def test_top_logprobs_are_only_allowed_tokens_and_ties_go_by_id():
+    from edgekv.runtime.sampling import logprobs
+
+    logits = np.array([-np.inf, 1.0, 3.0, 1.0, -np.inf, 1.0], np.float32)
+    got = logprobs(logits, SamplingParams(), [], 2, top_n=20)
+    assert [i for i, _ in got.top] == [2, 1, 3, 5]  # four allowed, the three tied in id order
+    assert [i for i, _ in logprobs(logits, SamplingParams(), [], 2, top_n=2).top] == [2, 1]
+    assert logprobs(logits, SamplingParams(), [], 2).top == []
+
+
+def test_logprobs_match_the_sampling_frequencies():
+    """The distribution reported is the one drawn from (penalty and temperature, no top-k/top-p)."""
+    from edgekv.runtime.sampling import distribution
+
+    p = SamplingParams(temperature=0.8, repeat_penalty=1.5, repeat_last_n=8)
+    history = [0, 3]
+    counts = draw(LOGITS, p, history)
+    assert_frequencies(counts, np.exp(distribution(LOGITS, p, history)))

@@ -22,12 +22,18 @@ class SamplingParams:
     seed: int | None = None
 
 
-def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator, history: list[int]) -> int:
+def penalized(logits: np.ndarray, p: SamplingParams, history: list[int]) -> np.ndarray:
+    """The logits after the repetition penalty (the input itself when it is off)."""
     if p.repeat_penalty != 1.0 and history and p.repeat_last_n > 0:  # history[-0:] would be all of it
         logits = logits.copy()
         recent = np.unique(np.asarray(history[-p.repeat_last_n:], np.int64))
         vals = logits[recent]
         logits[recent] = np.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+    return logits
+
+
+def sample(logits: np.ndarray, p: SamplingParams, rng: np.random.Generator, history: list[int]) -> int:
+    logits = penalized(logits, p, history)
     if not p.temperature >= GREEDY_BELOW:  # 0, too small for float32 (NaN too): greedy
         return int(np.argmax(logits))
     logits = np.asarray(logits)
@@ -88,6 +94,43 @@ def nucleus(w: np.ndarray, top_p: float) -> np.ndarray:
         if m == w.shape[0] or cum[-1] >= top_p:
             return head[: min(int(np.searchsorted(cum, top_p)) + 1, m)]
         m = min(4 * m, w.shape[0])
+
+
+@dataclass
+class TokenLogprob:
+    """A sampled token's log-probability and the `top_n` most likely tokens (most likely first,
+    ties by id) under the same distribution: see `distribution`."""
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
+def distribution(logits: np.ndarray, p: SamplingParams, history: list[int]) -> np.ndarray:
+    """log-probabilities [V] (float64) of the distribution a token is sampled from: `logits` as
+    the sampler gets them (a constraint's mask already applied: forbidden tokens -inf), after
+    the repetition penalty, divided by the temperature (1 when greedy), before top-k/top-p cut
+    it (the OpenAI API's logprobs are not renormalized over a nucleus either)."""
+    x = penalized(logits, p, history).astype(np.float64)
+    top = x.max()
+    if not np.isfinite(top):
+        raise ValueError("no log-probabilities from non-finite logits")
+    x = (x - top) / (p.temperature if p.temperature >= GREEDY_BELOW else 1.0)
+    return x - np.log(np.exp(x).sum())
+
+
+def logprobs(logits: np.ndarray, p: SamplingParams, history: list[int], token: int, top_n: int = 0) -> TokenLogprob:
+    """The sampled `token`'s log-probability and the top_n alternatives, from the same logits,
+    params and history `sample` was given (call it next to `sample`, before the history grows)."""
+    lp = distribution(logits, p, history)
+    n = min(top_n, int(np.isfinite(lp).sum()))  # never a forbidden token among the alternatives
+    top: list[tuple[int, float]] = []
+    if n > 0:
+        kth = np.partition(lp, -n)[-n]  # the n-th largest; of the tokens tied with it, the lowest ids
+        above, tied = np.flatnonzero(lp > kth), np.flatnonzero(lp == kth)
+        head = np.concatenate([above, tied[: n - above.shape[0]]])
+        head = head[np.lexsort((head, -lp[head]))]  # most likely first, ties by id
+        top = [(int(i), float(lp[i])) for i in head]
+    return TokenLogprob(int(token), float(lp[token]), top)
 
 
 def sampling_from(args) -> SamplingParams:
