@@ -176,6 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     p.add_argument("--system", default=None, help="system message (default: the template's own)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g = p.add_mutually_exclusive_group()  # the answer constrained (llguidance, the serve extra)
+    g.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="answer with JSON that validates against this JSON Schema (docs/structured.md)")
+    g.add_argument("--grammar", default=None, metavar="FILE.lark", help="answer in this Lark grammar's language")
+    g.add_argument("--regex", default=None, metavar="R", help="answer with text this regex matches whole")
     _add_sampling(p, **GENERATE_SAMPLING)
     _add_runtime(p)
 
