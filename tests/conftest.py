@@ -62,13 +62,13 @@ def make_hf_folder(path: Path, arch: str = "llama", **overrides) -> Path:
 
 
 def chat_engine(backend, bundle, ctx: int, chunk: int | None = None):
-    """The engine `edgekv chat` runs a conversation on: a pool of ctx cells, no prefix cache."""
+    """The batcher `edgekv chat` runs a conversation on: a pool of ctx cells, no prefix cache."""
     from edgekv.runtime.backends.base import PREFILL_CHUNK
+    from edgekv.runtime.batching import Batcher
     from edgekv.runtime.cache import KVCache
-    from edgekv.runtime.engine import Engine
 
-    return Engine(backend, KVCache(bundle, ctx, memory=backend.memory), parallel=1, max_queue=1,
-                  prefill_chunk=chunk or PREFILL_CHUNK, max_prefixes=0)
+    return Batcher(backend, KVCache(bundle, ctx, memory=backend.memory), parallel=1, max_queue=1,
+                   prefill_chunk=chunk or PREFILL_CHUNK, max_prefixes=0)
 
 
 def run_edgekv(*args, timeout=900, input=None):
