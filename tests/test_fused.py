@@ -15,9 +15,9 @@ onnx = pytest.importorskip("onnx")
 
 from conftest import _export  # noqa: E402
 from edgekv.format.bundle import file_sha256, load_bundle  # noqa: E402
-from edgekv.runtime.backends.fused import (  # noqa: E402
-    MIN_ORT, FusedRunner, NotFusable, fuse_bundle, ort_version_ok)
-from edgekv.runtime.backends.ort import OrtBackend  # noqa: E402
+from edgekv.runtime.backends.fused import MIN_ORT, NotFusable, fuse_bundle, ort_version_ok  # noqa: E402
+from edgekv.errors import BackendUnavailable, EdgeKVError  # noqa: E402
+from edgekv.runtime.backends.ort import ATTENTION_ENV, OrtBackend  # noqa: E402
 from edgekv.runtime.cache import KVCache  # noqa: E402
 
 needs_gqa = pytest.mark.skipif(
@@ -44,12 +44,13 @@ def qwen_static(tiny_qwen, tmp_path_factory):
     return _export(tiny_qwen, tmp_path_factory.mktemp("fs") / "tiny-qwen-int8-static", "int8-static")
 
 
-class Plain:
-    """The bundle's plain graph as the runtime runs it: OrtBackend over a slot-major KVCache."""
+class Stream:
+    """One linear sequence over a KVCache of the backend's own memory (slot-major for the graph
+    as written, head-major for the fused one), as generate runs it."""
 
-    def __init__(self, bundle):
-        self.backend = OrtBackend(bundle, threads=1, max_logits_rows=32)
-        self.cache = KVCache(bundle, CAPACITY, memory=self.backend.memory)
+    def __init__(self, bundle, attention, capacity=CAPACITY, rows=32):
+        self.backend = OrtBackend(bundle, threads=1, max_logits_rows=rows, attention=attention)
+        self.cache = KVCache(bundle, capacity, memory=self.backend.memory)
         self.seq = self.cache.new_sequence()
 
     def run(self, ids, rows):
@@ -58,12 +59,13 @@ class Plain:
         return logits
 
     def codes(self, layer, which):
-        return self.cache.buffers[f"past.{layer}.{which}"][: self.seq.n, 0]
+        """The filled slots of one cache tensor, slot-major [n, Hkv, D] (either layout)."""
+        return self.cache.read(self.seq.n)[f"past.{layer}.{which}"][:, 0]
 
 
 def both(path):
     b = load_bundle(path)
-    return b, Plain(b), FusedRunner(b, CAPACITY, threads=1)
+    return b, Stream(b, "plain"), Stream(b, "fused")
 
 
 CALLS = [6, 5] + [1] * 8  # a prefill, a chunk after it (P > 0, S > 1), 8 decode steps
@@ -73,6 +75,7 @@ CALLS = [6, 5] + [1] * 8  # a prefill, a chunk after it (P > 0, S > 1), 8 decode
 @pytest.mark.parametrize("which", ["llama", "qwen"])
 def test_fused_equals_plain_float_kv(which, tiny_bundle_float, qwen_float):
     b, plain, fused = both(tiny_bundle_float if which == "llama" else qwen_float)
+    assert fused.backend.fused is not None and fused.cache.layout == "heads"
     rng = np.random.default_rng(3)
     for s in CALLS:
         ids = rng.integers(0, b.model["vocab_size"], (1, s))
@@ -82,27 +85,35 @@ def test_fused_equals_plain_float_kv(which, tiny_bundle_float, qwen_float):
         np.testing.assert_allclose(got, want, atol=LOGITS_ATOL, rtol=0)
     for i in range(b.model["n_layers"]):
         for kv in ("key", "value"):  # keys after RoPE, slot for slot
-            np.testing.assert_allclose(fused.cache(i, kv), plain.codes(i, kv), atol=1e-5, rtol=0)
+            np.testing.assert_allclose(fused.codes(i, kv), plain.codes(i, kv), atol=1e-5, rtol=0)
 
 
-def optimized_graph(runner: FusedRunner, bundle, tmp_path):
-    """The graph onnxruntime really runs for the fused model (after its own optimizations)."""
+def optimized_graph(backend, bundle, tmp_path):
+    """The graph onnxruntime runs for the backend's fused model (after its own optimizations)."""
     opts = ort.SessionOptions()
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.optimized_model_filepath = str(tmp_path / "optimized.onnx")
     opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(bundle.onnx_path.parent))
-    ort.InferenceSession(runner.fused.serialize(), opts, providers=["CPUExecutionProvider"])
+    ort.InferenceSession(backend.fused.serialize(), opts, providers=["CPUExecutionProvider"])
     return onnx.load(str(tmp_path / "optimized.onnx"), load_external_data=False).graph
 
 
 @needs_gqa
 @pytest.mark.parametrize("which", ["float", "static"])
-def test_session_runs_gqa_and_no_plain_attention(which, tiny_bundle_float, llama_static, tmp_path):
-    """A silent fallback to the plain attention must fail: one GroupQueryAttention per layer,
-    every MatMul left multiplies a constant weight (none multiplies queries by keys), no Softmax."""
+def test_session_runs_gqa_and_no_plain_attention(which, tiny_bundle_float, llama_static, tmp_path, monkeypatch):
+    """A silent fallback to the plain attention must fail: a static int8 bundle on ort-cpu runs
+    the fused graph unasked (auto; a float one when asked), the session the backend holds is the
+    fused graph's (its inputs: the cache's lengths and the bias, no key mask), and that graph as
+    onnxruntime optimizes it has one GroupQueryAttention per layer, every MatMul left multiplies
+    a constant weight (none multiplies queries by keys), no Softmax."""
+    monkeypatch.delenv(ATTENTION_ENV, raising=False)
     b = load_bundle(tiny_bundle_float if which == "float" else llama_static)
-    runner = FusedRunner(b, CAPACITY, threads=1)
-    g = optimized_graph(runner, b, tmp_path)
+    backend = OrtBackend(b, threads=1, attention=None if which == "static" else "fused")
+    assert backend.fused is not None, backend.attention
+    assert backend.attention.startswith("attention: fused")
+    inputs = {i.name for i in backend.session.get_inputs()}
+    assert {"seqlens_k", "total_sequence_length", "attention_bias"} <= inputs and "key_mask" not in inputs
+    g = optimized_graph(backend, b, tmp_path)
     ops = [n.op_type for n in g.node]
     assert ops.count("GroupQueryAttention") == b.model["n_layers"]
     assert "Softmax" not in ops
@@ -112,7 +123,44 @@ def test_session_runs_gqa_and_no_plain_attention(which, tiny_bundle_float, llama
     assert not plain_products
     # residual Add + RMSNorm folded: all but the first layer's input norm and the final norm
     assert ops.count("SkipSimplifiedLayerNormalization") == 2 * b.model["n_layers"] - 1
-    assert "key_mask" not in {i.name for i in g.input}
+
+
+def test_auto_keeps_the_graph_as_written_where_it_cannot_fuse(tiny_bundle_int8, tiny_bundle_float, monkeypatch):
+    """auto: the per-token scheme (no fused form) and a float cache (eval's reference) run the
+    graph as written, the load log's line saying why; EDGEKV_ATTENTION=fused on the per-token
+    scheme is one line, not a silent plain run."""
+    monkeypatch.delenv(ATTENTION_ENV, raising=False)
+    for path, why in ((tiny_bundle_int8, "static scales"), (tiny_bundle_float, "reference")):
+        backend = OrtBackend(load_bundle(path), threads=1)
+        assert backend.fused is None and why in backend.attention
+        assert "key_mask" in {i.name for i in backend.session.get_inputs()}
+    monkeypatch.setenv(ATTENTION_ENV, "fused")
+    with pytest.raises(BackendUnavailable, match="constant per-tensor or per-channel"):
+        OrtBackend(load_bundle(tiny_bundle_int8), threads=1)
+    monkeypatch.setenv(ATTENTION_ENV, "fast")
+    with pytest.raises(EdgeKVError, match="auto, fused, plain"):
+        OrtBackend(load_bundle(tiny_bundle_int8), threads=1)
+
+
+def test_older_onnxruntime_runs_the_graph_as_written(llama_static, monkeypatch):
+    """Below MIN_ORT auto keeps the plain graph (the log says which release is needed) and an
+    explicit fused is one line."""
+    import edgekv.runtime.backends.ort as ort_mod
+
+    real = ort_mod._import_ort()
+
+    class Old:  # onnxruntime as it is, but for its version
+        __version__ = "1.26.1"
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    monkeypatch.setattr(ort_mod, "_import_ort", lambda: Old())
+    b = load_bundle(llama_static)
+    backend = OrtBackend(b, threads=1, attention="auto")
+    assert backend.fused is None and "1.26.1" in backend.attention and "1.27" in backend.attention
+    with pytest.raises(BackendUnavailable, match="1.27"):
+        OrtBackend(b, threads=1, attention="fused")
 
 
 def clamp_only(plain_codes, fused_codes):
@@ -130,25 +178,26 @@ def test_static_int8_same_codes_but_the_clamp(which, llama_static, qwen_static):
     layer 0 nor (its inputs then equal) in any later one, so every code of every layer matches,
     the logits agree to float tolerance and the greedy tokens are the same."""
     b = load_bundle(llama_static if which == "llama" else qwen_static)
-    plain_b = OrtBackend(b, threads=1, max_logits_rows=1)
-    fused = FusedRunner(b, CAPACITY, threads=1)
+    plain_b = OrtBackend(b, threads=1, max_logits_rows=1, attention="plain")
+    fused_b = OrtBackend(b, threads=1, max_logits_rows=1, attention="fused")
     clean = 0
     for seed in range(32):  # about 1 prompt in 8 stays clear of the clamp on these models
-        cache = KVCache(b, CAPACITY, memory=plain_b.memory)
-        seq = cache.new_sequence()
-        fused.reset()
+        plain, fused = (KVCache(b, CAPACITY, memory=be.memory) for be in (plain_b, fused_b))
+        seqs = plain.new_sequence(), fused.new_sequence()
         ids = np.random.default_rng(seed).integers(0, b.model["vocab_size"], (1, 6))
         want_tokens, got_tokens, logits_ok = [], [], True
         for _ in range(4):  # the prompt, then greedy decode steps
             row = np.array([[ids.shape[1] - 1]])
-            want = plain_b.run(cache, seq, ids, row).copy()
-            seq.advance(ids[0])
-            got = fused.run(ids, row)
+            want = plain_b.run(plain, seqs[0], ids, row).copy()
+            got = fused_b.run(fused, seqs[1], ids, row).copy()
+            for q in seqs:
+                q.advance(ids[0])
             logits_ok &= bool(np.abs(got - want).max() <= LOGITS_ATOL)
             want_tokens.append(int(want[0, -1].argmax()))
             got_tokens.append(int(got[0, -1].argmax()))
             ids = np.array([[want_tokens[-1]]])
-        codes = {(i, kv): (cache.buffers[f"past.{i}.{kv}"][: seq.n, 0], fused.cache(i, kv))
+        a_all, f_all = plain.read(seqs[0].n), fused.read(seqs[1].n)
+        codes = {(i, kv): (a_all[f"past.{i}.{kv}"], f_all[f"past.{i}.{kv}"])
                  for i in range(b.model["n_layers"]) for kv in ("key", "value")}
         for kv in ("key", "value"):
             assert clamp_only(*codes[(0, kv)]), f"seed {seed}: layer 0 {kv} codes differ beyond the clamp"

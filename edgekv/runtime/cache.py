@@ -8,8 +8,10 @@ The filled prefix buf[:n] is contiguous, so a backend binds only that as `past.*
 up to a bucket, the tail masked), and the new tokens' region buf[w:w+S] is contiguous, so
 `present.*` is written there directly (zero-copy append).
 
-Where the buffers live is the backend's choice (`backend.memory`, a KVMemory): host memory
-(numpy) for ort-cpu, device memory for the GPU backends."""
+Where the buffers live, and how, is the backend's choice (`backend.memory`, a KVMemory): host
+memory (numpy) for ort-cpu, device memory for the GPU backends; the fused graph's buffers are
+head-major [1, Hkv, capacity + spare, D] (memory.HeadMajorMemory), and every copy in or out of
+them still speaks slots, so the cell operations below mean the same in either layout."""
 from __future__ import annotations
 
 import numpy as np
@@ -66,8 +68,16 @@ class KVCache:
         """A sequence over this cache's slots."""
         return Sequence(self.capacity, self.max_positions)
 
+    @property
+    def layout(self) -> str:
+        """"slots" ([capacity, 1, Hkv, D], slot-major) or "heads" (HeadMajorMemory's BNSH, the fused graph's)."""
+        return getattr(self.memory, "layout", "slots")
+
     def ptr(self, name: str, slot: int) -> int:
-        """Address of slot `slot` of buffer `name` (host or device memory)."""
+        """Address of slot `slot` of buffer `name` (host or device memory; slot-major layout: in
+        a head-major buffer a slot is not one run of bytes, only the buffer's start is)."""
+        if slot and self.layout != "slots":
+            raise ValueError(f"slot {slot} of a {self.layout}-major cache has no single address")
         return self.memory.ptr(self.buffers[name]) + slot * self.row_bytes[name]
 
     def slots_shape(self, name: str, count: int) -> list[int]:

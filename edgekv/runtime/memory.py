@@ -67,6 +67,7 @@ def available_memory() -> int | None:
 class HostMemory:
     """KV buffers in host RAM as numpy arrays."""
     device = "cpu"
+    layout = "slots"  # slot i of a buffer is its i-th row (cache.ptr's arithmetic); HeadMajorMemory: "heads"
 
     def free_bytes(self) -> int | None:
         return available_memory()
@@ -95,3 +96,41 @@ class HostMemory:
     # MovesRows: gathered, then scattered, in place
     def move_rows(self, buf: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
         buf[dst] = buf[src]
+
+
+class HeadMajorMemory(HostMemory):
+    """KV buffers in host RAM head-major, [1, Hkv, slots + spare, D] (GroupQueryAttention's BNSH,
+    the fused graph's cache: docs/fused.md), for a cache that asks for slot-major [slots, 1, Hkv, D].
+    Every copy in or out speaks slots, as HostMemory's does ([n, 1, Hkv, D]), so snapshots, the
+    prompt cache, /save files and the engine's cell moves are the same in either layout. The
+    `spare` slots after the capacity are where the fused op writes a call whose cells lie inside
+    the past (a ring's overwrite, a fragmented pool) before they are moved there (OrtBackend)."""
+    layout = "heads"
+
+    def __init__(self, spare: int = 0):
+        self.spare = spare
+
+    def alloc(self, shape: tuple, dtype) -> np.ndarray:
+        if len(shape) != 4 or shape[1] != 1:
+            raise ValueError(f"a head-major cache holds [slots, 1, Hkv, D] tensors, not {list(shape)}")
+        slots, _, heads, dim = shape
+        return super().alloc((1, heads, slots + self.spare, dim), dtype)
+
+    @staticmethod
+    def _slots(buf: np.ndarray, start: int, stop: int) -> np.ndarray:
+        return buf[0, :, start:stop].transpose(1, 0, 2)[:, None]  # [n, 1, Hkv, D], a view
+
+    def read(self, buf: np.ndarray, n: int) -> np.ndarray:
+        return self._slots(buf, 0, n).copy()
+
+    def write(self, buf: np.ndarray, arr: np.ndarray) -> None:
+        self.write_rows(buf, 0, arr)
+
+    def read_rows(self, buf: np.ndarray, start: int, stop: int) -> np.ndarray:
+        return self._slots(buf, start, stop).copy()
+
+    def write_rows(self, buf: np.ndarray, start: int, arr: np.ndarray) -> None:
+        buf[0, :, start: start + len(arr)] = arr[:, 0].transpose(1, 0, 2)
+
+    def move_rows(self, buf: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
+        buf[0, :, dst] = buf[0, :, src]  # the fancy index gathers every source first

@@ -17,15 +17,16 @@ The fused graph's I/O differs from the plain contract (docs/graph.md) in the cac
 
   inputs   input_ids, position_ids, logits_index (as before), seqlens_k int32 [B] (tokens in
            the cache after this call, minus 1), total_sequence_length int32 [] (their maximum),
+           attention_bias float [1, 1, S, T] (T = total_sequence_length: the key mask as 0 / -inf),
            past.{i}.key / .value [B, Hkv, C, D] (BNSH, the whole buffer of capacity C)
   outputs  logits; present.{i}.key / .value [B, Hkv, C, D]: the same buffer (bound at the same
            address as past: GroupQueryAttention writes the new tokens in place)
 
 No key_mask: GroupQueryAttention's causal rule over each entry's first seqlens_k + 1 slots is the
-linear cache's mask; rings and the serving pool's masks are what the integration still has to
-design (docs/fused.md). The per-token int8 scheme cannot be expressed (the op has no per-token
-scales), nor int4's levels and rotation: those bundles raise NotFusable, and the caller keeps the
-plain graph.
+linear cache's mask, and attention_bias [1, 1, S, T] (0 / -inf) carries any other (a ring's
+overwritten slots, the serving pool's other sequences; OrtBackend._run_fused). The per-token int8
+scheme cannot be expressed (the op has no per-token scales), nor int4's levels and rotation: those
+bundles raise NotFusable, and the caller keeps the plain graph.
 
 Needs the `onnx` package (a runtime dependency already, for cast_cache_reads in ort.py).
 """
@@ -41,6 +42,7 @@ MIN_ORT = (1, 27)
 MS = "com.microsoft"
 SEQLENS = "seqlens_k"
 TOTAL = "total_sequence_length"
+BIAS = "attention_bias"  # [1, 1, S, T] float: 0 where a token sees a key, -inf where not (the key mask)
 
 
 class NotFusable(BundleError):
@@ -358,7 +360,7 @@ def _emit_attention(g: _Graph, layers: list[Layer], m: dict, kind: str, inv_freq
     for L in layers:
         i = L.i
         ins = [L.qkv, "", "", f"past.{i}.key", f"past.{i}.value", SEQLENS, TOTAL, "fused.cos_cache",
-               "fused.sin_cache", "position_ids", "", ""]
+               "fused.sin_cache", "position_ids", BIAS, ""]
         if kind == "static":
             ins += [f"fused.{i}.k_scale", f"fused.{i}.v_scale"]
             g.g.initializer.extend([nh.from_array(L.k_scale.astype(np.float32).reshape(1, Hkv, 1, D), ins[-2]),
@@ -409,7 +411,8 @@ def _set_io(g: _Graph, layers: list[Layer], m: dict, kind: str) -> None:
             elem = vi.type.tensor_type.elem_type
             vi.CopyFrom(helper.make_tensor_value_info(vi.name, elem, ["batch", Hkv, "cache", D]))
     g.g.input.extend([helper.make_tensor_value_info(SEQLENS, TP.INT32, ["batch"]),
-                      helper.make_tensor_value_info(TOTAL, TP.INT32, [])])
+                      helper.make_tensor_value_info(TOTAL, TP.INT32, []),
+                      helper.make_tensor_value_info(BIAS, TP.FLOAT, [1, 1, "sequence", "total"])])
 
 
 def _emit_skip_norms(g: _Graph) -> int:
@@ -520,68 +523,3 @@ def _check_fused(g: _Graph, n_layers: int) -> None:
             raise NotFusable(f"{name} is still read by plain ops")
     if "key_mask" in g.consumers:
         raise NotFusable("the key mask is still read")
-
-
-def fused_inputs(n: int, s: int) -> dict[str, np.ndarray]:
-    """seqlens_k and total_sequence_length of a call of s new tokens after n cached ones (one
-    sequence, batch 1)."""
-    return {SEQLENS: np.array([n + s - 1], np.int32), TOTAL: np.array(n + s, np.int32)}
-
-
-class FusedRunner:
-    """The fused graph on onnxruntime's CPU provider for one linear sequence, its cache one
-    contiguous BNSH buffer [1, Hkv, capacity, D] per layer and K/V, bound as past and present
-    at the same address (GroupQueryAttention appends in place). The standalone form the
-    integration folds into OrtBackend and KVCache (docs/fused.md)."""
-
-    def __init__(self, bundle: Bundle, capacity: int, threads: int | None = None, matmul_accuracy: int | None = None,
-                 skip_norm: bool = True):
-        from edgekv.runtime.backends.ort import MATMUL_ACCURACY, _import_ort, session_options
-
-        ort = _import_ort()
-        if not ort_version_ok(ort.__version__):
-            raise NotFusable(f"the fused path needs onnxruntime >= {'.'.join(map(str, MIN_ORT))} "
-                             f"(this is {ort.__version__})")
-        if capacity > bundle.max_context:
-            raise BundleError(f"a cache of {capacity} slots exceeds the {bundle.max_context} tokens this bundle was verified for")
-        self.fused = fuse_bundle(bundle, skip_norm=skip_norm)
-        opts = session_options(ort, threads, MATMUL_ACCURACY if matmul_accuracy is None else matmul_accuracy)
-        opts.add_session_config_entry("session.model_external_initializers_file_folder_path", str(bundle.onnx_path.parent))
-        off = ["QDQPropagationTransformer"] if bundle.weights == "int4" else None  # as OrtBackend (docs/weights.md)
-        self.session = ort.InferenceSession(self.fused.serialize(), opts, providers=["CPUExecutionProvider"],
-                                            disabled_optimizers=off)
-        m = bundle.model
-        self.capacity, self.vocab = capacity, m["vocab_size"]
-        dtype = np.int8 if self.fused.kind == "static" else np.float32
-        self.buffers = {f"{w}.{i}": np.zeros((1, m["n_kv_heads"], capacity, m["head_dim"]), dtype)
-                        for i in range(m["n_layers"]) for w in ("key", "value")}
-        self.io = self.session.io_binding()
-        for name, buf in self.buffers.items():
-            w, i = name.split(".")
-            for io_name, bind in ((f"past.{i}.{w}", self.io.bind_input), (f"present.{i}.{w}", self.io.bind_output)):
-                bind(io_name, "cpu", 0, buf.dtype, list(buf.shape), buf.ctypes.data)
-        self.n = 0  # tokens in the cache
-
-    def reset(self) -> None:
-        self.n = 0
-
-    def run(self, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
-        """One call of S = input_ids.shape[1] new tokens after the n cached ones: logits [1, K, V]."""
-        s = input_ids.shape[1]
-        if self.n + s > self.capacity:
-            raise BundleError(f"context full: {self.n} + {s} tokens exceed the cache capacity of {self.capacity}")
-        feeds = {"input_ids": np.ascontiguousarray(input_ids, np.int64),
-                 "position_ids": np.arange(self.n, self.n + s, dtype=np.int64)[None],
-                 "logits_index": np.ascontiguousarray(logits_index, np.int64), **fused_inputs(self.n, s)}
-        self._feeds = feeds  # kept alive: the binding points into them
-        for name, a in feeds.items():
-            self.io.bind_input(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
-        logits = np.empty((1, logits_index.shape[1], self.vocab), np.float32)
-        self.io.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
-        self.session.run_with_iobinding(self.io)
-        self.n += s
-        return logits
-
-    def cache(self, layer: int, which: str) -> np.ndarray:
-        """The filled slots of one cache tensor, slot-major [n, Hkv, D] (as the plain cache holds them)."""
-        return self.buffers[f"{which}.{layer}"][0, :, : self.n].transpose(1, 0, 2)

@@ -13,11 +13,12 @@ import os
 
 import numpy as np
 
-from edgekv.errors import BackendUnavailable, BundleError, EdgeKVError
+from edgekv.errors import BackendUnavailable, BundleError, EdgeKVError, note
 from edgekv.format.bundle import Bundle
-from edgekv.runtime.backends.base import UNLIMITED, bound_past
+from edgekv.runtime.backends.base import PREFILL_CHUNK, UNLIMITED, bound_past
+from edgekv.runtime.backends.fused import BIAS, MIN_ORT, SEQLENS, TOTAL, NotFusable, fuse_bundle, ort_version_ok
 from edgekv.runtime.cache import KVCache
-from edgekv.runtime.memory import HostMemory, KVMemory
+from edgekv.runtime.memory import HeadMajorMemory, HostMemory, KVMemory
 from edgekv.runtime.sequence import Sequence
 
 PAST_BUCKET = 16  # slots: the past is bound at a multiple of this (1: exactly the filled slots; docs/runtime.md)
@@ -317,6 +318,71 @@ def exact_graph(graph: bytes, max_cells: int) -> tuple[bytes, bool]:
     return model.SerializeToString(), True
 
 
+# Which attention ort-cpu runs (docs/fused.md): "fused" = the graph rewritten at load into
+# onnxruntime's GroupQueryAttention per layer (static int8 or float caches), "plain" = the
+# bundle's graph as written, "auto" = fused for a static int8 cache, the graph as written for
+# the rest (a float cache is the reference eval compares against; per-token scales have no fused form)
+ATTENTION_ENV = "EDGEKV_ATTENTION"
+ATTENTIONS = ("auto", "fused", "plain")
+FUSED_INPUTS = (SEQLENS, TOTAL, BIAS)
+# slots after the capacity where a fused call writing inside the past lands before it is moved
+# (a ring's overwrite, a pool's cell run): a prompt chunk and a batch of decode tokens
+FUSED_SPARE = PREFILL_CHUNK + 64
+
+
+def attention_default() -> str:
+    value = os.environ.get(ATTENTION_ENV, "auto").strip().lower() or "auto"
+    if value not in ATTENTIONS:
+        raise EdgeKVError(f"{ATTENTION_ENV}={value!r}: choose one of {', '.join(ATTENTIONS)}")
+    return value
+
+
+def choose_attention(backend: "OrtBackend", bundle: Bundle, mode: str):
+    """(the fused graph or None, the load log's line: which attention runs and why). `fused`
+    where it cannot be built is an error; `auto` then keeps the graph as written."""
+    if mode not in ATTENTIONS:
+        raise EdgeKVError(f"attention {mode!r}: choose one of {', '.join(ATTENTIONS)}")
+    if mode == "plain":
+        return None, f"attention: the bundle's graph as written ({ATTENTION_ENV}=plain)"
+    why = None
+    if not backend.fuses:
+        why = f"{backend.name} runs the graph as written (the fused rewrite targets onnxruntime's CPU kernels)"
+    elif not ort_version_ok(backend.ort.__version__):
+        why = (f"onnxruntime {backend.ort.__version__} predates GroupQueryAttention's int8-cache CPU kernel "
+               f"(the fused path needs >= {'.'.join(map(str, MIN_ORT))})")
+    elif mode == "auto" and bundle.scheme.kind != "static":
+        why = (f"the {bundle.scheme.name} KV scheme runs the graph as written"
+               + (" (a float cache is the reference; EDGEKV_ATTENTION=fused fuses it)" if bundle.scheme.kind == "float"
+                  else " (GroupQueryAttention takes only static scales)"))
+    if why is None:
+        try:
+            fused = fuse_bundle(bundle, max_positions=bundle.max_context + FUSED_SPARE)
+        except NotFusable as e:
+            why = str(e)
+        else:
+            return fused, (f"attention: fused (GroupQueryAttention in each of {len(fused.layers)} layers, "
+                           f"{fused.skip_norms} SkipSimplifiedLayerNormalization; {ATTENTION_ENV}=plain runs the graph as written)")
+    if mode == "fused":
+        raise BackendUnavailable(f"fused attention: {why}")
+    return None, f"attention: the bundle's graph as written ({why})"
+
+
+def attention_bias(key_mask: np.ndarray | None, past: int, at: int, s: int) -> np.ndarray:
+    """GroupQueryAttention's attention_bias [1, 1, S, at + S] for a call whose past is slots
+    [0, past) under key_mask [1, S, past + S] and whose new tokens the op places at slot `at`
+    (>= past): 0 where a token sees a key, -inf where not, slots [past, at) hidden."""
+    if key_mask is None and at == past:
+        return np.zeros((1, 1, s, at + s), np.float32)  # the op's own causal rule is the mask
+    bias = np.full((1, 1, s, at + s), -np.inf, np.float32)
+    if key_mask is None:
+        bias[0, 0, :, :past] = 0.0
+        bias[0, 0, :, at:] = 0.0
+    else:
+        bias[0, 0, :, :past][key_mask[0, :, :past]] = 0.0
+        bias[0, 0, :, at:][key_mask[0, :, past:]] = 0.0
+    return bias
+
+
 def session_options(ort, threads: int | None, matmul_accuracy: int):
     """The CPU session's options, for the graph as written and for derived (fused) graphs alike."""
     opts = ort.SessionOptions()
@@ -339,10 +405,11 @@ class OrtBackend:
     max_tokens_per_call = UNLIMITED
     stage_present = True  # a one-token call writes present.* to staging buffers, copied to the cache after
     exact_attention = True  # ExactAttention's integer products are CPU kernels (MatMulInteger u8 x s8)
+    fuses = True  # the fused graph (GroupQueryAttention's int8-cache CPU kernel) runs here
 
     def __init__(self, bundle: Bundle, threads: int | None = None, max_logits_rows: int = 1,
                  past_bucket: int = PAST_BUCKET, matmul_accuracy: int = MATMUL_ACCURACY,
-                 exact: bool | None = None):
+                 exact: bool | None = None, attention: str | None = None):
         ort = self.ort = _import_ort()
         self.check_available(ort)
         opts = session_options(ort, threads, matmul_accuracy)
@@ -351,11 +418,17 @@ class OrtBackend:
         # onnxruntime's QDQ propagation copies the int8 cache's unit Q/DQ across a Transpose with a
         # uint8 zero point, which opset 21 (INT4 weights) refuses at load (docs/weights.md)
         off = ["QDQPropagationTransformer"] if bundle.weights == "int4" else None
+        # the graph this session runs: the fused one where it can (self.fused), else as written;
+        # self.attention says which and why (the load log)
+        self.fused, self.attention = choose_attention(self, bundle, attention_default() if attention is None else attention)
         try:
-            graph = cast_cache_reads(bundle.onnx_path)
-            # row-independent attention (default: EDGEKV_EXACT, on); self.exact: whether it runs
-            want = self.exact_attention and (exact_default() if exact is None else exact)
-            graph, self.exact = exact_graph(graph, bundle.max_context) if want else (graph, False)
+            if self.fused is not None:
+                graph, self.exact = self.fused.serialize(), False  # GroupQueryAttention sums as it does
+            else:
+                graph = cast_cache_reads(bundle.onnx_path)
+                # row-independent attention (default: EDGEKV_EXACT, on); self.exact: whether it runs
+                want = self.exact_attention and (exact_default() if exact is None else exact)
+                graph, self.exact = exact_graph(graph, bundle.max_context) if want else (graph, False)
             # the rewritten graph comes as bytes: its weights are still found beside model.onnx
             opts.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                           str(bundle.onnx_path.parent))
@@ -364,15 +437,20 @@ class OrtBackend:
             msg = str(e).splitlines()[0][:200]
             raise BundleError(f"{bundle.path}: corrupt bundle (onnxruntime cannot load {bundle.onnx_path.name}: {msg})") from None
         self.check_session()
+        if self.fused is not None:  # a path new to the user: the load log says it runs, and how to leave it
+            note(self.attention)
         self.vocab = bundle.model["vocab_size"]
         self.io = self.session.io_binding()
         self.logits = np.empty((1, max(1, max_logits_rows), self.vocab), np.float32)
         graph_inputs = {i.name for i in self.session.get_inputs()}
         expected = set(bundle.manifest["io"]["inputs"]) | set(bundle.manifest["io"]["past"])
+        if self.fused is not None:  # the cache's lengths and the bias in place of the key mask
+            expected = (expected - {"key_mask"}) | set(FUSED_INPUTS)
         if graph_inputs != expected:
             raise BundleError(f"{bundle.path}: corrupt bundle (graph inputs do not match the manifest)")
-        self.memory = self.make_memory()
-        self.past_bucket = past_bucket
+        self.memory = self.make_memory() if self.fused is None else HeadMajorMemory(FUSED_SPARE)
+        # the fused graph binds the whole buffer and reads only seqlens_k + 1 slots: no bucket
+        self.past_bucket = past_bucket if self.fused is None else 1
         self._small: dict[str, np.ndarray] = {}  # the small inputs' arrays, bound as they are
         self._bound: dict[str, tuple] = {}  # what the binding holds now, per part: small, past, present, logits
         self._stage: tuple = (None,)  # the last cache, its present.* staging arrays [1, 1, Hkv, D|-], their copies
@@ -414,11 +492,18 @@ class OrtBackend:
         return bound_past(seq.n, self.past_bucket, cache.capacity)
 
     def run(self, cache: KVCache, seq: Sequence, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
-        if cache.memory.device != self.device:
-            raise EdgeKVError(f"{self.name} needs its KV cache in {self.device} memory (build it with memory=backend.memory)")
+        self._check_cache(cache)
         s = input_ids.shape[1]
+        if self.fused is not None:  # a linear sequence appends; a ring overwriting masks its old slots
+            mask = seq.key_mask(s, seq.n) if seq.w != seq.n else None
+            return self._run_fused(cache, seq.n, seq.w, input_ids, seq.positions(s), mask, logits_index)
         past = self.past_slots(cache, seq)
         return self._run(cache, past, seq.w, input_ids, seq.positions(s), seq.key_mask(s, past), logits_index)
+
+    def _check_cache(self, cache: KVCache) -> None:
+        if cache.memory.device != self.device or cache.layout != self.memory.layout:
+            raise EdgeKVError(f"{self.name} needs its KV cache in its own ({self.device}, {self.memory.layout}-major) "
+                              f"memory (build it with memory=backend.memory)")
 
     def _run(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
              key_mask: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
@@ -449,9 +534,55 @@ class OrtBackend:
         per-token mask [1, S, past + S] given whole. Cells of the write run that lie inside the
         past are free, hence masked (as a ring's overwritten slots). The same constant-work
         binding as `run`: own small arrays, the past rebound only when `past` changes."""
-        if cache.memory.device != self.device:
-            raise EdgeKVError(f"{self.name} needs its KV cache in {self.device} memory (build it with memory=backend.memory)")
+        self._check_cache(cache)
+        if self.fused is not None:
+            return self._run_fused(cache, past, write, input_ids, position_ids, key_mask, logits_index)
         return self._run(cache, past, write, input_ids, position_ids, key_mask, logits_index)
+
+    # -- the fused graph (docs/fused.md, "The runtime"): the cache is head-major, one buffer per
+    # tensor bound whole as both past and present; GroupQueryAttention reads the first
+    # seqlens_k + 1 slots, adds attention_bias (the key mask as 0 / -inf) and writes the new
+    # tokens at slot seqlens_k + 1 - S
+    def _run_fused(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
+                   key_mask: np.ndarray | None, logits_index: np.ndarray) -> np.ndarray:
+        """past = slots [0, past) seen through key_mask [1, S, past + S] (None: all of them, the
+        new block causally), the new tokens' K/V to slots [write, write + S). The op writes at
+        the end of what it reads, so a call whose write slot is not `past` (a ring overwriting,
+        a cell run elsewhere in a pool, or a first prompt whose positions do not run on: the op
+        reads only position_ids[0] then) runs over the whole capacity with the rest masked,
+        writes to the spare slots after it and is moved to its cells."""
+        s = input_ids.shape[1]
+        runs_on = bool(np.all(np.diff(position_ids[0]) == 1))
+        direct = write == past and (past > 0 or runs_on)
+        at = past if direct else cache.capacity  # where the op writes
+        if not direct and s > self.memory.spare:
+            raise EdgeKVError(f"{self.name} (fused attention): a call of {s} tokens written inside the past "
+                              f"exceeds the {self.memory.spare} spare slots (EDGEKV_ATTENTION=plain runs it)")
+        feeds = {"input_ids": np.ascontiguousarray(input_ids, np.int64),
+                 "position_ids": np.ascontiguousarray(position_ids, np.int64),
+                 "logits_index": np.ascontiguousarray(logits_index, np.int64),
+                 SEQLENS: np.array([at + s - 1], np.int32), TOTAL: np.array(at + s, np.int32),
+                 BIAS: attention_bias(key_mask, past, at, s)}
+        self._bind_fused(cache, feeds)
+        logits = self._bind_logits(1, logits_index.shape[1])
+        self.session.run_with_iobinding(self.io)
+        if at != write:
+            for buf in cache.buffers.values():  # [1, Hkv, slots, D]: the new tokens to their cells
+                buf[0, :, write: write + s] = buf[0, :, at: at + s]
+        return logits
+
+    def _bind_fused(self, cache: KVCache, feeds: dict[str, np.ndarray]) -> None:
+        self._feeds = feeds  # kept alive: bound by address
+        for name, a in feeds.items():
+            self.io.bind_input(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
+        bound = self._bound.get("past")
+        if bound and bound[0] is cache:
+            return
+        self._bound.pop("past", None)
+        for name, buf in cache.buffers.items():  # past and present: one buffer, one address
+            self.io.bind_input(name, "cpu", 0, buf.dtype, list(buf.shape), buf.ctypes.data)
+            self.io.bind_output("present" + name[4:], "cpu", 0, buf.dtype, list(buf.shape), buf.ctypes.data)
+        self._bound["past"] = (cache,)
 
     # -- the binding, changed only where what it holds changed
     def _bind_small(self, s: int, k: int, past: int) -> dict[str, np.ndarray]:
@@ -507,6 +638,9 @@ class OrtCudaBackend(OrtBackend):
     device = "cuda"
     stage_present = False  # the cache is device memory: present.* is bound at the write slot
     exact_attention = False  # the graph as written: its u8 x s8 MatMul would run on the CPU
+    # CUDA's GroupQueryAttention runs float16/bfloat16 graphs and the rewrite handles float32 ones
+    # (docs/fused.md, "ort-cuda"): the graph as written
+    fuses = False
 
     def check_available(self, ort) -> None:
         have = ort.get_available_providers()
