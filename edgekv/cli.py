@@ -118,7 +118,7 @@ def _add_sampling(p, temperature: float, top_p: float, top_k: int, repeat_penalt
 def _add_runtime(p):
     p.add_argument("--ctx", type=CTX, default=None, help="KV cache capacity in tokens (default: min(2048, bundle max))")
     p.add_argument("--backend", default="auto", choices=BACKENDS,
-                   help="auto = trt if an engine is built, else ort-cuda if onnxruntime has CUDA, else ort-cpu (ort-cpu sums attention in exact fixed point so that temperature 0 does not depend on batching or the prefix cache; EDGEKV_EXACT=0 runs the graph as written: faster prefill, less memory; README)")
+                   help="auto = trt if an engine is built, else ort-cuda if onnxruntime has CUDA, else ort-cpu (ort-cpu runs a static int8 cache through onnxruntime's fused GroupQueryAttention, EDGEKV_ATTENTION=plain: the graph as written; the graph as written sums attention in exact fixed point so that temperature 0 does not depend on batching or the prefix cache; EDGEKV_EXACT=0 runs it as written: faster prefill, less memory; README)")
     p.add_argument("--threads", type=THREADS, default=None, help="CPU threads (default: all available)")
 
 
@@ -264,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int_range(1, 1000), default=3, help="runs per measurement (the median is reported)")
     p.add_argument("--threads", type=THREADS, default=None, help="CPU threads (default: all available)")
     p.add_argument("--backend", default="ort-cpu", choices=BACKENDS, help="backend to time")
+    p.add_argument("--attention", type=lambda t: [x.strip() for x in t.split(",")], default=None, metavar="LIST",
+                   help="time each of these ort-cpu attentions (auto, fused, plain: EDGEKV_ATTENTION) in its own process, "
+                        "taking turns with llama.cpp for --repeat rounds; ratios are medians of per-round ratios")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON here")
     p.add_argument("--transformers", default=None, metavar="MODEL",
                    help="also time HF transformers (eager, same weights, same threads) on MODEL (a recipe, folder or "
