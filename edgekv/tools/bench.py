@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import signal
 import statistics
 import subprocess
@@ -20,6 +21,7 @@ from edgekv.format.files import write_json
 from edgekv.format.bundle import load_bundle
 from edgekv.runtime.assemble import Runtime, open_runtime
 from edgekv.runtime.backends import default_threads
+from edgekv.runtime.backends.ort import ATTENTION_ENV, ATTENTIONS
 from edgekv.runtime.generate import Generator
 from edgekv.tools.progress import stage
 
@@ -223,10 +225,13 @@ def print_llama_cpp(lc: dict, ratios: dict, peak_mib: float) -> None:
 
 def cmd_bench(args) -> int:
     bundles = [load_bundle(b) for b in args.bundle]  # every one refused before any timing
+    for a in args.attention or []:
+        if a not in ATTENTIONS:
+            raise EdgeKVError(f"--attention {a!r}: choose from {', '.join(ATTENTIONS)} (comma-separated)")
     gguf = llama_cpp_gguf(args.llama_cpp) if args.llama_cpp is not None else None
-    if len(bundles) > 1:
+    if len(bundles) > 1 or args.attention:
         if args.transformers:
-            raise EdgeKVError("--transformers times one bundle's weights: give it one bundle")
+            raise EdgeKVError("--transformers times one bundle's weights and attention: give it one bundle, no --attention")
         return compare(args, bundles, gguf)
     bundle = bundles[0]
     threads = args.threads or default_threads()
@@ -250,36 +255,53 @@ def cmd_bench(args) -> int:
 
 
 def compare(args, bundles: list, gguf: Path | None) -> int:
-    """Several bundles (say float / int8 / int4 weights) and llama.cpp in one run: each bundle
-    benched in its own process (its own peak RSS), one after another, then llama.cpp once; one
-    table of all of them with the ratios to llama.cpp."""
+    """Several bundles (say float / int8 / int4 weights) or attentions (--attention plain,fused)
+    and llama.cpp in one run, each in its own process (its own peak RSS), then one table of all
+    of them with the ratios to llama.cpp. With --attention the processes take turns: --repeat
+    rounds, each running every bundle x attention and llama.cpp once (one timed round each), and
+    the ratios are the medians of the per-round ratios, so a slow spell of a shared machine hits
+    one round of all of them rather than one of them."""
     threads = args.threads or default_threads()
+    entries = [(b, a) for b in bundles for a in (args.attention or [None])]
+    rounds = args.repeat if args.attention else 1
     flags = ["--prompt-lengths", ",".join(map(str, args.prompt_lengths)), "--capacities",
              ",".join(map(str, args.capacities)), "--fill", ",".join(map(str, args.fill)), "--decode-tokens",
-             str(args.decode_tokens), "--rss-tokens", str(args.rss_tokens), "--repeat", str(args.repeat),
-             "--threads", str(threads), "--backend", args.backend]
-    results = []
+             str(args.decode_tokens), "--rss-tokens", str(args.rss_tokens),
+             "--repeat", str(1 if args.attention else args.repeat), "--threads", str(threads), "--backend", args.backend]
+    lens = sorted(set(args.prompt_lengths) | set(args.fill))
+    per = [[] for _ in entries]  # each entry's result per round
+    theirs, failed = [], None
+    res = {"threads": threads, "rounds": rounds, "load_average_start": list(os.getloadavg())}
     with tempfile.TemporaryDirectory(prefix="edgekv-bench-") as tmp:
-        for i, b in enumerate(bundles):
-            note(f"== {i + 1}/{len(bundles)}: {b.path}")
-            out = Path(tmp) / f"{i}.json"
-            p = subprocess.run([sys.executable, "-m", "edgekv", "bench", str(b.path), *flags, "--json", str(out)])
-            if p.returncode != 0:
-                raise EdgeKVError(f"bench of {b.path} failed (exit {p.returncode})")
-            results.append(json.loads(out.read_text()))
-    res = {"threads": threads, "bundles": results}
-    failed = None
-    if gguf is not None:
-        try:
-            lc = run_llama_cpp(gguf, threads, max(args.capacities), sorted(set(args.prompt_lengths) | set(args.fill)),
-                               bundles[0].model["vocab_size"], args.decode_tokens, args.repeat)
-        except PeerFailed as e:  # edgekv's table first, then the one line
-            failed = e
-        else:
-            res["llama_cpp"] = lc
-            for r in results:
-                r["vs_llama_cpp"] = llama_cpp_ratios(r["runs"], lc["runs"], r["peak_rss_mib"], lc["peak_rss_mib"])
-    print_comparison(res, sorted(set(args.prompt_lengths) | set(args.fill)))
+        for r in range(rounds):
+            for i, (b, attention) in enumerate(entries):
+                note(f"== round {r + 1}/{rounds}, {i + 1}/{len(entries)}: {b.path}"
+                     + (f" (attention {attention})" if attention else ""))
+                out = Path(tmp) / f"{i}.json"
+                env = dict(os.environ, **({ATTENTION_ENV: attention} if attention else {}))
+                p = subprocess.run([sys.executable, "-m", "edgekv", "bench", str(b.path), *flags, "--json", str(out)],
+                                   env=env)
+                if p.returncode != 0:
+                    raise EdgeKVError(f"bench of {b.path} failed (exit {p.returncode})")
+                per[i].append(json.loads(out.read_text()))
+            if gguf is not None and failed is None and (args.attention or r == rounds - 1):
+                try:
+                    theirs.append(run_llama_cpp(gguf, threads, max(args.capacities), lens, bundles[0].model["vocab_size"],
+                                                args.decode_tokens, 1 if args.attention else args.repeat))
+                except PeerFailed as e:  # edgekv's table first, then the one line
+                    failed = e
+    res["load_average_end"] = list(os.getloadavg())
+    results = [merge_rounds(rs) for rs in per]
+    res["bundles"] = results
+    if theirs and failed is None:
+        lc = merge_rounds(theirs)
+        res["llama_cpp"] = lc
+        for r, rs in zip(results, per):  # per round against the same round's llama.cpp, then the median
+            r["vs_llama_cpp"] = median_ratios([llama_cpp_ratios(x["runs"], t["runs"], x["peak_rss_mib"], t["peak_rss_mib"])
+                                               for x, t in zip(rs, theirs)])
+    print_comparison(res, lens)
+    print(f"load average (1 min) {res['load_average_start'][0]:.1f} at the start, {res['load_average_end'][0]:.1f} "
+          f"at the end ({os.cpu_count()} CPUs)")
     if args.json:
         write_json(args.json, res)
         note(f"  wrote {args.json}")
@@ -288,13 +310,38 @@ def compare(args, bundles: list, gguf: Path | None) -> int:
     return 0
 
 
+def merge_rounds(rounds: list[dict]) -> dict:
+    """One result from several rounds' (a process each): every run's times and the peak RSS as
+    their medians; the rest as the first round has it."""
+    out = dict(rounds[0])
+    runs = []
+    for k, run in enumerate(rounds[0]["runs"]):
+        same = [r["runs"][k] for r in rounds]
+        runs.append({**run, **{f: statistics.median(x[f] for x in same) for f in ("ttft_ms", "prefill_tps", "decode_tps")}})
+    out["runs"] = runs
+    out["peak_rss_mib"] = statistics.median(r["peak_rss_mib"] for r in rounds)
+    return out
+
+
+def median_ratios(per_round: list[dict]) -> dict:
+    """llama_cpp_ratios of several rounds as one: each ratio the median of the rounds' (the rest
+    the medians too)."""
+    rows = []
+    for k, row in enumerate(per_round[0]["by_prompt"]):
+        same = [r["by_prompt"][k] for r in per_round]
+        rows.append({**row, **{f: statistics.median(x[f] for x in same) for f in row if f != "prompt_tokens"}})
+    return {"by_prompt": rows, "peak_rss_ratio": statistics.median(r["peak_rss_ratio"] for r in per_round),
+            "rounds": len(per_round)}
+
+
 def print_comparison(res: dict, lens: list[int]) -> None:
     """One row per bundle (and llama.cpp): decode tok/s and TTFT per context, peak RSS; under
     each edgekv row its ratios to llama.cpp (decode > 1 and TTFT, RSS < 1: edgekv better)."""
     lc = res.get("llama_cpp")
     head = "".join(f"{'tok/s@' + str(L):>12}" for L in lens) + "".join(f"{'TTFT@' + str(L):>12}" for L in lens)
     print(f"\n{'':34}{'weights':>8}{head}{'peak RSS':>10}")
-    rows = [(Path(r["bundle"]).name, r.get("weights", "?"), r) for r in res["bundles"]]
+    rows = [(Path(r["bundle"]).name + (" [fused]" if r.get("fused") else ""), r.get("weights", "?"), r)
+            for r in res["bundles"]]
     if lc:
         rows.append((f"llama.cpp {lc['llama_cpp_version']}", "gguf", lc))
     for name, weights, r in rows:
@@ -316,6 +363,9 @@ def bench(args, rt: Runtime, res: dict, configs: list, caps: list[int], fills: l
           lens: list[int], gguf: Path | None) -> int:
     bundle, big = rt.bundle, max(caps)
     res["backend"] = rt.backend.name
+    res["attention"] = getattr(rt.backend, "attention", "")  # the load log's line (ort backends)
+    res["fused"] = getattr(rt.backend, "fused", None) is not None
+    note(f"  {res['attention']}")
     with stage("timing", f": {len(configs)} configurations x {args.repeat + 1} rounds (round-robin; the first "
                f"round is warm-up) on {rt.backend.name}"):
         seen = measure(rt, configs, args.decode_tokens, args.repeat)
