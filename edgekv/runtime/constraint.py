@@ -10,7 +10,9 @@ import numpy as np
 
 class Constraint(Protocol):
     def allowed(self) -> np.ndarray | None:
-        """bool [V]: the tokens allowed next (None: any). Called once per sampled row, before sampling."""
+        """bool [V]: the tokens allowed next (None: any). Called once per sampled row, before sampling;
+        raises EdgeKVError when the grammar cannot go on (a limit hit): the request ends, never
+        unconstrained."""
 
     def accept(self, token: int) -> None:
         """The token sampled (always one `allowed` allowed); raises ValueError on any other."""

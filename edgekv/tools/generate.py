@@ -1,7 +1,10 @@
-"""`edgekv generate`: answer one prompt, streaming."""
+"""`edgekv generate`: answer one prompt, streaming; with --json-schema, --grammar or --regex the
+answer is constrained to it (docs/structured.md)."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 import sys
 
 from edgekv.errors import ContextOverflow, EdgeKVError
@@ -14,11 +17,68 @@ from edgekv.runtime.text import StreamDecoder, system_turn
 def cmd_generate(args) -> int:
     if not args.prompt.strip():
         raise EdgeKVError("empty prompt")
+    grammar = grammar_from_args(args)  # a bad grammar file is refused before the model loads
     with open_runtime(args.bundle, args.ctx, args.backend, args.threads) as rt:
-        return generate(args, rt)
+        return generate(args, rt, grammar)
 
 
-def generate(args, rt) -> int:
+def grammar_from_args(args):
+    """The Grammar that --json-schema FILE, --grammar FILE.lark or --regex R ask for (None: none)."""
+    from edgekv.runtime import grammar as g
+
+    if getattr(args, "json_schema", None):
+        text = read_grammar_file(args.json_schema, "--json-schema")
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise EdgeKVError(f"--json-schema {args.json_schema}: not JSON ({e.msg} at line {e.lineno} "
+                              f"column {e.colno})") from None
+        return _refused_as("--json-schema", args.json_schema, g.json_schema, schema)
+    if getattr(args, "grammar", None):
+        return _refused_as("--grammar", args.grammar, g.lark, read_grammar_file(args.grammar, "--grammar"))
+    if getattr(args, "regex", None) is not None:
+        return _refused_as("--regex", None, g.regex, args.regex)
+    return None
+
+
+def _refused_as(flag: str, path, make, value):
+    """make(value), a GrammarError saying which flag (and file) it came from."""
+    from edgekv.runtime.grammar import GrammarError
+
+    try:
+        return make(value)
+    except GrammarError as e:
+        raise GrammarError(f"{flag}{' ' + str(path) if path else ''}: {e}") from None
+
+
+def read_grammar_file(path: str, flag: str) -> str:
+    """A grammar file's text: a regular file (not a FIFO or a device: never blocks), UTF-8, at
+    most MAX_GRAMMAR_CHARS characters; any other is one error line naming the flag and the file."""
+    from edgekv.runtime.grammar import MAX_GRAMMAR_CHARS
+
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise EdgeKVError(f"{flag} {path}: no such file") from None
+    except OSError as e:
+        raise EdgeKVError(f"{flag} {path}: cannot open it ({e.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise EdgeKVError(f"{flag} {path}: not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(4 * MAX_GRAMMAR_CHARS + 1)  # UTF-8: at most 4 bytes a character
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise EdgeKVError(f"{flag} {path}: not UTF-8 text") from None
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise EdgeKVError(f"{flag} {path}: more than {MAX_GRAMMAR_CHARS} characters")
+    if not text.strip():
+        raise EdgeKVError(f"{flag} {path}: the file is empty")
+    return text
+
+
+def generate(args, rt, grammar=None) -> int:
     codec, gen = rt.codec, rt.generator()
     if args.raw:
         ids = codec.encode(args.prompt)
@@ -27,22 +87,42 @@ def generate(args, rt) -> int:
     if len(ids) >= gen.cache.capacity:
         raise ContextOverflow(f"prompt is {len(ids)} tokens, the cache holds {gen.cache.capacity}",
                               setting="capacity", fix=f"raise {{}}, up to {rt.bundle.max_context}")
+    constraint, stop_ids = None, codec.stop_ids
+    if grammar is not None:
+        from edgekv.runtime.grammar import compile_grammar, tokenizer_for
+
+        tok = tokenizer_for(rt.bundle)
+        constraint = compile_grammar(tok, grammar)
+        stop_ids = stop_ids | set(tok.stop_ids)  # every end the grammar may choose ends the reply
     st = Stats()
     dec = StreamDecoder(codec)
     pieces = []
     out = sys.stdout
-    for tok in gen.generate(ids, args.max_new_tokens, sampling_from(args), codec.stop_ids, st):
-        text = dec.push(tok)
+    for tok_id in gen.generate(ids, args.max_new_tokens, sampling_from(args), stop_ids, st, constraint):
+        text = dec.push(tok_id)
         pieces.append(text)
         if not args.json and text:
             out.write(text)
             out.flush()
     tail = dec.flush()
     pieces.append(tail)
+    record = constraint_record(grammar, constraint, st)
     if args.json:
-        print(json.dumps({"text": "".join(pieces), "tokens": dec.ids, **stats_record(st, gen.cache, gen.seq)}))
+        print(json.dumps({"text": "".join(pieces), "tokens": dec.ids, **stats_record(st, gen.cache, gen.seq),
+                          **({"constraint": record} if record else {})}))
     else:
         out.write(tail + "\n")
         out.flush()
         print(stats_line(st, gen.cache, gen.seq), file=sys.stderr)
+    if record and not record["complete"]:
+        raise EdgeKVError(f"the reply ended by {st.stop_reason} before the {grammar.kind.replace('_', ' ')} "
+                          "was complete: it is cut short (raise --max-new-tokens or --ctx)")
     return 0
+
+
+def constraint_record(grammar, constraint, st: Stats) -> dict | None:
+    """What --json says of the grammar: its kind, whether the reply is whole, the mask time."""
+    if grammar is None:
+        return None
+    return {"kind": grammar.kind, "complete": st.stop_reason == "stop", "masks": constraint.masks,
+            "mask_ms": round(constraint.mask_s * 1000, 3)}

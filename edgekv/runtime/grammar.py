@@ -1,0 +1,276 @@
+"""Grammars that restrict a reply (JSON Schema, any JSON object, a regex, Lark), enforced token by
+token with llguidance (docs/structured.md). A grammar is compiled against the bundle's own
+tokenizer (`tokenizer_for`: built once per bundle, cached); `compile_grammar` gives a
+`GrammarConstraint`, the runtime's `Constraint` (constraint.py) for one reply.
+
+Anything the grammar engine cannot enforce (a JSON Schema keyword, a format, a look-around) is a
+`GrammarError` naming it, never a grammar that quietly lets it through; so is a grammar past the
+limits below (a client must not stall the server with one). llguidance is the serve extra: it is
+imported only when a grammar is asked for."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from edgekv.errors import EdgeKVError
+from edgekv.format.bundle import Bundle
+
+# a grammar's source (a schema's JSON text, a regex, a Lark grammar) is refused past this many
+# characters: compile time grows with it (a 125 kB schema of 2000 properties took ~0.2 s here)
+MAX_GRAMMAR_CHARS = 32 << 10
+# JSON Schema nesting: llguidance stops at its own recursion limit (~ depth 500); past this depth
+# the error says so before the compiler is asked
+MAX_SCHEMA_DEPTH = 64
+# whitespace the JSON grammar allows at each place JSON allows it: a space, or a newline and an
+# indent (as llama.cpp's JSON grammar): a small model otherwise can emit newlines until max tokens
+JSON_WHITESPACE = r"( |\n[ \t]{0,20})"
+# options that must hold whatever a schema's own "x-guidance" says: an unimplemented keyword is an
+# error (lenient would ignore it), oneOf is not approximated by anyOf
+JSON_OVERRIDES = {"lenient": False, "coerce_one_of": False}
+
+
+class GrammarError(EdgeKVError):
+    """A grammar that cannot be enforced as asked: too large, malformed, or a feature the engine
+    lacks (an HTTP 400: the message names it)."""
+
+
+@dataclass(frozen=True)
+class Grammar:
+    kind: str  # "json_schema" | "json_object" | "regex" | "lark"
+    text: str  # llguidance's grammar (its JSON form)
+
+
+def _llguidance():
+    try:
+        import llguidance
+    except ImportError:
+        raise GrammarError("structured output needs llguidance: pip install -e '.[serve]'") from None
+    return llguidance
+
+
+def _check_size(what: str, text: str) -> None:
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise GrammarError(f"{what} is {len(text)} characters, more than the {MAX_GRAMMAR_CHARS} allowed")
+
+
+def _depth(x, limit: int) -> int:
+    """Nesting depth of a JSON value, counted only up to `limit` + 1 (iterative: no recursion)."""
+    deepest, stack = 0, [(x, 1)]
+    while stack:
+        v, d = stack.pop()
+        if isinstance(v, (dict, list)):
+            deepest = max(deepest, d)
+            if deepest > limit:
+                return deepest
+            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return deepest
+
+
+def check_schema(schema, what: str = "the JSON schema") -> str:
+    """The schema's JSON text, if it is a schema within the limits (GrammarError if not)."""
+    if not isinstance(schema, (dict, bool)):
+        raise GrammarError(f"{what} must be an object")
+    if _depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
+        raise GrammarError(f"{what} nests deeper than {MAX_SCHEMA_DEPTH} levels")
+    text = json.dumps(schema)
+    _check_size(what, text)
+    return text
+
+
+def json_schema(schema) -> Grammar:
+    """A reply that validates against `schema` (a JSON Schema: an object, or true/false)."""
+    text = check_schema(schema)
+    llg = _llguidance()
+    try:
+        g = llg.LLMatcher.grammar_from_json_schema(text, defaults={"whitespace_pattern": JSON_WHITESPACE},
+                                                   overrides=JSON_OVERRIDES)
+    except ValueError as e:
+        raise GrammarError(f"JSON schema: {_first_line(e)}") from None
+    return Grammar("json_schema", g)
+
+
+def json_object() -> Grammar:
+    """Any JSON object (OpenAI's response_format json_object)."""
+    return Grammar("json_object", json_schema({"type": "object"}).text)
+
+
+def regex(pattern: str) -> Grammar:
+    """A reply that the whole regex matches (Rust regex syntax: no look-arounds, no backreferences)."""
+    if not isinstance(pattern, str) or not pattern:
+        raise GrammarError("a regex must be a non-empty string")
+    _check_size("the regex", pattern)
+    return Grammar("regex", _llguidance().LLMatcher.grammar_from_regex(pattern))
+
+
+def lark(text: str) -> Grammar:
+    """A reply in the language of a Lark grammar (llguidance's dialect: `start:` rule, %json, <special>)."""
+    if not isinstance(text, str) or not text.strip():
+        raise GrammarError("a Lark grammar must be non-empty text")
+    _check_size("the Lark grammar", text)
+    return Grammar("lark", _llguidance().LLMatcher.grammar_from_lark(text))
+
+
+def _first_line(e) -> str:
+    return str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+
+
+# -- the tokenizer -------------------------------------------------------------------------------
+
+@dataclass
+class GrammarTokenizer:
+    """llguidance's view of a bundle's tokenizer: its vocabulary (the model's logits width) and
+    the bundle's stop ids, every one of them an end the grammar allows (llguidance takes a list;
+    one EOS only was guidance-ai/llguidance#253)."""
+    ll: object  # llguidance.LLTokenizer
+    vocab_size: int
+    stop_ids: tuple[int, ...]
+    build_s: float  # seconds the build took (once per bundle)
+
+
+_TOKENIZERS: dict[tuple, GrammarTokenizer] = {}
+_TOKENIZERS_MAX = 4
+_TOKENIZERS_LOCK = threading.Lock()
+
+
+def stop_ids_of(bundle: Bundle) -> tuple[int, ...]:
+    """The ids a reply may end on (the bundle's stop ids, else its EOS id); a grammar needs one."""
+    ids = bundle.special.get("stop_token_ids") or []
+    if not ids and bundle.special.get("eos_token_id") is not None:
+        ids = [bundle.special["eos_token_id"]]
+    if not ids:
+        raise GrammarError(f"{bundle.path}: the bundle names no stop token, so no grammar can end")
+    return tuple(sorted(set(int(i) for i in ids)))
+
+
+def tokenizer_for(bundle: Bundle) -> GrammarTokenizer:
+    """The bundle's GrammarTokenizer, built from its tokenizer.json once (~0.3-0.6 s for 49k tokens)
+    and kept for the bundle's file as it is now (its size and mtime are in the key)."""
+    path = Path(bundle.tokenizer_path)
+    st = path.stat()
+    vocab, stops = int(bundle.model["vocab_size"]), stop_ids_of(bundle)
+    key = (str(path.resolve()), st.st_size, st.st_mtime_ns, vocab, stops)
+    with _TOKENIZERS_LOCK:  # one build per key, also with many request threads asking at once
+        hit = _TOKENIZERS.get(key)
+        if hit is None:
+            hit = _build_tokenizer(path.read_text(encoding="utf-8"), vocab, stops)
+            if len(_TOKENIZERS) >= _TOKENIZERS_MAX:
+                _TOKENIZERS.pop(next(iter(_TOKENIZERS)))
+            _TOKENIZERS[key] = hit
+        return hit
+
+
+def _build_tokenizer(tokenizer_json: str, vocab_size: int, stop_ids: tuple[int, ...]) -> GrammarTokenizer:
+    llg = _llguidance()
+    t0 = time.perf_counter()
+    try:  # the JSON text, not a path: a string that is no file is never looked up as a hub name
+        ll = llg.LLTokenizer(tokenizer_json, n_vocab=vocab_size, eos_token=list(stop_ids))
+    except (ValueError, RuntimeError) as e:
+        raise GrammarError(f"the bundle's tokenizer cannot drive a grammar: {_first_line(e)}") from None
+    return GrammarTokenizer(ll, vocab_size, stop_ids, time.perf_counter() - t0)
+
+
+# -- the constraint ------------------------------------------------------------------------------
+
+def parser_limits():
+    """llguidance's per-grammar limits (its defaults, spelled out so they are ours): the fuel
+    bounds each mask's work (~14 ms at most here), max_grammar_size the compiled grammar;
+    short errors (no grammar dump back to the client)."""
+    return _llguidance().LLParserLimits(max_items_in_row=2000, initial_lexer_fuel=1_000_000,
+                                        step_lexer_fuel=200_000, step_max_items=50_000,
+                                        max_lexer_states=250_000, max_grammar_size=500_000,
+                                        verbose_errors=False)
+
+
+def compile_grammar(tok: GrammarTokenizer, grammar: Grammar) -> "GrammarConstraint":
+    """A fresh constraint for one reply; GrammarError if the grammar cannot be enforced."""
+    llg = _llguidance()
+    m = llg.LLMatcher(tok.ll, grammar.text, log_level=0, limits=parser_limits())
+    if m.is_error():
+        raise GrammarError(f"{grammar.kind.replace('_', ' ')}: {_engine_message(m.get_error())}")
+    warnings = m.get_grammar_warnings()
+    if warnings:  # a warning is something the engine would not enforce as written
+        raise GrammarError(f"{grammar.kind.replace('_', ' ')}: {_engine_message(warnings[0])}")
+    return GrammarConstraint(m, tok)
+
+
+def _engine_message(msg: str) -> str:
+    """llguidance's error, on one line (a regex error spans several: its last line says what)."""
+    lines = [ln.strip() for ln in msg.strip().splitlines() if ln.strip()]
+    if not lines:
+        return "the grammar engine refused it"
+    said = [ln for ln in lines if ln.startswith("error: ")]  # a regex error's line that says what
+    if said:
+        return f"invalid regex: {said[0].removeprefix('error: ')[:300]}"
+    return lines[0][:300]
+
+
+class GrammarConstraint:
+    """One reply's grammar state over llguidance's LLMatcher (the Constraint protocol).
+    `allowed` is computed once per state (a second call before `accept` returns the same mask);
+    `mask_s` / `masks` add up the mask time, for benchmarks and stats."""
+
+    def __init__(self, matcher, tok: GrammarTokenizer):
+        self.m, self.tok = matcher, tok
+        self._bits = np.zeros((1, (tok.vocab_size + 31) // 32), np.int32)  # llguidance's bitmask [1, W]
+        self._ok: np.ndarray | None = None  # the mask of the current state, once computed
+        self.mask_s, self.masks = 0.0, 0
+
+    def allowed(self) -> np.ndarray:
+        if self._ok is None:
+            t0 = time.perf_counter()
+            row = self._bits[0]
+            self.m.unsafe_compute_mask_ptr(row.ctypes.data, row.nbytes)
+            self._raise_if_error()
+            # bit i of word i // 32 (little-endian words): token i
+            ok = np.unpackbits(self._bits.view(np.uint8), bitorder="little", count=self.tok.vocab_size).view(bool)
+            if not ok.any():
+                raise GrammarError("grammar: no token can continue the reply")
+            self._ok = ok
+            self.mask_s += time.perf_counter() - t0
+            self.masks += 1
+        return self._ok
+
+    def accept(self, token: int) -> None:
+        if self._ok is not None and not (0 <= token < self._ok.shape[0] and self._ok[token]):
+            raise ValueError(f"token {token} is not one the grammar allows here")
+        if not self.m.consume_token(int(token)):
+            raise ValueError(f"token {token} does not continue the grammar: {_engine_message(self.m.get_error())}")
+        self._ok = None
+
+    def is_done(self) -> bool:
+        """The grammar is complete and nothing may follow (only a stop token is allowed)."""
+        return self.m.is_stopped() and not self.m.is_error()
+
+    def is_accepting(self) -> bool:
+        """What was accepted so far is a whole reply (a stop token may come next)."""
+        return self.m.is_accepting()
+
+    def rollback(self, n: int) -> None:
+        """Take back the last n accepted tokens (a stop token counts as one)."""
+        if n and not self.m.rollback(n):
+            raise ValueError(f"cannot roll the grammar back {n} tokens: {_engine_message(self.m.get_error())}")
+        self._ok = None
+
+    def reset(self) -> None:
+        self.m.reset()
+        self._ok = None
+
+    def _raise_if_error(self) -> None:
+        if self.m.is_error():  # a limit hit while computing the mask: never go on unconstrained
+            raise GrammarError(f"grammar: {_engine_message(self.m.get_error())}")
+
+
+def lark_json(schema: dict, what: str = "the JSON schema") -> str:
+    """Lark's inline `%json {...}` for `schema`, with json_schema's whitespace and strictness
+    (its "x-guidance" options, which inside a Lark grammar only the schema itself can carry)."""
+    check_schema(schema, what)
+    if not isinstance(schema, dict):
+        raise GrammarError(f"{what} must be an object")
+    own = schema.get("x-guidance") if isinstance(schema.get("x-guidance"), dict) else {}
+    options = {"whitespace_pattern": JSON_WHITESPACE, **own, **JSON_OVERRIDES}
+    return "%json " + json.dumps({**schema, "x-guidance": options})

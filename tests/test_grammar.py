@@ -1,0 +1,304 @@
+"""Grammars (edgekv/runtime/grammar.py) and the constrained decode loop: whatever the model's
+logits, a reply that ends by "stop" is in the grammar's language, with jsonschema (and re) as the
+oracles; schema features the engine cannot enforce and grammars past the limits are errors that
+name them; `edgekv generate --json-schema | --grammar | --regex` through the real CLI."""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+
+pytest.importorskip("llguidance", reason="structured output needs llguidance (the serve extra)")
+jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is the oracle (the test extra)")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from edgekv.format.bundle import load_bundle  # noqa: E402
+from edgekv.runtime import grammar as g  # noqa: E402
+from edgekv.runtime.sampling import SamplingParams  # noqa: E402
+from tests.conftest import ROOT, run_edgekv  # noqa: E402
+
+REAL = ROOT / "models" / "bundles" / "smollm2-135m-instruct-int8-wint4"
+
+
+@pytest.fixture(scope="module")
+def rt(tiny_bundle_int8):
+    from edgekv.runtime.assemble import open_runtime
+    with open_runtime(tiny_bundle_int8, ctx=256, backend="ort-cpu", threads=1) as r:
+        yield r
+
+
+@pytest.fixture(scope="module")
+def tok(rt):
+    return g.tokenizer_for(rt.bundle)
+
+
+def constrained(rt, tok, grammar: g.Grammar, seed: int, max_new: int = 200, prompt: str = "Answer:"):
+    """(text, stop reason, the constraint) of a sampled reply under `grammar` on the tiny model."""
+    from edgekv.runtime.generate import Stats
+
+    gen, st = rt.generator(), Stats()
+    c = g.compile_grammar(tok, grammar)
+    ids = list(gen.generate(rt.codec.encode(prompt), max_new, SamplingParams(temperature=1.0, seed=seed),
+                            rt.codec.stop_ids | set(tok.stop_ids), st, c))
+    return rt.codec.decode(ids), st.stop_reason, c
+
+
+# -- the property: every schema's replies validate -----------------------------------------------
+
+# RFC 3339 section 5.6 (the formats' definition in JSON Schema), "T" and "Z" in either case as its
+# note allows: jsonschema checks date-time only with an extra package, and its time checker
+# refuses a lowercase "z"
+TIME = r"(\d{2}):(\d{2}):(\d{2})(\.\d+)?([Zz]|[+-](\d{2}):(\d{2}))"
+FULL_TIME, DATE_TIME = re.compile(TIME), re.compile(r"(\d{4})-(\d{2})-(\d{2})[Tt]" + TIME)
+
+
+def rfc3339_time(m, at: int = 1) -> bool:
+    h, mi, sec = (int(m.group(i)) for i in range(at, at + 3))
+    off = m.group(at + 5)
+    return h <= 23 and mi <= 59 and sec <= 60 and (off is None or (int(off) <= 23 and int(m.group(at + 6)) <= 59))
+
+
+def rfc3339_date_time(s) -> bool:
+    m = isinstance(s, str) and DATE_TIME.fullmatch(s)
+    return bool(m) and 1 <= int(m.group(2)) <= 12 and 1 <= int(m.group(3)) <= 31 and rfc3339_time(m, 4)
+
+
+def rfc3339_full_time(s) -> bool:
+    m = isinstance(s, str) and FULL_TIME.fullmatch(s)
+    return bool(m) and rfc3339_time(m)
+
+
+FORMATS = jsonschema.FormatChecker()
+FORMATS.checks("date-time")(rfc3339_date_time)
+FORMATS.checks("time")(rfc3339_full_time)
+
+
+def validate(value, schema) -> None:
+    jsonschema.validate(value, schema, format_checker=FORMATS)
+
+
+# Bounded schemas: every string has a maxLength, every array a maxItems, every number a range, no
+# additional properties; so a random model's reply ends well within max_new (a whole reply is
+# asserted, not only a valid prefix). Formats: those the engine and the oracle both know.
+names = st.from_regex(r"[a-z]{1,6}", fullmatch=True)
+scalars = st.one_of(st.text(max_size=4), st.integers(-50, 50), st.booleans(), st.none())
+leaves = st.one_of(
+    st.sampled_from([{"type": "boolean"}, {"type": "null"}]),
+    st.tuples(st.integers(-1000, 1000), st.integers(0, 2000)).map(
+        lambda t: {"type": "integer", "minimum": t[0], "maximum": t[0] + t[1]}),
+    st.tuples(st.integers(0, 3), st.integers(0, 6)).map(
+        lambda t: {"type": "string", "minLength": t[0], "maxLength": t[0] + t[1]}),
+    st.sampled_from(["date", "time", "date-time", "uuid", "ipv4"]).map(lambda f: {"type": "string", "format": f}),
+    st.sampled_from([r"^[a-z]{1,4}$", r"^[0-9]{3}-[0-9]{2}$", r"^(yes|no)$"]).map(
+        lambda p: {"type": "string", "pattern": p}),
+    st.lists(scalars, min_size=1, max_size=4, unique_by=json.dumps).map(lambda v: {"enum": v}),
+    scalars.map(lambda v: {"const": v}),
+)
+
+
+def obj(props: dict, required: list[bool]) -> dict:
+    keys = list(props)
+    return {"type": "object", "properties": props, "additionalProperties": False,
+            "required": [k for k, r in zip(keys, required) if r]}
+
+
+schemas = st.recursive(leaves, lambda kids: st.one_of(
+    st.tuples(kids, st.integers(0, 3)).map(lambda t: {"type": "array", "items": t[0], "maxItems": t[1]}),
+    st.tuples(st.dictionaries(names, kids, min_size=1, max_size=3), st.lists(st.booleans(), min_size=3, max_size=3))
+    .map(lambda t: obj(*t)),
+    st.lists(kids, min_size=2, max_size=2).map(lambda alts: {"anyOf": alts}),
+), max_leaves=6)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                  HealthCheck.too_slow])
+@given(schema=schemas, seed=st.integers(0, 2**32 - 1))
+def test_every_reply_validates_against_its_schema(rt, tok, schema, seed):
+    text, reason, c = constrained(rt, tok, g.json_schema(schema), seed)
+    assert reason == "stop", f"{reason}: {text!r}"
+    validate(json.loads(text), schema)
+    assert c.masks >= 1
+
+
+def test_json_object_is_any_object(rt, tok):
+    for seed in range(5):
+        text, reason, _ = constrained(rt, tok, g.json_object(), seed, max_new=40)
+        if reason == "stop":
+            assert isinstance(json.loads(text), dict)
+        else:  # cut by length: always a prefix the grammar was still extending
+            assert reason == "length" and text.startswith("{")
+
+
+def test_regex_and_lark(rt, tok):
+    for seed in range(6):
+        text, reason, _ = constrained(rt, tok, g.regex(r"(yes|no), [0-9]{2,4}!"), seed)
+        assert reason == "stop" and re.fullmatch(r"(yes|no), [0-9]{2,4}!", text), text
+    lark = 'start: "(" item ("," item){0,3} ")"\nitem: NUM | WORD\nNUM: /[0-9]{1,3}/\nWORD: /[a-z]{1,5}/'
+    for seed in range(6):
+        text, reason, _ = constrained(rt, tok, g.lark(lark), seed)
+        assert reason == "stop" and re.fullmatch(r"\((?:[0-9]{1,3}|[a-z]{1,5})(?:,(?:[0-9]{1,3}|[a-z]{1,5})){0,3}\)",
+                                                 text), text
+
+
+def test_a_whole_reply_ends_without_a_stop_token(rt, tok):
+    """The grammar complete (only a stop token may follow): the loop ends there, reason stop."""
+    text, reason, c = constrained(rt, tok, g.regex("abc"), 0)
+    assert (text, reason) == ("abc", "stop") and c.is_done()
+
+
+def test_cut_by_length_says_so(rt, tok):
+    text, reason, c = constrained(rt, tok, g.regex("[a-z]{50}"), 0, max_new=5)
+    assert reason == "length" and not c.is_accepting()
+
+
+# -- the mask: what allowed() says, and the constraint's contract ---------------------------------
+
+def real_tok():
+    if not REAL.is_dir():
+        pytest.skip("the real default-model bundle is not here")
+    return g.tokenizer_for(load_bundle(REAL))
+
+
+def test_allowed_is_the_matcher_bitmask_and_both_stop_ids_end_a_reply():
+    """On SmolLM2's 49,152-token tokenizer: the bool mask is llguidance's own bitmask unpacked
+    (its reference numpy helper as the oracle), and at the end both stop ids are allowed."""
+    import llguidance
+    import llguidance.numpy as lln
+
+    tok = real_tok()
+    assert tok.stop_ids == (0, 2)
+    grammar = g.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    c, ref = g.compile_grammar(tok, grammar), llguidance.LLMatcher(tok.ll, grammar.text, log_level=0)
+    for t in tok.ll.tokenize_str('{"a": 42}'):
+        bits = lln.allocate_token_bitmask(1, tok.vocab_size)
+        lln.fill_next_token_bitmask(ref, bits)
+        logits = np.zeros((1, tok.vocab_size), np.float32)
+        lln.apply_token_bitmask_inplace(logits, bits)
+        assert np.array_equal(c.allowed(), np.isfinite(logits[0]))
+        c.accept(t)
+        assert ref.consume_token(t)
+    assert set(np.flatnonzero(c.allowed()).tolist()) == {0, 2} and c.is_done()
+
+
+def test_accept_refuses_a_token_the_mask_forbids_and_rollback_takes_tokens_back():
+    tok = real_tok()
+    c = g.compile_grammar(tok, g.regex("[0-9]+"))
+    ok = c.allowed()
+    bad = int(np.flatnonzero(~ok)[0])
+    with pytest.raises(ValueError):
+        c.accept(bad)
+    seven = tok.ll.tokenize_str("7")[0]
+    before = c.allowed().copy()
+    c.accept(seven)
+    assert c.is_accepting()
+    c.rollback(1)
+    assert not c.is_accepting() and np.array_equal(c.allowed(), before)
+
+
+def test_the_tokenizer_is_built_once_per_bundle(tiny_bundle_int8):
+    b = load_bundle(tiny_bundle_int8)
+    assert g.tokenizer_for(b) is g.tokenizer_for(load_bundle(tiny_bundle_int8))
+
+
+# -- what cannot be enforced is an error that names it ---------------------------------------------
+
+@pytest.mark.parametrize("schema, named", [
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": True}, "uniqueItems"),
+    ({"not": {"type": "string"}}, "not"),
+    ({"type": "array", "contains": {"type": "integer"}}, "contains"),
+    ({"if": {"type": "string"}, "then": {"minLength": 2}}, "if"),
+    ({"type": "object", "propertyNames": {"pattern": "^a"}}, "propertyNames"),
+    ({"type": "object", "dependentRequired": {"a": ["b"]}}, "dependentRequired"),
+    ({"type": "string", "format": "uri-reference"}, "uri-reference"),
+    ({"type": "string", "pattern": "(?=a)b"}, "look-around"),
+    ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
+    ({"$ref": "http://example.com/schema.json"}, "example.com"),
+])
+def test_unsupported_schema_features_are_named(schema, named):
+    with pytest.raises(g.GrammarError, match=re.escape(named)):
+        g.compile_grammar(real_tok(), g.json_schema(schema))
+
+
+def test_annotations_and_pydantic_schemas_compile():
+    """Keywords that constrain nothing (titles, descriptions, $defs, examples) are no error."""
+    schema = {"$defs": {"Step": {"properties": {"n": {"title": "N", "type": "integer"}}, "required": ["n"],
+                                 "title": "Step", "type": "object", "additionalProperties": False}},
+              "properties": {"steps": {"items": {"$ref": "#/$defs/Step"}, "title": "Steps", "type": "array"}},
+              "required": ["steps"], "title": "Plan", "type": "object", "additionalProperties": False,
+              "description": "d", "examples": [{"steps": []}]}
+    g.compile_grammar(real_tok(), g.json_schema(schema))
+
+
+def test_grammars_past_the_limits_are_refused():
+    big = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(2000)}}
+    with pytest.raises(g.GrammarError, match="characters, more than"):
+        g.json_schema(big)
+    deep = {"type": "integer"}
+    for _ in range(200):
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(g.GrammarError, match="nests deeper"):
+        g.json_schema(deep)
+    with pytest.raises(g.GrammarError, match="characters, more than"):
+        g.regex("a" * (g.MAX_GRAMMAR_CHARS + 1))
+    with pytest.raises(g.GrammarError, match="characters, more than"):
+        g.lark("start: " + '"a" ' * g.MAX_GRAMMAR_CHARS)
+
+
+def test_malformed_grammars_are_one_line_errors():
+    tok = real_tok()
+    for grammar, said in ((g.regex("(ab"), "regex"), (g.lark("start: foo"), "foo"), (g.lark("start: ("), "lark")):
+        with pytest.raises(g.GrammarError, match=said) as e:
+            g.compile_grammar(tok, grammar)
+        assert "\n" not in str(e.value)
+
+
+# -- the CLI ------------------------------------------------------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 999}},
+          "required": ["city", "n"], "additionalProperties": False}
+
+
+def test_generate_json_schema_regex_and_grammar(tiny_bundle_int8, tmp_path):
+    (tmp_path / "s.json").write_text(json.dumps(SCHEMA))
+    (tmp_path / "g.lark").write_text('start: "ok " /[0-9]{2}/')
+    for flag, value, check in (("--json-schema", tmp_path / "s.json", lambda t: validate(json.loads(t), SCHEMA)),
+                               ("--regex", "(red|blue) [a-z]{3}", lambda t: re.fullmatch("(red|blue) [a-z]{3}", t)),
+                               ("--grammar", tmp_path / "g.lark", lambda t: re.fullmatch("ok [0-9]{2}", t))):
+        r = run_edgekv("generate", tiny_bundle_int8, "Say it", flag, value, "--temperature", "1", "--seed", "3",
+                       "--max-new-tokens", "120", "--json", "--threads", "1")
+        assert r.returncode == 0, r.stderr
+        rec = json.loads(r.stdout)
+        assert rec["stop_reason"] == "stop" and rec["constraint"]["complete"] and rec["constraint"]["masks"] >= 1
+        assert check(rec["text"]) is not False, rec["text"]
+
+
+def test_generate_cut_by_length_exits_non_zero_and_says_so(tiny_bundle_int8):
+    r = run_edgekv("generate", tiny_bundle_int8, "Say it", "--regex", "[a-z]{40}", "--max-new-tokens", "3",
+                   "--threads", "1")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "ended by length before the regex was complete" in r.stderr
+
+
+def test_generate_grammar_errors_are_one_line(tiny_bundle_int8, tmp_path):
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "not.json").write_text(json.dumps({"not": {"type": "string"}}))
+    (tmp_path / "latin1.lark").write_bytes(b"start: \"\xe9\"")
+    os.mkfifo(tmp_path / "fifo")
+    cases = [(["--json-schema", tmp_path / "missing.json"], "no such file"),
+             (["--json-schema", tmp_path / "bad.json"], "not JSON"),
+             (["--json-schema", tmp_path / "not.json"], 'Unimplemented keys: ["not"]'),
+             (["--json-schema", tmp_path], "not a regular file"),
+             (["--grammar", tmp_path / "fifo"], "not a regular file"),
+             (["--grammar", tmp_path / "latin1.lark"], "not UTF-8"),
+             (["--regex", "(?=x)y"], "look-around")]
+    for args, said in cases:
+        r = run_edgekv("generate", tiny_bundle_int8, "hi", *args, "--threads", "1", timeout=120)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and len(lines) == 1 and said in lines[0], (args, r.stderr)
+    r = run_edgekv("generate", tiny_bundle_int8, "hi", "--regex", "a", "--grammar", tmp_path / "g.lark")
+    assert r.returncode == 2 and "not allowed with argument" in r.stderr
