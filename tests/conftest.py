@@ -77,14 +77,63 @@ def run_edgekv(*args, timeout=900, input=None):
                           timeout=timeout, input=input, env=env, cwd=ROOT)
 
 
+def cli(*args, input: str | bytes | None = None) -> subprocess.CompletedProcess:
+    """`edgekv ARGS` run in this process (cli.main, argparse's exits included), returned as
+    run_edgekv returns it: for tests of what a command prints and returns, where a new Python
+    and its imports per call buy nothing (the entry point itself keeps its subprocess tests)."""
+    import contextlib
+    import io
+
+    from edgekv.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    stdin = sys.stdin
+    if input is not None:
+        data = input.encode() if isinstance(input, str) else input
+        sys.stdin = io.TextIOWrapper(io.BytesIO(data), encoding="utf-8")
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                rc = main([str(a) for a in args])
+            except SystemExit as e:  # argparse: --help, --version, bad flags
+                rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        sys.stdin = stdin
+    return subprocess.CompletedProcess(["edgekv", *map(str, args)], rc, out.getvalue(), err.getvalue())
+
+
+def run_dir(tmp_path_factory) -> Path:
+    """One folder for this whole test run: with pytest-xdist each worker's basetemp is a folder
+    of the run's (popen-gwN), so the parent is what every worker shares."""
+    base = tmp_path_factory.getbasetemp()
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    shared.mkdir(exist_ok=True)
+    return shared
+
+
+def made_once(path: Path, make) -> Path:
+    """`make(path)` by the first worker to get here; the others wait on the lock and take what it
+    made (a marker file says it finished: a worker that died half-way leaves none)."""
+    from filelock import FileLock
+
+    done = path.with_name(path.name + ".done")
+    with FileLock(str(path) + ".lock"):
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)
+            make(path)
+            done.touch()
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> Path:
-    return make_hf_folder(tmp_path_factory.mktemp("tiny-llama"), "llama")
+    return made_once(run_dir(tmp_path_factory) / "tiny-llama", lambda p: make_hf_folder(p, "llama"))
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen(tmp_path_factory) -> Path:
-    return make_hf_folder(tmp_path_factory.mktemp("tiny-qwen"), "qwen2", tie_word_embeddings=True)
+    return made_once(run_dir(tmp_path_factory) / "tiny-qwen",
+                     lambda p: make_hf_folder(p, "qwen2", tie_word_embeddings=True))
 
 
 def _export(src: Path, out: Path, kv: str, max_context: int = 256) -> Path:
@@ -93,14 +142,19 @@ def _export(src: Path, out: Path, kv: str, max_context: int = 256) -> Path:
     return export_bundle(str(src), kv=kv, out=str(out), max_context=max_context, steps=8)
 
 
+def tiny_export(tmp_path_factory, src: Path, name: str, kv: str) -> Path:
+    """The tiny model `src` exported with `kv` once per run (every worker gets the same bundle)."""
+    return made_once(run_dir(tmp_path_factory) / name, lambda p: _export(src, p, kv))
+
+
 @pytest.fixture(scope="session")
 def tiny_bundle_int8(tiny_llama, tmp_path_factory) -> Path:
-    return _export(tiny_llama, tmp_path_factory.mktemp("b") / "tiny-int8", "int8")
+    return tiny_export(tmp_path_factory, tiny_llama, "tiny-int8", "int8")
 
 
 @pytest.fixture(scope="session")
 def tiny_bundle_float(tiny_llama, tmp_path_factory) -> Path:
-    return _export(tiny_llama, tmp_path_factory.mktemp("b") / "tiny-float", "float")
+    return tiny_export(tmp_path_factory, tiny_llama, "tiny-float", "float")
 
 
 REAL_NAME = "smollm2-135m-instruct-int8"
@@ -118,26 +172,48 @@ def made_by_this_exporter(path: Path, key: str) -> bool:
         return False
 
 
-@pytest.fixture(scope="session")
-def real_bundle(tmp_path_factory) -> Path:
-    """The default recipe exported with the int8 scheme by the exporter under test. Outside CI a
-    bundle is reused only if the exporter's sources are the ones that made it (export/bundle.py's
-    exporter_source_key): models/bundles/NAME (`edgekv export --kv int8 --weights float`), or one
-    kept under models/bundles/.test-cache/<key>/."""
+INT4_NAME = "smollm2-135m-instruct-int8-wint4"  # what models/quickstart.sh exports
+
+
+def real_export(tmp_path_factory, name: str, weights: str) -> Path:
+    """The default recipe with the int8 KV scheme and `weights`, by the exporter under test, once
+    per run: in CI always exported afresh (into the run's folder); elsewhere reused only if the
+    exporter's sources are the ones that made it (export/bundle.py's exporter_source_key):
+    models/bundles/NAME, or one kept under models/bundles/.test-cache/<key>/. A file lock makes
+    the workers of a run (and concurrent runs) export it once and wait for it."""
     from export.bundle import export_bundle, exporter_source_key
 
+    def export(path: Path) -> None:
+        export_bundle(None, kv="int8", weights=weights, out=str(path))
+
     if os.environ.get("CI"):  # a clean run: always export
-        return export_bundle(None, kv="int8", out=str(tmp_path_factory.mktemp("real") / REAL_NAME))
+        return made_once(run_dir(tmp_path_factory) / name, export)
+    from filelock import FileLock
+
     key = exporter_source_key()
-    kept = TEST_CACHE / key / REAL_NAME
-    for candidate in (ROOT / "models" / "bundles" / REAL_NAME, kept):
-        if made_by_this_exporter(candidate, key):
-            return candidate
-    if TEST_CACHE.is_dir():  # bundles of other exporter sources are stale: make room
-        for old in TEST_CACHE.iterdir():
-            if old.name != key:
+    kept = TEST_CACHE / key / name
+    TEST_CACHE.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(TEST_CACHE / f"{key}-{name}.lock")):
+        for candidate in (ROOT / "models" / "bundles" / name, kept):
+            if made_by_this_exporter(candidate, key):
+                return candidate
+        for old in TEST_CACHE.iterdir():  # bundles of other exporter sources are stale: make room
+            if old.is_dir() and old.name != key:  # (their lock files are left: a few bytes each)
                 shutil.rmtree(old, ignore_errors=True)
-    return export_bundle(None, kv="int8", out=str(kept))
+        export(kept)
+    return kept
+
+
+@pytest.fixture(scope="session")
+def real_bundle(tmp_path_factory) -> Path:
+    """The default model, float weights, int8 KV (`edgekv export --kv int8 --weights float`)."""
+    return real_export(tmp_path_factory, REAL_NAME, "float")
+
+
+@pytest.fixture(scope="session")
+def real_bundle_int4(tmp_path_factory) -> Path:
+    """The quickstart's bundle: the default model with its GGUF's own 4-bit blocks, int8 KV."""
+    return real_export(tmp_path_factory, INT4_NAME, "int4")
 
 
 @pytest.fixture(scope="module")

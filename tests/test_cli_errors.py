@@ -1,9 +1,13 @@
-"""Bad input: one line on stderr, non-zero exit, no traceback, nothing half-written."""
+"""Bad input: one line on stderr, non-zero exit, no traceback, nothing half-written. Most checks
+call the command in-process (conftest's cli: what main prints and returns); the entry point
+itself (`python -m edgekv`: its exit status, argv's bytes, --help, --version, serve) runs as a
+process."""
 import json
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import make_hf_folder, run_edgekv
+from tests.conftest import cli, run_edgekv
 
 
 def assert_clean_error(r, pattern):
@@ -15,11 +19,11 @@ def assert_clean_error(r, pattern):
 
 
 def test_missing_bundle(tmp_path):
-    assert_clean_error(run_edgekv("generate", tmp_path / "nope", "hi"), "no such bundle")
+    assert_clean_error(cli("generate", tmp_path / "nope", "hi"), "no such bundle")
 
 
 def test_not_a_bundle(tmp_path):
-    assert_clean_error(run_edgekv("generate", tmp_path, "hi"), "not an edgekv bundle")
+    assert_clean_error(cli("generate", tmp_path, "hi"), "not an edgekv bundle")
 
 
 def test_corrupt_manifest(bundle_copy):
@@ -30,20 +34,20 @@ def test_corrupt_manifest(bundle_copy):
 def test_truncated_weights(bundle_copy):
     data = bundle_copy / "model.onnx.data"
     data.write_bytes(data.read_bytes()[:1000])
-    assert_clean_error(run_edgekv("generate", bundle_copy, "hi"), "corrupt bundle")
+    assert_clean_error(cli("generate", bundle_copy, "hi"), "corrupt bundle")
 
 
 def test_garbage_graph_same_size(bundle_copy):
     g = bundle_copy / "model.onnx"
     g.write_bytes(b"\xff" * g.stat().st_size)
-    assert_clean_error(run_edgekv("generate", bundle_copy, "hi"), "corrupt bundle")
+    assert_clean_error(cli("generate", bundle_copy, "hi"), "corrupt bundle")
 
 
 def test_unknown_format_version(bundle_copy):
     m = json.loads((bundle_copy / "edgekv.json").read_text())
     m["format_version"] = 99
     (bundle_copy / "edgekv.json").write_text(json.dumps(m))
-    assert_clean_error(run_edgekv("generate", bundle_copy, "hi"), "format_version 99 is not supported")
+    assert_clean_error(cli("generate", bundle_copy, "hi"), "format_version 99 is not supported")
 
 
 def test_version_1_bundle_asks_for_a_re_export(bundle_copy):
@@ -56,36 +60,38 @@ def test_version_1_bundle_asks_for_a_re_export(bundle_copy):
 
 
 def test_prompt_longer_than_capacity(tiny_bundle_int8):
-    r = run_edgekv("generate", tiny_bundle_int8, "capital of France " * 40, "--ctx", "32")
+    r = cli("generate", tiny_bundle_int8, "capital of France " * 40, "--ctx", "32")
     assert_clean_error(r, "cache holds 32")
 
 
 def test_empty_prompt(tiny_bundle_int8):
-    assert_clean_error(run_edgekv("generate", tiny_bundle_int8, "   "), "empty prompt")
+    assert_clean_error(cli("generate", tiny_bundle_int8, "   "), "empty prompt")
 
 
 def test_ctx_beyond_bundle(tiny_bundle_int8):
-    assert_clean_error(run_edgekv("generate", tiny_bundle_int8, "hi", "--ctx", "100000"), "verified for")
+    assert_clean_error(cli("generate", tiny_bundle_int8, "hi", "--ctx", "100000"), "verified for")
 
 
-def test_unsupported_architecture_export(tmp_path):
-    folder = make_hf_folder(tmp_path / "m", "llama")
+def test_unsupported_architecture_export(tiny_llama, tmp_path):
+    import shutil
+
+    folder = Path(shutil.copytree(tiny_llama, tmp_path / "m"))
     cfg = json.loads((folder / "config.json").read_text())
     cfg["architectures"] = ["MistralForCausalLM"]
     (folder / "config.json").write_text(json.dumps(cfg))
     out = tmp_path / "out"
-    r = run_edgekv("export", folder, "--out", out)
+    r = cli("export", folder, "--out", out)
     assert_clean_error(r, "unsupported architecture")
     assert not out.exists() and not list(tmp_path.glob(".out*"))
 
 
 def test_wrong_model_folder(tmp_path):
-    assert_clean_error(run_edgekv("export", tmp_path, "--out", tmp_path / "o"), "no config.json")
-    assert_clean_error(run_edgekv("export", tmp_path / "x.bin", "--out", tmp_path / "o"), "no such recipe")
+    assert_clean_error(cli("export", tmp_path, "--out", tmp_path / "o"), "no config.json")
+    assert_clean_error(cli("export", tmp_path / "x.bin", "--out", tmp_path / "o"), "no such recipe")
 
 
 def test_export_refuses_unknown_scheme(tiny_llama, tmp_path):
-    assert_clean_error(run_edgekv("export", tiny_llama, "--kv", "int3", "--out", tmp_path / "o"), "unknown KV scheme")
+    assert_clean_error(cli("export", tiny_llama, "--kv", "int3", "--out", tmp_path / "o"), "unknown KV scheme")
     assert not (tmp_path / "o").exists()
 
 
@@ -103,7 +109,7 @@ def test_library_errors_name_the_setting_and_the_cli_names_the_flag(tiny_bundle_
     e = ContextOverflow("context full", setting="capacity", fix="raise {}")
     assert str(e) == "context full" and e.explain() == "context full (raise the cache capacity)"
     assert explain(e) == "context full (raise --ctx)"
-    r = run_edgekv("generate", tiny_bundle_int8, "capital of France " * 40, "--ctx", "32")
+    r = cli("generate", tiny_bundle_int8, "capital of France " * 40, "--ctx", "32")
     assert_clean_error(r, "cache holds 32 (raise --ctx, up to 256)")
 
 
@@ -133,9 +139,9 @@ def test_version():
 
 
 def test_float_range_message_balanced(tiny_bundle_int8):
-    r = run_edgekv("generate", tiny_bundle_int8, "hi", "--top-p", "0")
+    r = cli("generate", tiny_bundle_int8, "hi", "--top-p", "0")
     assert r.returncode == 2 and "(0, 1]" in r.stderr, r.stderr
-    r = run_edgekv("generate", tiny_bundle_int8, "hi", "--temperature", "-1")
+    r = cli("generate", tiny_bundle_int8, "hi", "--temperature", "-1")
     assert r.returncode == 2 and "[0, 100]" in r.stderr, r.stderr
 
 

@@ -6,17 +6,13 @@ ExactAttention), so there is no tolerance to choose. On the real int4-weights bu
 quickstart's) an ulp of difference became a different greedy token within a few steps."""
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 
 from edgekv.runtime.assemble import open_runtime
 from edgekv.runtime.engine import Request
-from tests.conftest import ROOT, TEST_CACHE, made_by_this_exporter
 from tests.test_serve_engine import alone, batch_schedule, run_until_done
 
-INT4_NAME = "smollm2-135m-instruct-int8-wint4"  # what models/quickstart.sh exports
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "What is 2 + 2?", "Say hello in German."]
 STEPS = 16
 
@@ -78,19 +74,10 @@ def test_edgekv_exact_0_runs_the_graph_as_written(tiny_bundle_int8, monkeypatch)
 # --- the real int4-weights bundle --------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def rt4(tmp_path_factory):
-    """The quickstart's bundle (the default model, its GGUF's own 4-bit blocks, int8 KV) when this
-    exporter made it, else one exported here once (kept under the test cache, as conftest's)."""
-    from export.bundle import export_bundle, exporter_source_key
-
-    if os.environ.get("CI"):
-        path = export_bundle(None, kv="int8", weights="int4", out=str(tmp_path_factory.mktemp("real") / INT4_NAME))
-    else:
-        key = exporter_source_key()
-        kept = TEST_CACHE / key / INT4_NAME
-        path = next((c for c in (ROOT / "models" / "bundles" / INT4_NAME, kept) if made_by_this_exporter(c, key)), None)
-        path = path or export_bundle(None, kv="int8", weights="int4", out=str(kept))
-    rt = open_runtime(path, ctx=512, backend="ort-cpu")
+def rt4(real_bundle_int4):
+    """The quickstart's bundle (the default model, its GGUF's own 4-bit blocks, int8 KV), exported
+    once per run when this exporter did not make the one there (conftest's real_export)."""
+    rt = open_runtime(real_bundle_int4, ctx=512, backend="ort-cpu")
     assert rt.bundle.weights == "int4"
     yield rt
     rt.close()
