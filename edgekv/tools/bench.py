@@ -262,7 +262,8 @@ def compare(args, bundles: list, gguf: Path | None) -> int:
     the ratios are the medians of the per-round ratios, so a slow spell of a shared machine hits
     one round of all of them rather than one of them."""
     threads = args.threads or default_threads()
-    entries = [(b, a) for b in bundles for a in (args.attention or [None])]
+    entries = [(b, a) for b in bundles for a in (args.attention or [None])
+               if not (a == "plain" and "auto" in args.attention and b.scheme.kind != "static")]  # auto is plain there
     rounds = args.repeat if args.attention else 1
     flags = ["--prompt-lengths", ",".join(map(str, args.prompt_lengths)), "--capacities",
              ",".join(map(str, args.capacities)), "--fill", ",".join(map(str, args.fill)), "--decode-tokens",
