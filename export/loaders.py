@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from export.model import ModelConfig, Transformer, UnsupportedModel
+from export.model import FAMILIES, ModelConfig, Transformer, UnsupportedModel
 from export.weights import concat_rows, from_gguf_blocks, permute_rows
 
 # checkpoint name (per layer with {i}) -> our name, or (our name, slot) for parts that are
@@ -52,6 +52,56 @@ GGUF_NAMES = {
     "blk.{i}.ffn_up.weight": ("layers.{i}.mlp.w_gate_up.weight", 1),
     "blk.{i}.ffn_down.weight": "layers.{i}.mlp.w_down.weight",
 }
+
+
+# what an architecture's checkpoint names differently from the Llama layout above
+HF_EXTRA = {
+    "qwen3": {"model.layers.{i}.self_attn.q_norm.weight": "layers.{i}.attn.q_norm.weight",
+              "model.layers.{i}.self_attn.k_norm.weight": "layers.{i}.attn.k_norm.weight"},
+    "phi3": {"model.layers.{i}.self_attn.qkv_proj.weight": "layers.{i}.attn.wqkv.weight",  # already q|k|v
+             "model.layers.{i}.mlp.gate_up_proj.weight": "layers.{i}.mlp.w_gate_up.weight"},  # already gate|up
+    "gemma3": {"model.layers.{i}.self_attn.q_norm.weight": "layers.{i}.attn.q_norm.weight",
+               "model.layers.{i}.self_attn.k_norm.weight": "layers.{i}.attn.k_norm.weight",
+               # Gemma's post_attention_layernorm normalizes attention's output; the MLP's input
+               # norm is pre_feedforward_layernorm
+               "model.layers.{i}.post_attention_layernorm.weight": "layers.{i}.post_attn_norm.weight",
+               "model.layers.{i}.pre_feedforward_layernorm.weight": "layers.{i}.mlp_norm.weight",
+               "model.layers.{i}.post_feedforward_layernorm.weight": "layers.{i}.post_mlp_norm.weight"},
+}
+HF_DROP = {"phi3": ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")}  # parts phi3 holds fused
+
+GGUF_EXTRA = {
+    "qwen3": {"blk.{i}.attn_q_norm.weight": "layers.{i}.attn.q_norm.weight",
+              "blk.{i}.attn_k_norm.weight": "layers.{i}.attn.k_norm.weight"},
+    "phi3": {"blk.{i}.attn_qkv.weight": "layers.{i}.attn.wqkv.weight",
+             "blk.{i}.ffn_up.weight": "layers.{i}.mlp.w_gate_up.weight"},  # llama.cpp keeps gate|up fused as ffn_up
+}
+# GGUF architectures read, and which ones llama.cpp's convert stored with q/k rows permuted
+# (its LlamaModel and subclasses interleave the rotary halves; the others keep HF's order)
+GGUF_ARCHS = {"llama": True, "smollm3": True, "qwen2": False, "qwen3": False, "phi3": False}
+# tensors that are RoPE parameters, not weights: read into the config
+GGUF_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+
+
+def hf_names(arch: str) -> dict:
+    table = {k: v for k, v in HF_NAMES.items() if not any(f".{p}." in k for p in HF_DROP.get(arch, ()))}
+    return {**table, **HF_EXTRA.get(arch, {})}
+
+
+def gguf_names(arch: str) -> dict:
+    table = dict(GGUF_NAMES)
+    if arch == "phi3":
+        table = {k: v for k, v in table.items() if not isinstance(v, tuple)}
+    return {**table, **GGUF_EXTRA.get(arch, {})}
+
+
+def offset_norms(sd: dict[str, torch.Tensor], cfg: ModelConfig, sign: float = 1.0) -> dict[str, torch.Tensor]:
+    """Gemma stores RMSNorm weights as w for (1 + w): ours hold 1 + w (as llama.cpp's GGUF does),
+    so the graph's norm is the same Mul for every architecture (and AWQ's folds stay valid)."""
+    offset = FAMILIES[cfg.arch].get("norm_offset", 0.0)
+    if not offset:
+        return sd
+    return {k: v + sign * offset if k.endswith("norm.weight") else v for k, v in sd.items()}
 
 
 class SourceError(ValueError):
@@ -142,8 +192,12 @@ def _expected_shapes(cfg: ModelConfig) -> dict[str, tuple]:
             if not (cfg.tie_word_embeddings and k == "lm_head.weight")}
 
 
-def unfuse(sd: dict[str, torch.Tensor], cfg: ModelConfig, table: dict = HF_NAMES) -> dict[str, torch.Tensor]:
-    """Our state dict back to checkpoint names (fused matrices split again)."""
+def unfuse(sd: dict[str, torch.Tensor], cfg: ModelConfig, table: dict | None = None) -> dict[str, torch.Tensor]:
+    """Our state dict back to checkpoint names (fused matrices split again; table: the
+    architecture's Hugging Face names by default)."""
+    if table is None:
+        table = hf_names(cfg.arch)
+        sd = offset_norms(sd, cfg, -1.0)
     sizes = {"wqkv": [cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim],
              "w_gate_up": [cfg.intermediate_size, cfg.intermediate_size]}
     out = {}
@@ -188,7 +242,7 @@ def load_hf_folder(folder: str | Path) -> Source:
     weights = {}
     for f in files:
         weights.update(load_file(str(f)))
-    sd = rename({k: v.float() for k, v in weights.items()}, HF_NAMES, cfg)
+    sd = offset_norms(rename({k: v.float() for k, v in weights.items()}, hf_names(cfg.arch), cfg), cfg)
 
     tcfg_path = folder / "tokenizer_config.json"
     tcfg = json.loads(tcfg_path.read_text()) if tcfg_path.is_file() else {}
@@ -263,7 +317,7 @@ def gguf_matrix_types(path: str | Path) -> dict[str, set[str]]:
     if not layers:  # not a model load_gguf reads: it says why
         return {}
     n_layers = int(layers.contents())
-    names = _expand(GGUF_NAMES, n_layers)
+    names = _expand(gguf_names(arch.contents()), n_layers)
     types: dict[str, set[str]] = {}
     for t in r.tensors:
         dst = names.get(t.name)
@@ -286,54 +340,93 @@ def load_gguf(path: str | Path) -> Source:
         return default if f is None else f.contents()
 
     arch = field("general.architecture")
-    if arch not in ("llama", "qwen2"):
-        raise UnsupportedModel(f"unsupported GGUF architecture {arch!r}; supported: llama, qwen2")
-    if any(t.name == "rope_freqs.weight" for t in r.tensors):
-        raise UnsupportedModel("GGUF with rope_freqs (Llama-3.1+ rope scaling) is not read yet; export the HF folder")
+    if arch not in GGUF_ARCHS:
+        raise UnsupportedModel(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHS)}"
+                               + (" (Gemma 3: export the Hugging Face folder)" if arch == "gemma3" else ""))
     tok_model = field("tokenizer.ggml.model")
     if tok_model != "gpt2":
         raise UnsupportedModel(f"GGUF tokenizer {tok_model!r} is not supported (byte-level BPE 'gpt2' is); export the HF folder")
-    n_head = field(f"{arch}.attention.head_count")
-    n_embd = field(f"{arch}.embedding_length")
     tensors = {t.name: t for t in r.tensors}
     tokens = field("tokenizer.ggml.tokens")
-    cfg = ModelConfig(
-        arch=arch,
-        vocab_size=int(tensors["token_embd.weight"].shape[-1]),  # the embedding's rows, padding included
-        hidden_size=n_embd,
-        intermediate_size=field(f"{arch}.feed_forward_length"),
-        n_layers=field(f"{arch}.block_count"),
-        n_heads=n_head,
-        n_kv_heads=field(f"{arch}.attention.head_count_kv", n_head),
-        head_dim=field(f"{arch}.attention.key_length", n_embd // n_head),
-        rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
-        tie_word_embeddings="output.weight" not in tensors,
-        attention_bias="blk.0.attn_q.bias" in tensors,
-        max_position_embeddings=field(f"{arch}.context_length", 2048),
-        bos_token_id=field("tokenizer.ggml.bos_token_id"),
-        eos_token_id=[field("tokenizer.ggml.eos_token_id")],
-    )
+    cfg = gguf_config(field, arch, tensors)
     weights, blocks = {}, {}
     for name, t in tensors.items():
+        if name in GGUF_ROPE_TENSORS:
+            continue
         w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         w = w.reshape([int(x) for x in reversed(t.shape)])  # GGUF lists dims innermost first
         q = from_gguf_blocks(t.tensor_type.name, t.data, w.shape) if w.ndim == 2 else None
-        heads = {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}.get(name.split(".")[-2]) if arch == "llama" else None
+        heads = {"attn_q": cfg.n_heads, "attn_k": cfg.n_kv_heads}.get(name.split(".")[-2]) if GGUF_ARCHS[arch] else None
         if heads:  # llama.cpp interleaved the rotary halves of q/k rows
             w = _unpermute(w, heads)
             q = permute_rows(q, lambda a: _unpermute(a, heads)) if q is not None else None
         weights[name] = torch.from_numpy(np.ascontiguousarray(w))
         if q is not None:
             blocks[name] = q
-    sd = rename(weights, GGUF_NAMES, cfg)
-    blocks = rename_blocks(blocks, GGUF_NAMES, cfg)
+    sd = rename(weights, gguf_names(arch), cfg)
+    blocks = rename_blocks(blocks, gguf_names(arch), cfg)
 
     tok_json = gguf_tokenizer_json(field, tokens)
     vocab = {t: i for i, t in enumerate(tokens)}
     special = _special(vocab, cfg.bos_token_id, cfg.eos_token_id)
     return Source(cfg, sd, tok_json, field("tokenizer.chat_template"), special, str(path), file_sha256([path]), "gguf",
                   blocks)
+
+
+def gguf_config(field, arch: str, tensors: dict) -> ModelConfig:
+    """The model's config from a GGUF's metadata (llama.cpp's keys, `{arch}.` prefixed) and its
+    RoPE tensors (rope_freqs: Llama-3's scaling as per-frequency divisors; rope_factors_*:
+    LongRoPE's two sets)."""
+    def vec(name):
+        t = tensors[name]
+        return [float(x) for x in np.asarray(t.data, np.float32).reshape(-1)]
+
+    n_head = field(f"{arch}.attention.head_count")
+    n_embd = field(f"{arch}.embedding_length")
+    n_layers = field(f"{arch}.block_count")
+    head_dim = field(f"{arch}.attention.key_length", n_embd // n_head)
+    ctx = field(f"{arch}.context_length", 2048)
+    rotary = field(f"{arch}.rope.dimension_count", head_dim)
+    scaling = field(f"{arch}.rope.scaling.type", "none")
+    rope = None
+    if scaling == "linear":
+        rope = {"rope_type": "linear", "factor": float(field(f"{arch}.rope.scaling.factor"))}
+    elif scaling not in ("none", None) and "rope_factors_long.weight" not in tensors:
+        raise UnsupportedModel(f"GGUF rope scaling {scaling!r} is not supported (none, linear, llama3 rope_freqs, "
+                               f"longrope factors are)")
+    if "rope_factors_long.weight" in tensors:
+        orig = field(f"{arch}.rope.scaling.original_context_length")
+        if not orig:
+            raise UnsupportedModel("GGUF with LongRoPE factors but no rope.scaling.original_context_length")
+        rope = {"rope_type": "longrope", "short_factor": vec("rope_factors_short.weight"),
+                "long_factor": vec("rope_factors_long.weight"), "original_max_position_embeddings": int(orig),
+                "attention_factor": float(field(f"{arch}.rope.scaling.attn_factor", 1.0))}
+    window = field(f"{arch}.attention.sliding_window", 0)
+    if window and window < ctx:
+        raise UnsupportedModel(f"{arch}: sliding-window attention (window {window}) is not supported")
+    return ModelConfig(
+        arch=arch,
+        vocab_size=int(tensors["token_embd.weight"].shape[-1]),  # the embedding's rows, padding included
+        hidden_size=n_embd,
+        intermediate_size=field(f"{arch}.feed_forward_length"),
+        n_layers=n_layers,
+        n_heads=n_head,
+        n_kv_heads=field(f"{arch}.attention.head_count_kv", n_head),
+        head_dim=head_dim,
+        rms_norm_eps=float(field(f"{arch}.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(field(f"{arch}.rope.freq_base", 10000.0)),
+        rope_scaling=rope,
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        max_position_embeddings=ctx,
+        bos_token_id=field("tokenizer.ggml.bos_token_id"),
+        eos_token_id=[field("tokenizer.ggml.eos_token_id")],
+        rope_freq_factors=vec("rope_freqs.weight") if "rope_freqs.weight" in tensors else None,
+        rotary_dim=None if rotary == head_dim else rotary,
+        # llama.cpp's smollm3 has no key for it: every 4th layer is NoPE (its n_no_rope_layer_step)
+        nope_layers=tuple(i for i in range(n_layers) if (i + 1) % 4 == 0) if arch == "smollm3" else (),
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+    )
 
 
 def gguf_tokenizer_json(field, tokens: list[str]) -> str:

@@ -1,4 +1,6 @@
-"""The decoder, in plain torch: Llama family (SmolLM2, TinyLlama, Llama-3.x) and Qwen2/2.5.
+"""The decoder, in plain torch: the Llama family (SmolLM2, TinyLlama, Llama-3.x), Qwen2/2.5, Qwen3
+(dense), SmolLM3, Phi-3.5/Phi-4-mini and Gemma 3 text (docs/models.md: what each needs and what
+is verified).
 
 One forward serves prefill and decode and always takes a past (possibly empty). It is the
 graph contract of docs/graph.md written as torch:
@@ -10,12 +12,17 @@ graph contract of docs/graph.md written as torch:
 edgekv/format/kvschemes.py), slot-major [P,B,Hkv,D]. Only the S new tokens' K/V come out. The new
 K/V go through quantize -> dequantize before attention, so a token sees exactly what later
 steps will read back from the cache (chunking then does not change results).
+
+What differs between the architectures is data on ModelConfig (a per-head q/k norm, which
+layers skip RoPE, how much of a head rotates, norms after attention and MLP, ...), read from the
+checkpoint's config by `from_hf_dict` through the FAMILIES table; the modules below only look
+at those fields.
 """
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -24,7 +31,31 @@ from torch import nn
 
 from edgekv.format.kvschemes import INT4_LEVELS, INT4_THRESHOLDS, get_scheme, hadamard, int4_byte_table, n_groups
 
-SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                           "SmolLM3ForCausalLM": "smollm3", "Phi3ForCausalLM": "phi3", "Gemma3ForCausalLM": "gemma3"}
+# architectures people have that are close to a supported one, and why they are refused
+REFUSED_ARCHITECTURES = {
+    "Qwen3MoeForCausalLM": "Qwen3-MoE (mixture-of-experts layers) is not supported; dense Qwen3 is",
+    "Qwen2MoeForCausalLM": "Qwen2-MoE (mixture-of-experts layers) is not supported; dense Qwen2/2.5 is",
+    "Gemma3ForConditionalGeneration": "Gemma 3 with its vision tower is not supported; the text-only models "
+                                      "(gemma3_text: Gemma3ForCausalLM, e.g. 270M, 1B) are",
+    "Phi3VForCausalLM": "Phi-3 vision is not supported; the text models (Phi3ForCausalLM) are",
+    "Phi4MMForCausalLM": "Phi-4-multimodal is not supported; Phi-4-mini (Phi3ForCausalLM) is",
+    "PhiMoEForCausalLM": "Phi-3.5-MoE is not supported; Phi-3.5-mini (Phi3ForCausalLM) is",
+    "Gemma2ForCausalLM": "Gemma 2 (attention logit soft-capping) is not supported; Gemma 3 text is",
+}
+ROPE_TYPES = ("default", "llama3", "linear", "longrope")
+
+# per architecture, what its config does not say itself
+FAMILIES = {
+    "llama": {},
+    "qwen2": {"attention_bias": True},  # Qwen2 always has q/k/v biases
+    "qwen3": {"qk_norm": True},
+    "smollm3": {},
+    "phi3": {},
+    "gemma3": {"qk_norm": True, "post_norms": True, "norm_offset": 1.0, "hidden_act": "gelu_tanh",
+               "embed_scale": True},
+}
 
 
 class UnsupportedModel(ValueError):
@@ -33,7 +64,7 @@ class UnsupportedModel(ValueError):
 
 @dataclass
 class ModelConfig:
-    arch: str  # "llama" | "qwen2"
+    arch: str  # a SUPPORTED_ARCHITECTURES value
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -43,58 +74,177 @@ class ModelConfig:
     head_dim: int
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
+    rope_scaling: dict | None = None  # llama3 / linear / longrope parameters (None: plain RoPE)
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v biases (Qwen2 always has them)
     max_position_embeddings: int = 2048
     bos_token_id: int | None = None
     eos_token_id: list[int] = field(default_factory=list)
+    # llama.cpp's rope_freqs: each frequency divided by its factor (Llama-3 scaling as a GGUF holds it)
+    rope_freq_factors: list[float] | None = None
+    rotary_dim: int | None = None  # the leading dims of each head that rotate (partial rotary); None: all
+    nope_layers: tuple[int, ...] = ()  # layers without RoPE (SmolLM3's NoPE layers)
+    qk_norm: bool = False  # per-head RMSNorm on q and k before RoPE (Qwen3, Gemma 3)
+    post_norms: bool = False  # RMSNorm on attention's and the MLP's outputs before the residual (Gemma 3)
+    hidden_act: str = "silu"  # the gate's activation: silu (SwiGLU) | gelu_tanh (GeGLU)
+    embed_scale: float = 1.0  # embeddings multiplied by it (Gemma 3: sqrt(hidden))
+    query_scale: float | None = None  # attention's score scale; None: 1/sqrt(head_dim)
+    sliding_window: int | None = None  # local layers see the last `sliding_window` positions
+    local_layers: tuple[int, ...] = ()  # Gemma 3's sliding-window layers
+    rope_local_theta: float | None = None  # their RoPE base
 
     @classmethod
     def from_hf_dict(cls, c: dict) -> "ModelConfig":
         archs = c.get("architectures") or []
+        refused = next((REFUSED_ARCHITECTURES[a] for a in archs if a in REFUSED_ARCHITECTURES), None)
+        if refused:
+            raise UnsupportedModel(refused)
         arch = next((SUPPORTED_ARCHITECTURES[a] for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise UnsupportedModel(
                 f"unsupported architecture {archs or c.get('model_type')!r}; supported: "
-                + ", ".join(SUPPORTED_ARCHITECTURES) + " (Llama family incl. SmolLM2, TinyLlama, Llama-3.x; Qwen2/2.5)")
+                + ", ".join(SUPPORTED_ARCHITECTURES) + " (Llama family incl. SmolLM2, TinyLlama, Llama-3.x; Qwen2/2.5; "
+                "Qwen3 dense; SmolLM3; Phi-3.5/Phi-4-mini; Gemma 3 text)")
+        fam = FAMILIES[arch]
         n_heads = c["num_attention_heads"]
-        rope = c.get("rope_scaling") or c.get("rope_parameters") or None
-        theta = c.get("rope_theta") or (rope or {}).get("rope_theta") or 10000.0
-        if rope and rope.get("rope_type", rope.get("type")) in (None, "default"):
-            rope = None
-        if rope and rope.get("rope_type", rope.get("type")) != "llama3":
-            raise UnsupportedModel(f"unsupported rope scaling {rope!r}; supported: none, llama3")
+        head_dim = c.get("head_dim") or c["hidden_size"] // n_heads  # honour an explicit head_dim
+        n_layers = c["num_hidden_layers"]
+        layer_types = list(c.get("layer_types") or ["full_attention"] * n_layers)
+        local = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
+        _refuse_unsupported(c, arch, local)
+        rope, theta = _rope(c, "full_attention" if arch == "gemma3" else None)
+        local_theta = _rope(c, "sliding_attention")[1] if arch == "gemma3" else None
+        if arch == "gemma3" and local_theta is None:
+            local_theta = float(c.get("rope_local_base_freq", 10000.0))
+        prf = c.get("partial_rotary_factor") or (c.get("rope_parameters") or {}).get("partial_rotary_factor") or 1.0
+        rotary = int(head_dim * prf)
+        if rotary % 2 or rotary <= 0:
+            raise UnsupportedModel(f"partial_rotary_factor {prf}: {rotary} rotary dims of {head_dim} is not a positive even number")
+        if rope and rope["rope_type"] == "longrope":
+            rope = _longrope(rope, c, rotary)
+        nope = ()
+        if arch == "smollm3":  # no_rope_layers[i] = 1: layer i uses RoPE (transformers' SmolLM3Config)
+            flags = c.get("no_rope_layers") or [int((i + 1) % c.get("no_rope_layer_interval", 4) != 0)
+                                                for i in range(n_layers)]
+            nope = tuple(i for i in range(n_layers) if not flags[i])
         eos = c.get("eos_token_id")
         eos = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        qpas = c.get("query_pre_attn_scalar")
         return cls(
             arch=arch,
             vocab_size=c["vocab_size"],
             hidden_size=c["hidden_size"],
             intermediate_size=c["intermediate_size"],
-            n_layers=c["num_hidden_layers"],
+            n_layers=n_layers,
             n_heads=n_heads,
             n_kv_heads=c.get("num_key_value_heads") or n_heads,
-            head_dim=c.get("head_dim") or c["hidden_size"] // n_heads,  # honour an explicit head_dim
+            head_dim=head_dim,
             rms_norm_eps=c.get("rms_norm_eps", 1e-5),
-            rope_theta=float(theta),
+            rope_theta=10000.0 if theta is None else theta,
             rope_scaling=rope,
-            tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
-            attention_bias=arch == "qwen2" or bool(c.get("attention_bias", False)),
+            tie_word_embeddings=bool(c.get("tie_word_embeddings", arch in ("gemma3", "smollm3"))),
+            attention_bias=fam.get("attention_bias", False) or bool(c.get("attention_bias", False)),
             max_position_embeddings=c.get("max_position_embeddings", 2048),
             bos_token_id=c.get("bos_token_id"),
             eos_token_id=eos,
+            rotary_dim=None if rotary == head_dim else rotary,
+            nope_layers=nope,
+            qk_norm=fam.get("qk_norm", False),
+            post_norms=fam.get("post_norms", False),
+            hidden_act=fam.get("hidden_act", "silu"),
+            embed_scale=math.sqrt(c["hidden_size"]) if fam.get("embed_scale") else 1.0,
+            query_scale=None if qpas is None or qpas == head_dim else qpas ** -0.5,
+            sliding_window=c.get("sliding_window") if local else None,
+            local_layers=local,
+            rope_local_theta=local_theta,
         )
 
     @classmethod
     def from_json(cls, path: str | Path) -> "ModelConfig":
         return cls.from_hf_dict(json.loads(Path(path).read_text()))
 
+    def for_context(self, max_context: int) -> "ModelConfig":
+        """This config for a bundle of `max_context` positions. LongRoPE has two factor sets; a
+        cache needs one for every position (a key cached with one set and read by a query rotated
+        with the other would be wrong), so a bundle takes the short factors when its context
+        fits the original one and the long ones beyond, as llama.cpp does for its n_ctx
+        (docs/models.md)."""
+        rs = self.rope_scaling
+        if not rs or rs["rope_type"] != "longrope":
+            return self
+        long = max_context > rs["original_max_position_embeddings"]
+        return replace(self, rope_freq_factors=list(rs["long_factor" if long else "short_factor"]))
 
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))  # [D/2]
-    rs = cfg.rope_scaling
+
+def _refuse_unsupported(c: dict, arch: str, local: tuple) -> None:
+    """One line for what the checkpoint's config asks that the graph does not do."""
+    if c.get("final_logit_softcapping") or c.get("attn_logit_softcapping"):
+        raise UnsupportedModel(f"{arch}: logit soft-capping is not supported")
+    if c.get("mlp_bias"):
+        raise UnsupportedModel(f"{arch}: MLP biases are not supported")
+    act = c.get("hidden_activation") or c.get("hidden_act") or "silu"
+    want = "gelu_pytorch_tanh" if arch == "gemma3" else "silu"
+    if act != want:
+        raise UnsupportedModel(f"{arch}: activation {act!r} is not supported ({want} is)")
+    if arch != "gemma3" and c.get("use_sliding_window", arch == "phi3" and c.get("sliding_window")):
+        window = c.get("sliding_window")
+        if window and window < c.get("max_position_embeddings", 0):  # a window past every position is no window
+            raise UnsupportedModel(f"{arch}: sliding-window attention (window {window}) is not supported")
+    if arch == "gemma3" and local and not c.get("sliding_window"):
+        raise UnsupportedModel("gemma3: sliding-window layers without a sliding_window size")
+
+
+def _rope(c: dict, layer_type: str | None) -> tuple[dict | None, float | None]:
+    """(scaling parameters with rope_type, or None for plain RoPE; the base) from either config
+    form: transformers 5's rope_parameters (per layer type for Gemma 3) or rope_theta + rope_scaling."""
+    rp = c.get("rope_parameters") or {}
+    if layer_type and isinstance(rp.get(layer_type), dict):
+        rp = rp[layer_type]
+    rs = dict(c.get("rope_scaling") or rp or {})
+    theta = (rp.get("rope_theta") if layer_type else None) or c.get("rope_theta") or rs.get("rope_theta")
+    kind = rs.get("rope_type", rs.get("type"))
+    if kind == "su":  # Phi-3's early name for LongRoPE
+        kind = "longrope"
+    if kind not in (None, *ROPE_TYPES):
+        raise UnsupportedModel(f"unsupported rope scaling {kind!r}; supported: none, {', '.join(ROPE_TYPES[1:])}")
+    theta = None if theta is None else float(theta)
+    if kind in (None, "default") or (kind == "linear" and float(rs.get("factor", 1.0)) == 1.0):
+        return None, theta
+    rs = {k: v for k, v in rs.items() if k not in ("type", "rope_theta", "partial_rotary_factor")}
+    rs["rope_type"] = kind
+    return rs, theta
+
+
+def _longrope(rs: dict, c: dict, rotary: int) -> dict:
+    """LongRoPE's parameters complete: the original context and the attention factor (cos and
+    sin are scaled by it), as transformers computes them when the config leaves them out."""
+    orig = rs.get("original_max_position_embeddings") or c.get("original_max_position_embeddings")
+    if not orig:
+        raise UnsupportedModel("longrope scaling without original_max_position_embeddings")
+    for k in ("short_factor", "long_factor"):
+        if len(rs.get(k) or []) != rotary // 2:
+            raise UnsupportedModel(f"longrope {k}: {len(rs.get(k) or [])} factors, {rotary // 2} rotary frequencies")
+    factor = rs.get("factor") or c.get("max_position_embeddings", orig) / orig
+    af = rs.get("attention_factor")
+    if af is None:
+        af = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    return {"rope_type": "longrope", "short_factor": list(rs["short_factor"]), "long_factor": list(rs["long_factor"]),
+            "original_max_position_embeddings": int(orig), "attention_factor": float(af)}
+
+
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """[rotary_dim / 2] rotation rates; `local`: Gemma 3's sliding-window layers (their own base,
+    no scaling)."""
+    d = cfg.rotary_dim or cfg.head_dim
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))  # [D/2]
+    rs = None if local else cfg.rope_scaling
+    if cfg.rope_freq_factors is not None and not local:  # llama.cpp's rope_freqs / LongRoPE's chosen set
+        return (inv / torch.tensor(cfg.rope_freq_factors, dtype=torch.float64)).float()
+    if rs and rs["rope_type"] == "linear":
+        return (inv / rs["factor"]).float()
+    if rs and rs["rope_type"] == "longrope":  # the short factors unless for_context chose the long ones
+        return (inv / torch.tensor(rs["short_factor"], dtype=torch.float64)).float()
     if rs:  # llama3: stretch low frequencies, keep high ones, blend in between
         factor, lo, hi = rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"]
         old = rs["original_max_position_embeddings"]
@@ -106,6 +256,11 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv.float()
 
 
+def rope_attention_factor(cfg: ModelConfig) -> float:
+    rs = cfg.rope_scaling
+    return float(rs.get("attention_factor", 1.0)) if rs and rs["rope_type"] == "longrope" else 1.0
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -113,17 +268,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        xf = x.float()
-        # x / sqrt(mean(x^2) + eps): the form onnxruntime fuses into one normalization kernel
-        # (rsqrt exports as Sqrt, Reciprocal, Mul, which it does not)
-        xf = xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * normalized(x, self.eps)
 
 
-def rotate_half_matrix(d: int) -> torch.Tensor:
-    """R with x @ R == cat(-x[d/2:], x[:d/2]) (HF's rotate_half): one MatMul in the graph instead
-    of Slice, Slice, Neg, Concat per tensor."""
-    h = d // 2
+def normalized(x, eps):
+    """x / sqrt(mean(x^2) + eps): the form onnxruntime fuses into one normalization kernel
+    (rsqrt exports as Sqrt, Reciprocal, Mul, which it does not)."""
+    xf = x.float()
+    xf = xf / torch.sqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return xf.to(x.dtype)
+
+
+def rotate_half_matrix(d: int, rotary: int | None = None) -> torch.Tensor:
+    """R with x @ R == cat(-x[r/2:r], x[:r/2], 0...) (HF's rotate_half on the first r = rotary
+    dims, zero on the rest: partial rotary): one MatMul in the graph instead of Slice, Slice,
+    Neg, Concat per tensor."""
+    h = (rotary or d) // 2
     r = torch.zeros(d, d)
     r[torch.arange(h) + h, torch.arange(h)] = -1.0
     r[torch.arange(h), torch.arange(h) + h] = 1.0
@@ -149,10 +309,21 @@ class Attention(nn.Module):
         # q, k, v projections fused into one matrix (rows: q, then k, then v): one MatMul per layer
         self.wqkv = nn.Linear(e, (h + 2 * hkv) * d, bias=cfg.attention_bias)
         self.wo = nn.Linear(h * d, e, bias=False)
+        if cfg.qk_norm:  # per-head RMSNorm over D, q's weight for q's heads, k's for k's
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+        # q * query_scale * sqrt(D): the score scale the model asks for through attention's 1/sqrt(D)
+        self.q_gain = None if cfg.query_scale is None else cfg.query_scale * math.sqrt(d)
 
     def scales(self):
         """(key scale, value scale): a static scheme's calibrated constants, else (None, None)."""
         return (self.k_scale, self.v_scale) if self.static_scales else (None, None)
+
+    def norm_qk(self, qk):
+        """qk [S, B, H+Hkv, D]: each head normalized over D, q heads by q_norm, k heads by k_norm."""
+        cfg = self.cfg
+        w = torch.cat([self.q_norm.weight.expand(cfg.n_heads, -1), self.k_norm.weight.expand(cfg.n_kv_heads, -1)])
+        return w * normalized(qk, cfg.rms_norm_eps)  # w [H+Hkv, D]
 
     def forward(self, x, cos, sin, rot, allowed, past, scheme):
         cfg = self.cfg
@@ -162,8 +333,13 @@ class Attention(nn.Module):
         # slot-major from the start: one Transpose per layer instead of one per K, V and their scales
         qkv = self.wqkv(x).view(B, S, H + 2 * Hkv, D).transpose(0, 1)  # [S, B, H+2Hkv, D]
         qk, v = torch.split(qkv, [H + Hkv, Hkv], dim=2)  # [S, B, H+Hkv, D], [S, B, Hkv, D]
-        qk = qk * cos + torch.matmul(qk, rot) * sin  # RoPE on q and k at once; cos, sin [S, B, 1, D]
+        if cfg.qk_norm:
+            qk = self.norm_qk(qk)
+        if cos is not None:  # None: a layer without RoPE (NoPE)
+            qk = qk * cos + torch.matmul(qk, rot) * sin  # RoPE on q and k at once; cos, sin [S, B, 1, D]
         q, k = torch.split(qk, [H, Hkv], dim=2)  # keys cached after RoPE
+        if self.q_gain is not None:
+            q = q * self.q_gain
         if scheme.rotate:  # (qR)(kR)^T = qk^T; v is rotated back after attention
             q, k, v = q @ self.had, k @ self.had, v @ self.had
 
@@ -262,13 +438,16 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.inter = cfg.intermediate_size
+        self.gelu = cfg.hidden_act == "gelu_tanh"  # GeGLU (Gemma 3), else SwiGLU
         # gate and up fused (rows: gate, then up): one MatMul instead of two
         self.w_gate_up = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
         self.w_down = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x):
         gu = self.w_gate_up(x)
-        return self.w_down(F.silu(gu[..., : self.inter]) * gu[..., self.inter:])
+        gate = gu[..., : self.inter]
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.w_down(act * gu[..., self.inter:])
 
 
 class Block(nn.Module):
@@ -278,11 +457,20 @@ class Block(nn.Module):
         self.attn = Attention(cfg, static_scales, center_keys)
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        if cfg.post_norms:  # Gemma 3: each sublayer's output normalized before the residual add
+            self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_norms = cfg.post_norms
 
     def forward(self, x, cos, sin, rot, allowed, past, scheme):
         a, present = self.attn(self.attn_norm(x), cos, sin, rot, allowed, past, scheme)
+        if self.post_norms:
+            a = self.post_attn_norm(a)
         x = x + a
-        return x + self.mlp(self.mlp_norm(x)), present
+        m = self.mlp(self.mlp_norm(x))
+        if self.post_norms:
+            m = self.post_mlp_norm(m)
+        return x + m, present
 
 
 class Transformer(nn.Module):
@@ -298,28 +486,64 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)
-        self.register_buffer("rot", rotate_half_matrix(cfg.head_dim), persistent=False)
+        if cfg.local_layers:
+            self.register_buffer("inv_freq_local", rope_inv_freq(cfg, local=True), persistent=False)
+        self.register_buffer("rot", rotate_half_matrix(cfg.head_dim, cfg.rotary_dim), persistent=False)
+        # each layer's RoPE table: None (NoPE), "global" or "local" (Gemma 3's sliding-window layers)
+        self.layer_rope = [None if i in cfg.nope_layers else "local" if i in cfg.local_layers else "global"
+                           for i in range(cfg.n_layers)]
 
-    def forward(self, input_ids, position_ids, key_mask, logits_index, *past):
+    def rope_tables(self, position_ids, inv_freq, dtype):
+        """cos, sin [S, B, 1, D] for positions [B, S]: the layers work slot-major, every head
+        rotated alike. Partial rotary: the dims past rotary_dim get cos 1, sin 0 (rate 0)."""
+        cfg = self.cfg
+        pad = cfg.head_dim - (cfg.rotary_dim or cfg.head_dim)
+        if pad:  # one rate per dim: the rotating halves', then 0 for the dims that stay
+            emb = position_ids.float()[..., None] * torch.cat([inv_freq, inv_freq, torch.zeros(pad)])  # [B, S, D]
+        else:
+            freqs = position_ids.float()[..., None] * inv_freq  # [B, S, D/2]
+            emb = torch.cat([freqs, freqs], -1)
+        cos, sin = emb.cos(), emb.sin()  # [B, S, D]
+        af = rope_attention_factor(cfg)
+        if af != 1.0:  # LongRoPE's attention factor, on the rotating dims only
+            amp = torch.cat([torch.full((cfg.head_dim - pad,), af), torch.ones(pad)])
+            cos, sin = cos * amp, sin * af
+        return tuple(t.to(dtype).transpose(0, 1)[:, :, None] for t in (cos, sin))
+
+    def forward(self, input_ids, position_ids, key_mask, logits_index, *past, key_positions=None):
+        """key_positions [B, P+S] (the position of each key slot): only for the sliding-window
+        layers, which the graph contract cannot express yet (docs/models.md); torch only."""
         n = len(self.scheme.tensors)  # tensors per layer for K, and again for V
         assert len(past) == 2 * n * self.cfg.n_layers, (len(past), n)
         x = self.embed(input_ids)  # [B, S, E]
-        freqs = position_ids.float()[..., None] * self.inv_freq  # [B, S, D/2]
-        emb = torch.cat([freqs, freqs], -1)
-        # [S, B, 1, D]: the layers work slot-major, every head rotated alike
-        cos, sin = (t.to(x.dtype).transpose(0, 1)[:, :, None] for t in (emb.cos(), emb.sin()))
+        if self.cfg.embed_scale != 1.0:
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+        tables = {"global": self.rope_tables(position_ids, self.inv_freq, x.dtype), None: (None, None)}
         # which keys each new token sees, causal rule included, comes whole from the runtime: a
         # batch may mix tokens of several sequences over one pool of cells (docs/graph.md)
-        allowed = key_mask  # [B, S, P+S]
+        allowed = {"global": key_mask, None: key_mask}  # [B, S, P+S]
+        if self.cfg.local_layers:
+            tables["local"] = self.rope_tables(position_ids, self.inv_freq_local, x.dtype)
+            allowed["local"] = key_mask & self.window_mask(position_ids, key_positions)
+        rot = self.rot.to(x.dtype)
         presents = []
         for i, layer in enumerate(self.layers):
             p = past[2 * n * i: 2 * n * (i + 1)]
-            x, pres = layer(x, cos, sin, self.rot.to(x.dtype), allowed, (p[:n], p[n:]), self.scheme)
+            kind = self.layer_rope[i]
+            cos, sin = tables[kind]
+            mask = allowed["local" if i in self.cfg.local_layers else "global"]
+            x, pres = layer(x, cos, sin, rot, mask, (p[:n], p[n:]), self.scheme)
             presents.extend(pres)
         idx = logits_index[..., None].expand(-1, -1, x.shape[-1])  # [B, K, E]
         x = torch.gather(x, 1, idx)  # final norm + head only on the rows asked for
         logits = self.lm_head(self.norm(x)).float()  # [B, K, V]
         return (logits, *presents)
+
+    def window_mask(self, position_ids, key_positions):
+        """[B, S, P+S]: key j within the sliding window of query i (q_pos - k_pos < window)."""
+        if key_positions is None:
+            raise UnsupportedModel(WINDOW_UNSUPPORTED)
+        return (position_ids[:, :, None] - key_positions[:, None, :]) < self.cfg.sliding_window
 
     def past_like(self, slots: int, batch: int, dtype=torch.float32):
         cfg = self.cfg
@@ -330,6 +554,10 @@ class Transformer(nn.Module):
                     shape = spec.shape(slots, batch, cfg.n_kv_heads, cfg.head_dim)
                     out.append(torch.zeros(shape, dtype=_torch_dtype(spec.dtype, dtype)))
         return out
+
+
+WINDOW_UNSUPPORTED = ("sliding-window layers (Gemma 3's local attention) need each key's position, which the graph "
+                      "contract does not carry yet (docs/models.md: the windowed cache); this model cannot be exported")
 
 
 def causal_mask(p: int, s: int, batch: int = 1) -> torch.Tensor:

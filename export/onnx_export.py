@@ -9,8 +9,9 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from edgekv.errors import ExportError
 from edgekv.format.bundle import io_names
-from export.model import Transformer, causal_mask
+from export.model import WINDOW_UNSUPPORTED, Transformer, causal_mask
 
 OPSET = 18  # every graph; one with INT4 weights is relabelled 21 (docs/graph.md: why, and why that is safe)
 OPSET_INT4 = 21
@@ -20,6 +21,8 @@ def export_onnx(model: Transformer, weights: dict | None = None) -> onnx.ModelPr
     """Export with every dimension that varies at run time dynamic (B, S, P, K). weights: name ->
     QuantWeight for the weights stored quantized (the model must hold their dequantized values)."""
     cfg = model.cfg
+    if cfg.local_layers:  # the graph's inputs cannot say which keys are in a local layer's window
+        raise ExportError(f"{cfg.arch}: {WINDOW_UNSUPPORTED}")
     names = io_names(cfg.n_layers, model.scheme)
     B, S, P = 2, 3, 5  # example sizes > 1 so that torch.export does not specialize them
     dtype = next(model.parameters()).dtype

@@ -38,15 +38,21 @@ class TextCodec:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = True,
+               enable_thinking: bool | None = None) -> str:
+        """enable_thinking: passed to the template (Qwen3's and SmolLM3's thinking mode) only
+        when given, so that None leaves the template's own default."""
         if self.template is None:  # no template: plain "role: content" lines
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
             return text + ("assistant: " if add_generation_prompt else "")
+        extra = {} if enable_thinking is None else {"enable_thinking": bool(enable_thinking)}
         return render_bounded(self.template, messages=messages, add_generation_prompt=add_generation_prompt,
-                              bos_token=self.special.get("bos_token") or "", eos_token=self.special.get("eos_token") or "")
+                              bos_token=self.special.get("bos_token") or "", eos_token=self.special.get("eos_token") or "",
+                              **extra)
 
-    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        return self.encode(self.render(messages, add_generation_prompt))
+    def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True,
+                 enable_thinking: bool | None = None) -> list[int]:
+        return self.encode(self.render(messages, add_generation_prompt, enable_thinking))
 
 
 def system_turn(system: str | None) -> list[dict]:
