@@ -246,6 +246,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-cache", default=None, metavar="FILE",
                    help="save the system prompt's KV here after its first prefill; restore it on later starts "
                         "(checked against the bundle and the system prompt; a stale file is rebuilt)")
+    p.add_argument("--thinking", default="show", choices=("show", "hide", "off"),
+                   help="a reply's <think> part (Qwen3, SmolLM3): show = dimmed, hide = not printed (both: the "
+                        "template's default mode), off = the template is asked for no thinking (enable_thinking=false)")
     _add_sampling(p, **CHAT_SAMPLING)
     _add_runtime(p)
 
