@@ -348,7 +348,8 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
              + (f"; {len(converted)} 8-bit block-wise weight(s) go per channel at engine build" if converted else ""))
         (tmp / "tokenizer.json").write_text(src.tokenizer_json)
         manifest = build_manifest(src, recipe, kv, dtype, max_context, tmp)
-        manifest["weights"] = weights_manifest(weights, plan, group, method, awq)
+        file_types = gguf_matrix_types(path) if src.kind == "gguf" else {}
+        manifest["weights"] = weights_manifest(weights, plan, group, method, awq, file_types)
         manifest["weights"]["source_blocks_kept"] = bool(src.blocks) and not requantize
         manifest["weights"]["bytes"] = stored_weight_bytes(model, plan)
         if calibration:
@@ -508,7 +509,17 @@ def activation_aware(model: Transformer, src: Source, state: dict, kept: dict, g
                    "mean_error_ratio": ratio, "alphas": {n: r["alpha"] for n, r in report.items()}}
 
 
-def weights_manifest(weights: str, plan: dict, group: int, method: str, awq: dict | None) -> dict:
+def matrix_records(plan: dict, file_types: dict[str, set[str]]) -> dict:
+    """Per stored matrix: the source's type ("Q4_K"; fused parts "Q5_0|Q5_0|Q8_0"; what a
+    requantized matrix was, "float" for a Hugging Face folder), how the graph carries it, and its bytes."""
+    return {name: {"source": q.source or "|".join(sorted(file_types.get(name, ()))) or "float",
+                   "carried": q.carrier if q.source else f"{q.carrier}, requantized: {q.origin}",
+                   "bytes": q.nbytes}
+            for name, q in sorted(plan.items())}
+
+
+def weights_manifest(weights: str, plan: dict, group: int, method: str, awq: dict | None,
+                     file_types: dict[str, set[str]] | None = None) -> dict:
     total = sum(q.nbytes for q in plan.values())
     return {"format": weights, "group": group if weights == "int4" else None,
             "requantize": ({"rtn": "round-to-nearest", "clip": "clip-ratio search"}.get(method)
@@ -517,7 +528,8 @@ def weights_manifest(weights: str, plan: dict, group: int, method: str, awq: dic
             "awq": awq,
             "stored": summary(plan), "quantized_bytes": total,
             "embedding": "Gather on the INT8 table, rows scaled after the lookup" if plan else None,
-            "head": "INT8 per block of 32 (per output channel in a TensorRT engine)" if plan else None}
+            "head": f"{plan['lm_head.weight'].carrier} (INT8 per output channel in a TensorRT engine)" if plan else None,
+            "matrices": matrix_records(plan, file_types or {})}
 
 
 def weight_cost(model: Transformer, src: Source, prompt: list[int], requantize: bool = False) -> dict:

@@ -9,14 +9,17 @@ the torch model by construction, and the parity check still catches layout and s
 Formats (docs/weights.md):
 - INT4, signed, block-wise along K: DequantizeLinear(INT4 [K, N], scales [K/B, N], axis 0,
   block_size B, no zero point) -> MatMul. Opset 21. GGUF Q4_0 is this as it stands.
-- GGUF Q4_1 (w = d*q + m per block of 32): codes shifted to signed (q - 8) with M = m + 8d as
-  its own term: W.x = DQ(q - 8, d).x + blocksum(x).M, a second MatMul 32x smaller.
-- INT8 block-wise along K, blocks of 32 (GGUF Q8_0 as it stands): the same DequantizeLinear with
-  INT8 codes. onnxruntime runs it as fast as per channel (its fused kernel is block-wise either
-  way); TensorRT takes block-wise DQ only for INT4, so the engine build requantizes these per
-  output channel (edgekv/runtime/backends/engines.py: tensorrt_graph).
+- GGUF Q4_1 and Q4_K (w = s*q + m per block of 32, q in 0..15; Q4_K: s = d*sc, m = -dmin*mn):
+  codes shifted to signed (q - 8), W.x = DQ(q - 8, s).x + blocksum(x).(8s + m), the second term a
+  MatMul 32x smaller computed as [8*blocksum(x), blocksum(x)] @ [s; m] so that s and m are each
+  stored exactly (their sum is not always exact in float32).
+- INT8 block-wise along K (blocks of 32, Q6_K's of 16): the same DequantizeLinear with INT8 codes:
+  GGUF Q8_0 as it stands, Q5_0 (q - 16), Q6_K (q - 32), Q5_1 and Q5_K (q in 0..31 with the
+  blocksum(x).m term). onnxruntime runs it as fast as per channel (its fused kernel is block-wise
+  either way); TensorRT takes block-wise DQ only for INT4, so the engine build requantizes these
+  per output channel (edgekv/runtime/backends/engines.py: tensorrt_graph).
 - The embedding: Gather on the INT8 table, DequantizeLinear with a unit scale, then the gathered
-  rows times their (block) scales; no float copy of the table exists.
+  rows times their (block) scales (plus their minimums); no float copy of the table exists.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from edgekv.format.bundle import WEIGHT_FORMATS  # the runtime's list of what it reads
+from export.gguf_blocks import CODE_BITS, decode
 GROUPS = (32, 64, 128)
 METHODS = ("awq", "clip", "rtn")  # requantizing float to INT4: AWQ scales + clip search, clip search, round-to-nearest
 CLIP_RATIOS = tuple(np.round(np.arange(1.0, 0.49, -0.05), 2))  # searched per group, best error kept
@@ -39,11 +43,14 @@ class QuantWeight:
     scales: np.ndarray               # float32 [N, K/block] (block-wise) or [N] (per output channel)
     block: int | None                # block size along K; None = per output channel
     origin: str                      # where the codes come from (manifest)
-    mins: np.ndarray | None = None   # float32 [N, K/block]: Q4_1's M term, W = codes*scales + M
+    mins: np.ndarray | None = None   # float32 [N, K/block]: a GGUF type's minimum, W = (codes + shift)*scales + mins
+    shift: int = 0                   # 4-bit codes of an unsigned type stored as q - shift (signed INT4)
+    source: str = ""                 # the GGUF block type(s) the codes are ("Q4_K", "Q5_0|Q5_0|Q8_0"); "" = requantized
 
     def dequantize(self) -> np.ndarray:
-        """The float values the graph computes with, in float64 rounded once to float32."""
-        c = self.codes.astype(np.float64)
+        """The float values the graph computes with, in float64 rounded once to float32 (each
+        term is exact in float64, so this is the file's own float32 value: tests/test_gguf_kquants.py)."""
+        c = self.codes.astype(np.float64) + self.shift
         if self.block is None:
             return (c * self.scales.astype(np.float64)[:, None]).astype(np.float32)
         n, k = c.shape
@@ -53,64 +60,100 @@ class QuantWeight:
         return w.reshape(n, k).astype(np.float32)
 
     @property
+    def carrier(self) -> str:
+        """How the graph carries it, in words (the manifest's per-matrix record)."""
+        if self.block is None:
+            return f"INT{self.bits} per output channel"
+        return (f"INT{self.bits} blocks of {self.block}" + (f", codes q - {self.shift}" if self.shift else "")
+                + (" + blocksum(x)·min" if self.mins is not None else ""))
+
+    @property
     def nbytes(self) -> int:
         """Bytes in the bundle: packed codes + float32 scales (+ the Q4_1 term)."""
         codes = self.codes.size * self.bits // 8
         return codes + 4 * self.scales.size + (4 * self.mins.size if self.mins is not None else 0)
 
 
+def to_eight_bit(q: QuantWeight) -> QuantWeight:
+    """The same values as 8-bit codes (unshifted: an INT8 carrier holds 0..15 as it is)."""
+    if q.bits == 8:
+        return q
+    return QuantWeight(8, (q.codes.astype(np.int16) + q.shift).astype(np.int8), q.scales, q.block, q.origin, q.mins,
+                       0, q.source)
+
+
+def _reblock(q: QuantWeight, block: int, shift: int, with_mins: bool) -> QuantWeight:
+    """The same values with scales (and mins) repeated down to `block`, the codes shifted by
+    `shift` and a zero minimum where there was none: every step exact."""
+    r = q.block // block
+    scales = np.repeat(q.scales, r, axis=1)
+    mins = np.repeat(q.mins, r, axis=1) if q.mins is not None else (np.zeros_like(scales) if with_mins else None)
+    if shift != q.shift:  # Q4_0's signed codes beside Q4_1's shifted ones: (c + 8)*s - 8s = c*s
+        mins = mins - np.float32(shift - q.shift) * scales  # a power of two times s: exact
+    return QuantWeight(q.bits, q.codes, scales, block, q.origin, mins, shift, q.source)
+
+
 def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
-    """Fused matrices (q|k|v, gate|up) stack output rows; blocks along K are unaffected."""
+    """Fused matrices (q|k|v, gate|up) stack output rows; blocks along K are unaffected. Parts in
+    different carriers (Q4_K_M mixes Q5_0, Q8_0, Q6_K) meet in one that holds each exactly: 8-bit
+    codes if any part has them, the smallest block, a minimum if any part has one."""
+    if any(p.block is None for p in parts):
+        raise ValueError("cannot fuse matrices stored per output channel")
+    bits = max(p.bits for p in parts)
+    parts = [to_eight_bit(p) if bits == 8 else p for p in parts]
+    block = min(p.block for p in parts)
+    if any(p.block % block for p in parts):
+        raise ValueError("cannot fuse matrices whose blocks do not nest")
+    shift = max(p.shift for p in parts)
+    with_mins = any(p.mins is not None for p in parts)
+    parts = [_reblock(p, block, shift, with_mins) for p in parts]
     a = parts[0]
-    if any(p.bits != a.bits or p.block != a.block or (p.mins is None) != (a.mins is None) for p in parts):
-        raise ValueError("cannot fuse matrices stored in different formats")
-    return QuantWeight(a.bits, np.concatenate([p.codes for p in parts]), np.concatenate([p.scales for p in parts]),
-                       a.block, a.origin, None if a.mins is None else np.concatenate([p.mins for p in parts]))
+    sources = [p.source for p in parts]
+    source = sources[0] if len(set(sources)) == 1 else "|".join(sources)
+    origin = a.origin if len({p.origin for p in parts}) == 1 else f"gguf {source}"
+    return QuantWeight(bits, np.concatenate([p.codes for p in parts]), np.concatenate([p.scales for p in parts]),
+                       block, origin, np.concatenate([p.mins for p in parts]) if with_mins else None, shift, source)
 
 
 def permute_rows(q: QuantWeight, fn) -> QuantWeight:
     """Apply a row permutation (llama.cpp's q/k interleave undone) to codes, scales and mins."""
-    return QuantWeight(q.bits, fn(q.codes), fn(q.scales), q.block, q.origin, None if q.mins is None else fn(q.mins))
+    return QuantWeight(q.bits, fn(q.codes), fn(q.scales), q.block, q.origin, None if q.mins is None else fn(q.mins),
+                       q.shift, q.source)
 
 
 # --- GGUF blocks, read as they are ---------------------------------------------------------
 
-KEPT_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}  # the GGUF block types from_gguf_blocks keeps as they are
+KEPT_BITS = CODE_BITS  # the GGUF block types from_gguf_blocks keeps exactly -> their carrier's code bits
 
 
 def auto_format(types: dict[str, set[str]], embed: str, head: str) -> str:
     """`--weights auto`: the stored format that keeps what the source holds. types: each 2-D weight
     (fused matrices under one name) -> the source's block types of its parts (none: float). Every
-    projection in blocks kept as they are, some of them 4-bit -> int4 (the 8-bit ones stay 8-bit
-    under int4); all Q8_0 -> int8; anything else (float, or block types that are not kept, such
-    as Q4_K) -> float, the source's exact values. The embedding and head do not decide: they are
-    8-bit under int4 and int8 either way."""
-    bits = [KEPT_BITS.get(next(iter(t))) if len(t) == 1 else None
-            for name, t in types.items() if name not in (embed, head)]
+    projection in kept block types, some of them 4-bit codes (Q4_0, Q4_1, Q4_K) -> int4 (the wider
+    ones, Q5_*, Q6_K, Q8_0, stay 8-bit codes under int4); all wider -> int8; anything else (a
+    float matrix, or a type not kept such as Q3_K or IQ4_XS) -> float, the source's exact values.
+    A fused matrix whose parts mix types is carried at the widest (concat_rows). The embedding and
+    head do not decide: they are 8-bit codes under int4 and int8 either way."""
+    bits = [max(KEPT_BITS.get(t, 0) for t in ts) if ts and all(t in KEPT_BITS for t in ts) else None
+            for name, ts in types.items() if name not in (embed, head)]
     if not bits or None in bits:
         return "float"
     return "int4" if 4 in bits else "int8"
 
 
 def from_gguf_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> QuantWeight | None:
-    """raw: the tensor's bytes [N, bytes per row]; shape (N, K). None for a block type not kept."""
-    n, k = shape
-    raw = np.ascontiguousarray(raw).reshape(n * k // 32, -1)
-    if kind == "Q8_0":  # d f16, 32 x int8
-        d = raw[:, :2].copy().view(np.float16).astype(np.float32).reshape(n, k // 32)
-        q = raw[:, 2:].copy().view(np.int8).reshape(n, k)
-        return QuantWeight(8, q, d, 32, "gguf Q8_0")
-    if kind in ("Q4_0", "Q4_1"):
-        off = 2 if kind == "Q4_0" else 4
-        d = raw[:, :2].copy().view(np.float16).astype(np.float32)
-        qs = raw[:, off:]  # 16 bytes: element j in the low nibble of byte j, element j+16 in the high
-        q = np.concatenate([qs & 0x0F, qs >> 4], axis=1).astype(np.int8) - 8  # [blocks, 32] signed
-        if kind == "Q4_0":
-            return QuantWeight(4, q.reshape(n, k), d.reshape(n, k // 32), 32, "gguf Q4_0")
-        m = raw[:, 2:4].copy().view(np.float16).astype(np.float32)
-        mins = (m.astype(np.float64) + 8.0 * d.astype(np.float64)).astype(np.float32)  # M = m + 8d
-        return QuantWeight(4, q.reshape(n, k), d.reshape(n, k // 32), 32, "gguf Q4_1", mins.reshape(n, k // 32))
-    return None
+    """raw: the tensor's bytes [N, bytes per row]; shape (N, K). None for a block type not kept
+    (float types are float already; IQ*, Q2_K, Q3_K have no carrier here). The blocks as codes and
+    exact float32 scales (export/gguf_blocks.py); Q4_1/Q4_K's unsigned 4-bit codes shifted to
+    signed INT4 (shift 8, the 8s folded back by the graph's blocksum term)."""
+    got = decode(kind, raw, shape)
+    if got is None:
+        return None
+    codes, scales, block, mins = got
+    bits, shift = KEPT_BITS[kind], 0
+    if bits == 4 and mins is not None:
+        codes, shift = codes - 8, 8
+    return QuantWeight(bits, codes, scales, block, f"gguf {kind}", mins, shift, kind)
 
 
 # --- from float ------------------------------------------------------------------------------
@@ -165,17 +208,19 @@ def int4_groups(w: np.ndarray, group: int, search: bool = True, gram: np.ndarray
 def plan_weights(state: dict, kept: dict[str, QuantWeight], fmt: str, group: int, embed: str, head: str,
                  search: bool = True) -> dict[str, QuantWeight]:
     """state: name -> float [N, K] (numpy). kept: the source's own blocks by name (GGUF).
-    Every 2-D projection gets fmt; 8-bit matrices (int8, the head, an 8-bit source matrix under
-    int4) are 8-bit blocks of 32, the source's own Q8_0 blocks exactly when it has them; the
-    embedding keeps the source's 8-bit blocks, else per row (a Gather takes any block size)."""
+    Every 2-D projection gets fmt. Under int4 a source's 4-bit blocks stay INT4 and its wider
+    ones (Q5_*, Q6_K, Q8_0) stay exact 8-bit codes (never narrowed to 4 bits); under int8 every
+    kept block type is carried exactly as 8-bit codes. A matrix without kept blocks is
+    requantized: INT4 groups (int4) or INT8 blocks of 32 (int8, the head). The embedding and the
+    head keep the source's blocks as 8-bit codes, else INT8 per row / blocks of 32."""
     if fmt == "float":
         return {}
     plan = {}
 
     def eight_bit(name):
         src = kept.get(name)
-        if src is not None and src.bits == 8 and src.block == 32:
-            return src  # the source's own 8-bit blocks, exactly
+        if src is not None and src.block is not None:
+            return to_eight_bit(src)  # the source's own blocks, exactly
         if state[name].shape[1] % 32:  # blocks need K in multiples of 32
             return int8_per_channel(state[name])
         return int8_blocks(state[name], 32, "int8 per block of 32" + (f", from {src.origin}" if src else ""))
@@ -186,12 +231,12 @@ def plan_weights(state: dict, kept: dict[str, QuantWeight], fmt: str, group: int
         src = kept.get(name)
         if fmt == "int4" and src is not None and src.bits == 4:
             plan[name] = src  # the source's own 4-bit blocks, exactly
-        elif fmt == "int4" and (src is None or src.bits != 8):
+        elif fmt == "int4" and src is None:
             plan[name] = int4_groups(w, group, search)
-        else:  # int8, or an 8-bit source matrix under int4
+        else:  # int8, or a source matrix with wider codes under int4
             plan[name] = eight_bit(name)
     src = kept.get(embed)
-    plan[embed] = src if src is not None and src.bits == 8 else int8_per_channel(state[embed], "int8 per row")
+    plan[embed] = to_eight_bit(src) if src is not None and src.block is not None else int8_per_channel(state[embed], "int8 per row")
     plan[head] = eight_bit(head)
     return plan
 
@@ -291,19 +336,39 @@ def _quantized_matmul(node, name: str, q: QuantWeight, dtype, inits: list) -> li
     mm_out = out if q.mins is None else out + "_codes"
     nodes = [dq, helper.make_node("MatMul", [node.input[0], base + "_dq"], [mm_out], name=node.name or base + "_mm")]
     if q.mins is not None:
-        n, k = q.codes.shape
-        nb = k // q.block
-        # per-block sums of x [B, S, K]: a Reshape to [B, S, K/32, 32] and a ReduceSum (measured
-        # ~2x cheaper per step than x @ a [K, K/32] matrix of ones; docs/weights.md)
-        inits.append(numpy_helper.from_array(np.array([0, 0, nb, q.block], np.int64), base + "_blocks"))
-        inits.append(numpy_helper.from_array(np.array([-1], np.int64), base + "_last"))
-        inits.append(numpy_helper.from_array(np.ascontiguousarray(q.mins.T.astype(dtype)), base + "_min"))
-        nodes += [helper.make_node("Reshape", [node.input[0], base + "_blocks"], [base + "_xblocks"], name=base + "_xblocks"),
-                  helper.make_node("ReduceSum", [base + "_xblocks", base + "_last"], [base + "_xsum"], keepdims=0,
-                                   name=base + "_xsum"),
-                  helper.make_node("MatMul", [base + "_xsum", base + "_min"], [base + "_xmin"], name=base + "_xmin"),
-                  helper.make_node("Add", [mm_out, base + "_xmin"], [out], name=base + "_add_min")]
+        nodes += _min_term(node.input[0], mm_out, out, base, q, dtype, inits)
     return nodes
+
+
+def _min_term(x: str, mm_out: str, out: str, base: str, q: QuantWeight, dtype, inits: list) -> list:
+    """out = mm_out + blocksum(x) @ (shift*s + m) [K/B, N]: the per-block sums of x [B, S, K] by a
+    Reshape to [B, S, K/B, B] and a ReduceSum (measured ~2x cheaper per step than x @ a [K, K/B]
+    matrix of ones; docs/weights.md). With a shift (INT4 codes of an unsigned type) s and m stay
+    apart, [shift*blocksum(x), blocksum(x)] @ [s; m], s being the DequantizeLinear's own scale
+    initializer: each stored exactly, no copy (onnxruntime folds the constant Concat at load)."""
+    from onnx import helper, numpy_helper
+
+    n, k = q.codes.shape
+    nb = k // q.block
+    inits.append(numpy_helper.from_array(np.array([0, 0, nb, q.block], np.int64), base + "_blocks"))
+    inits.append(numpy_helper.from_array(np.array([-1], np.int64), base + "_last"))
+    inits.append(numpy_helper.from_array(np.ascontiguousarray(q.mins.T.astype(dtype)), base + "_min"))
+    nodes = [helper.make_node("Reshape", [x, base + "_blocks"], [base + "_xblocks"], name=base + "_xblocks"),
+             helper.make_node("ReduceSum", [base + "_xblocks", base + "_last"], [base + "_xsum"], keepdims=0,
+                              name=base + "_xsum")]
+    xs, mins = base + "_xsum", base + "_min"
+    if q.shift:
+        if q.bits != 4:  # tensorrt_graph rewrites an INT8 DQ's scale in place: it must not be shared
+            raise ValueError("shifted codes are only for INT4 carriers")
+        inits.append(numpy_helper.from_array(np.array(float(q.shift), dtype), base + "_shift"))
+        nodes += [helper.make_node("Mul", [xs, base + "_shift"], [base + "_xsum_shift"], name=base + "_xsum_shift"),
+                  helper.make_node("Concat", [base + "_xsum_shift", xs], [base + "_xsum2"], axis=-1,
+                                   name=base + "_xsum2"),
+                  helper.make_node("Concat", [base + "_scale", base + "_min"], [base + "_scale_min"], axis=0,
+                                   name=base + "_scale_min")]
+        xs, mins = base + "_xsum2", base + "_scale_min"
+    return nodes + [helper.make_node("MatMul", [xs, mins], [base + "_xmin"], name=base + "_xmin"),
+                    helper.make_node("Add", [mm_out, base + "_xmin"], [out], name=base + "_add_min")]
 
 
 def _quantized_gather(node, name: str, q: QuantWeight, dtype, inits: list) -> list:
@@ -321,12 +386,19 @@ def _quantized_gather(node, name: str, q: QuantWeight, dtype, inits: list) -> li
     inits.append(numpy_helper.from_array(np.array(0, np.int8), base + "_zero"))
     inits.append(numpy_helper.from_array(q.scales.astype(dtype).reshape(n, nb, 1) if q.block
                                          else q.scales.astype(dtype).reshape(n, 1), base + "_scale"))
+    if q.shift:
+        raise ValueError("the embedding's codes are 8-bit, never shifted")
     scaled = out if q.block is None else base + "_rows_bs"
     nodes = [helper.make_node("Gather", [base + "_q", ids], [base + "_rows_q"], axis=0, name=base + "_gather_q"),
              helper.make_node("DequantizeLinear", [base + "_rows_q", base + "_unit", base + "_zero"], [base + "_rows"],
                               name=base + "_rows_dq"),
              helper.make_node("Gather", [base + "_scale", ids], [base + "_rows_scale"], axis=0, name=base + "_gather_s"),
-             helper.make_node("Mul", [base + "_rows", base + "_rows_scale"], [scaled], name=base + "_scale_rows")]
+             helper.make_node("Mul", [base + "_rows", base + "_rows_scale"],
+                              [scaled if q.mins is None else base + "_rows_bs_nomin"], name=base + "_scale_rows")]
+    if q.mins is not None:  # a type with a minimum (Q4_K, Q5_1, ...): + the rows' block minimums
+        inits.append(numpy_helper.from_array(q.mins.astype(dtype).reshape(n, nb, 1), base + "_min"))
+        nodes += [helper.make_node("Gather", [base + "_min", ids], [base + "_rows_min"], axis=0, name=base + "_gather_m"),
+                  helper.make_node("Add", [base + "_rows_bs_nomin", base + "_rows_min"], [scaled], name=base + "_min_rows")]
     if q.block is not None:
         inits.append(numpy_helper.from_array(np.array([0, 0, k], np.int64), base + "_rows_shape"))
         nodes.append(helper.make_node("Reshape", [scaled, base + "_rows_shape"], [out], name=base + "_from_blocks"))

@@ -16,8 +16,11 @@ def _permute(w: np.ndarray, n_head: int) -> np.ndarray:  # as llama.cpp's conver
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(folder, path, arch="llama", quant=None):
-    """quant: a function GGUF tensor name -> GGMLQuantizationType (or None for float32)."""
+def write_gguf(folder, path, arch="llama", quant=None, encode=None):
+    """quant: a function GGUF tensor name -> GGMLQuantizationType (or None for float32). encode:
+    (name, float weight [N, K], type) -> the tensor's blocks [N, bytes per row]; default the gguf
+    package's own quantizer (it has none for the K-quants: tests/test_gguf_kquants.py writes
+    random valid blocks)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -65,7 +68,8 @@ def write_gguf(folder, path, arch="llama", quant=None):
         if qtype is None:
             wr.add_tensor(name, np.ascontiguousarray(v, np.float32))
         else:  # the gguf package's own quantizer, as llama.cpp's convert writes blocks
-            wr.add_tensor(name, gguf.quants.quantize(np.ascontiguousarray(v, np.float32), qtype), raw_dtype=qtype)
+            v = np.ascontiguousarray(v, np.float32)
+            wr.add_tensor(name, encode(name, v, qtype) if encode else gguf.quants.quantize(v, qtype), raw_dtype=qtype)
     wr.write_header_to_file()
     wr.write_kv_data_to_file()
     wr.write_tensors_to_file()

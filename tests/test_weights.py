@@ -53,8 +53,9 @@ def decoded_weights(onnx_path) -> dict[str, np.ndarray]:
         base = node.input[0][:-2]
         codes, scale = arr(node.input[0]), arr(node.input[1])
         block = next((a.i for a in node.attribute if a.name == "block_size"), 0)
-        if block:  # [K, N] codes, [K/B, N] scales
-            wt = codes * np.repeat(scale, block, axis=0)
+        if block:  # [K, N] codes, [K/B, N] scales; W = (codes + shift) * scale + min
+            shift = float(arr(base + "_shift")) if base + "_shift" in inits else 0.0
+            wt = (codes + shift) * np.repeat(scale, block, axis=0)
             if base + "_min" in inits:
                 wt = wt + np.repeat(arr(base + "_min"), block, axis=0)
         else:  # per output channel: scales [N] along axis 1
@@ -62,7 +63,8 @@ def decoded_weights(onnx_path) -> dict[str, np.ndarray]:
         out[_name(base)] = wt.T
     if "embed_weight_q" in inits:  # the Gather's table: rows times their (block) scales
         codes, scale = arr("embed_weight_q"), arr("embed_weight_scale")  # [V, E] & [V, 1] or [V, E/B, B] & [V, E/B, 1]
-        out["embed.weight"] = (codes * scale).reshape(codes.shape[0], -1)
+        rows = codes * scale + (arr("embed_weight_min") if "embed_weight_min" in inits else 0.0)
+        out["embed.weight"] = rows.reshape(codes.shape[0], -1)
     return out
 
 
@@ -219,7 +221,7 @@ def gguf_bundle(tiny_sources, tmp_path_factory):
 
 def test_gguf_blocks_reproduced_exactly(gguf_bundle):
     """Q4_0 (attention), Q4_1 (MLP), Q8_0 (embedding): the bundle's dequantized weights equal the
-    gguf package's dequantization of the file (to one float32 rounding of Q4_1's m + 8d)."""
+    gguf package's dequantization of the file bit for bit."""
     import gguf
 
     from export.loaders import GGUF_NAMES, _unpermute, rename
@@ -243,10 +245,8 @@ def test_gguf_blocks_reproduced_exactly(gguf_bundle):
     ref = {k: v.numpy().astype(np.float64) for k, v in rename(ref, GGUF_NAMES, cfg).items()}
     got = decoded_weights(load_bundle(bundle).onnx_path)
     assert set(got) == {k for k, v in ref.items() if v.ndim == 2}
-    for name in got:
-        exact = "w_gate_up" not in name and "w_down" not in name  # Q4_0 and Q8_0 (table and head): bit for bit
-        np.testing.assert_allclose(got[name], ref[name], rtol=0, atol=0 if exact else 1e-7 * np.abs(ref[name]).max(),
-                                   err_msg=name)
+    for name in got:  # Q4_1's d and m kept apart (no float32 rounding of m + 8d): bit for bit too
+        np.testing.assert_array_equal(got[name].astype(np.float32), ref[name].astype(np.float32), err_msg=name)
     stored = man["weights"]["stored"]
     assert {"gguf Q4_0", "gguf Q4_1", "gguf Q8_0"} <= set(stored)
 

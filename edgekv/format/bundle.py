@@ -134,6 +134,7 @@ SCHEMA = (
     Field("weights.quantized_bytes", (int,), required=False, lo=0),
     Field("weights.stored", (dict,), required=False, item=dict),
     Field("weights.source_blocks_kept", (bool,), required=False),
+    Field("weights.matrices", (dict,), required=False, item=dict),  # per matrix: source type, carrier, bytes
     Field("io", (dict,)),
     Field("files", (dict,)),
     Field("files.onnx", (str,)),
