@@ -17,6 +17,17 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['cont
 TINY_VOCAB = 384
 
 
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (pyproject's addopts): a run of one file stays in this process, where starting
+    workers that each import and collect everything again costs more than it could save
+    (`pytest tests/test_x.py`, tests/mutation_check.py's runs); otherwise xdist's default, one
+    worker per core (PYTEST_XDIST_AUTO_NUM_WORKERS overrides it)."""
+    named = {arg.split("::")[0] for arg in config.args}
+    if len(named) == 1 and Path(next(iter(named))).is_file():
+        return 0
+    return None
+
+
 def tiny_tokenizer_json() -> str:
     """A small byte-level BPE trained here on a few sentences, with chat special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
