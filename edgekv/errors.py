@@ -57,3 +57,13 @@ def note(msg: str) -> None:
 
 class QueueFull(EdgeKVError):
     """The server's wait queue is full (HTTP 429)."""
+
+
+class NonFinite(EdgeKVError):
+    """The model produced NaN or infinite logits: damaged weights, or an overflow."""
+
+    MESSAGE = ("the model produced non-finite logits (NaN or infinity); the bundle's weights may be damaged: "
+               "check them with `edgekv verify BUNDLE`")
+
+    def __init__(self, message: str = MESSAGE):
+        super().__init__(message)

@@ -13,11 +13,11 @@ from edgekv.runtime.backends.ort import OrtBackend
 
 CHUNK, SLOW = 8, 0.25
 turn = {"slow": False, "prefill": 0, "decode": 0}
-_engine, _run = assemble.Runtime.engine, OrtBackend.run_cells
+_batcher, _run = assemble.Runtime.batcher, OrtBackend.run_cells
 
 
-def engine(self, capacity=None, **kw):
-    return _engine(self, capacity, **{**kw, "prefill_chunk": CHUNK})
+def batcher(self, capacity=None, **kw):
+    return _batcher(self, capacity, **{**kw, "prefill_chunk": CHUNK})
 
 
 def run(self, cache, past, write, ids, *rest):
@@ -41,7 +41,7 @@ def read_line(prompt=""):
 # a shell starts background jobs with SIGINT ignored, and Python keeps an ignored SIGINT ignored:
 # take Ctrl-C as KeyboardInterrupt whatever the test runner was started from
 signal.signal(signal.SIGINT, signal.default_int_handler)
-assemble.Runtime.engine = engine
+assemble.Runtime.batcher = assemble.Runtime.engine = batcher  # (chat/terminal.py calls the old name)
 OrtBackend.run_cells = run
 import builtins  # noqa: E402
 

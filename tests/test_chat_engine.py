@@ -13,7 +13,7 @@ from edgekv.errors import EdgeKVError
 from edgekv.format.bundle import load_bundle
 from edgekv.runtime.backends import OrtBackend
 from edgekv.runtime.cache import KVCache
-from edgekv.runtime.engine import Request
+from edgekv.runtime.batching import Request
 from edgekv.runtime.generate import Generator
 from edgekv.runtime.sampling import SamplingParams
 from edgekv.runtime.text import TextCodec
@@ -22,8 +22,9 @@ from tests.test_chat_invariants import Interrupting, fresh_greedy, small_bundle 
 from tests.test_chat_invariants import pool_holds_exactly_the_conversation as refs_ok
 
 SYSTEM = "You are terse."
+# the first line of reply() after its turn committed (the `with batcher.turn()` block left)
 END_TURN_LINE = next(i for i, l in enumerate(open(ChatSession.reply.__code__.co_filename), 1)
-                     if "self.engine.end_turn()" in l and i > ChatSession.reply.__code__.co_firstlineno)
+                     if "return text, self.last" in l and i > ChatSession.reply.__code__.co_firstlineno)
 QS = ["What is the capital of France?", "And of Germany?", "Tell me about trains and tea.", "Go on.",
       "robots?", "Café 東京 🙂", "x", "Der schnelle braune Fuchs."]
 
@@ -58,12 +59,12 @@ class NoRows:
 
 def state(s: ChatSession):
     """Everything a rolled-back turn must leave exactly as it was."""
-    e, h = s.engine, s.seq
+    e, h = s.batcher, s.seq
     snap = e.snapshot(h)
     return dict(refs=e.pool.refs.copy().tolist(), cells=h.cells, ids=h.ids, sinks=h.sinks,
                 msgs=[dict(m) for m in s.messages], dropped=s.dropped_turns,
                 rng=repr(s.rng.bit_generator.state), kv={k: v.tobytes() for k, v in snap.items()},
-                waiting=len(e.waiting), active=len(e.active), turn=e._turn)
+                waiting=len(e.waiting), active=len(e.running), turn=e.kv.turns.current)
 
 
 # -- 1. KeyboardInterrupt at *every* line of the engine during a turn ------------------------------
@@ -71,7 +72,10 @@ def state(s: ChatSession):
 class LineInterrupt:
     """Raise KeyboardInterrupt at the k-th traced line executed in engine.py / session.py / cache.py."""
 
-    FILES = ("edgekv/runtime/engine.py", "edgekv/runtime/cache.py", "edgekv/runtime/pool.py",
+    FILES = ("edgekv/runtime/batching/batcher.py", "edgekv/runtime/batching/scheduler.py", "edgekv/runtime/batching/kv.py",
+             "edgekv/runtime/batching/turns.py", "edgekv/runtime/batching/poolseq.py", "edgekv/runtime/batching/runner.py",
+             "edgekv/runtime/batching/postprocess.py", "edgekv/runtime/batching/request.py", "edgekv/runtime/batching/plan.py",
+             "edgekv/runtime/cache.py", "edgekv/runtime/pool.py",
              "edgekv/chat/session.py", "edgekv/chat/policies.py", "edgekv/chat/conversation.py")
 
     def __init__(self, k):
@@ -113,7 +117,7 @@ def test_interrupt_at_every_engine_line_rolls_back_exactly(tiny_bundle_int8, con
         try:
             text, st = s.reply(q)
         except KeyboardInterrupt:
-            text, st = None, None  # landed outside the try (begin_turn)
+            text, st = None, None  # landed outside the try
         finally:
             sys.settrace(None)
         if not tr.fired:
@@ -124,9 +128,9 @@ def test_interrupt_at_every_engine_line_rolls_back_exactly(tiny_bundle_int8, con
             break
         after = state(s)
         for key in before:
-            if key == "turn" and st is None:  # escaped between begin_turn() and try: (nit, reported)
+            if key == "turn" and st is None:  # escaped with the turn open (nit, reported)
                 escaped.append(k)
-                s.engine.end_turn()
+                s.batcher.commit_turn()
                 continue
             assert after[key] == before[key], (k, key, tr.where)
         k += 1
@@ -149,8 +153,8 @@ def test_random_operations(small_bundle, tmp_path, context, seed, rows):  # noqa
     def fresh():
         t = make(small_bundle, ctx, context, max_new=rnd.choice([6, 20, 60]), chunk=rnd.choice([3, 8, 128]))
         if not rows:
-            t.engine.cache.memory = NoRows(t.engine.cache.memory)
-            assert not t.engine.cache.reads_rows
+            t.batcher.cache.memory = NoRows(t.batcher.cache.memory)
+            assert not t.batcher.cache.reads_rows
         return t
     s = fresh()
     if rnd.random() < 0.5:
@@ -174,7 +178,7 @@ def test_random_operations(small_bundle, tmp_path, context, seed, rows):  # noqa
                 assert new == fresh_greedy(small_bundle, p, len(new), ctx), (i, op)
         elif op in ("interrupt", "raise"):
             before = state(s)
-            be = s.engine.backend
+            be = s.batcher.backend
             if op == "interrupt":
                 be.arm(rnd.randint(1, 12), rnd.random() < 0.5)
                 _, st = s.reply(rnd.choice(QS))
@@ -216,12 +220,12 @@ def test_random_operations(small_bundle, tmp_path, context, seed, rows):  # noqa
             t.set_system(s.system)  # (a different one: see test_load_takes_the_files_sinks)
             t.load(tmp_path / "c.npz")
             assert (t.seq.ids, t.seq.sinks, t.messages) == (s.seq.ids, s.seq.sinks, s.messages)
-            a, b = s.engine.snapshot(s.seq), t.engine.snapshot(t.seq)
+            a, b = s.batcher.snapshot(s.seq), t.batcher.snapshot(t.seq)
             assert all(np.array_equal(a[k], b[k]) for k in a)
             s = t
         refs_ok(s)
         assert s.seq.pos <= s.bundle.max_context
-        assert s.engine._turn is None and not s.engine.active and not s.engine.waiting
+        assert s.batcher.kv.turns.current is None and not s.batcher.running and not s.batcher.waiting
 
 
 # -- 3. a ring on the engine against the Sequence ring, token by token (chunk 1) -------------------
@@ -241,12 +245,12 @@ def test_ring_matches_sequence_ring_token_by_token(tiny_bundle_int8, params):
     g.seq.enable_ring(s.seq.sinks)
     rng = np.random.default_rng(params.seed)
     log = []
-    real = s.engine.submit
+    real = s.batcher.submit
 
     def submit(req):
-        log.append((req.held.ids, list(req.prompt)))
+        log.append((req.ask.seq.ids, list(req.prompt)))
         return real(req)
-    s.engine.submit = submit
+    s.batcher.submit = submit
     compared = 0
     for q in QS[:5]:
         s.reply(q)
@@ -270,7 +274,7 @@ def test_restore_interrupted_half_way_keeps_pool_consistent(tiny_bundle_int8, tm
     s.reply("What is the capital of France?")
     s.save(tmp_path / "c.npz")
     t = make(tiny_bundle_int8, 128, "drop-turns")  # holds only the system prompt
-    cache = t.engine.cache
+    cache = t.batcher.cache
     real = cache.write_rows
 
     def write_rows(start, rows):  # Ctrl-C while the snapshot is copied in
@@ -288,8 +292,8 @@ def test_truncate_while_a_request_runs_is_refused(tiny_bundle_int8):
     b = load_bundle(tiny_bundle_int8)
     e = chat_engine(OrtBackend(b, threads=1), b, 64, 4)
     h = e.hold()
-    e.run(Request(list(range(10, 30)), 0, held=h))
-    req = Request(list(range(40, 50)), 5, held=h, feed_last=True)
+    e.run(Request(list(range(10, 30)), 0, seq=h))
+    req = Request(list(range(40, 50)), 5, seq=h, feed_last=True)
     e.submit(req)
     e.step()
     e.step()
@@ -303,9 +307,9 @@ def test_prefill_only_request_reserves_its_whole_prompt(tiny_bundle_int8):
     b = load_bundle(tiny_bundle_int8)
     e = chat_engine(OrtBackend(b, threads=1), b, 32, 128)
     a, c = e.hold(), e.hold()
-    e.run(Request(list(range(10, 20)), 0, held=a))  # 10 cells
+    e.run(Request(list(range(10, 20)), 0, seq=a))  # 10 cells
     with pytest.raises(EdgeKVError):  # 23 tokens, 22 free cells: refused, not a RuntimeError
-        e.run(Request(list(range(40, 63)), 0, held=c))
+        e.run(Request(list(range(40, 63)), 0, seq=c))
 
 
 def test_stats_of_decode_rate_is_sane(tiny_bundle_int8):
@@ -336,10 +340,10 @@ def test_interrupted_prefill_outside_a_turn_leaves_the_engine_usable(tiny_bundle
     """warm_system's prefill runs outside a turn: an error or Ctrl-C in it must not leave the
     request active (every later turn then fails) nor its cells owned by nobody."""
     s = make(tiny_bundle_int8, 64, "drop-turns", chunk=4)
-    s.engine.backend.arm(3, True)
+    s.batcher.backend.arm(3, True)
     with pytest.raises(KeyboardInterrupt):
         s.warm_system(None)
-    assert not s.engine.active and not s.engine.waiting
+    assert not s.batcher.running and not s.batcher.waiting
     refs_ok(s)
     s.reply("hello")  # must not raise "a held sequence runs one request at a time"
     refs_ok(s)
@@ -369,7 +373,7 @@ def test_old_format_wrapped_ring_file_loads_in_position_order(tiny_bundle_int8, 
         np.savez(f, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **g.cache.read(g.seq.n))
     t.load(tmp_path / "old.npz", trust_unrecorded=True)
     assert t.seq.ids == g.seq.ids and t.seq.wrapped
-    req = t.engine.run(Request([7], 30, held=t.seq, feed_last=True, record_logits=True))
+    req = t.batcher.run(Request([7], 30, seq=t.seq, feed_last=True, record_logits=True))
     want = [g.decode_step(7).copy()] + [g.decode_step(tok).copy() for tok in req.out[:-1]]
     assert [int(np.argmax(x)) for x in want] == req.out
     np.testing.assert_allclose(np.stack(req.logits), np.stack(want), atol=2e-2)

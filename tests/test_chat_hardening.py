@@ -45,7 +45,7 @@ def command(s, line, capsys):
 
 def state(s: ChatSession):
     """Everything /load may change, exactly (cells and pool refs included)."""
-    e, h = s.engine, s.seq
+    e, h = s.batcher, s.seq
     return dict(refs=e.pool.refs.tolist(), cells=h.cells, **content(s))
 
 
@@ -53,7 +53,7 @@ def content(s: ChatSession):
     """What the conversation is, whichever cells hold it."""
     h = s.seq
     return dict(ids=h.ids, sinks=h.sinks, n=h.n, system=s.system, msgs=json.dumps(s.messages),
-                kv={k: v.tobytes() for k, v in s.engine.snapshot(h).items()}, turn=s.engine._turn)
+                kv={k: v.tobytes() for k, v in s.batcher.snapshot(h).items()}, turn=s.batcher.kv.turns.current)
 
 
 def rewrite_meta(src, dst, change):
@@ -212,7 +212,9 @@ def every_line(files, run):
 
 SAVE_FILES = ("edgekv/chat/persistence.py", "edgekv/chat/session.py", "edgekv/format/files.py",
               "numpy/lib/npyio.py", "numpy/lib/format.py", "/zipfile.py")
-LOAD_FILES = ("edgekv/chat/persistence.py", "edgekv/chat/session.py", "edgekv/runtime/engine.py",
+LOAD_FILES = ("edgekv/chat/persistence.py", "edgekv/chat/session.py", "edgekv/runtime/batching/batcher.py", "edgekv/runtime/batching/scheduler.py", "edgekv/runtime/batching/kv.py",
+              "edgekv/runtime/batching/turns.py", "edgekv/runtime/batching/poolseq.py", "edgekv/runtime/batching/runner.py",
+              "edgekv/runtime/batching/postprocess.py", "edgekv/runtime/batching/request.py", "edgekv/runtime/batching/plan.py",
               "edgekv/runtime/cache.py", "edgekv/runtime/pool.py", "numpy/lib/npyio.py", "/zipfile.py")
 
 

@@ -130,7 +130,7 @@ def undo_checked(s: ChatSession, hist: list[dict], times: int = 1):
 
 def pool_holds_exactly_the_conversation(s: ChatSession):
     """The engine's cells in use are the conversation's, each held once: none leaked or shared."""
-    refs = s.engine.pool.refs
+    refs = s.batcher.pool.refs
     assert sorted(s.seq.cells) == np.flatnonzero(refs).tolist() and refs.max(initial=0) <= 1, \
         (s.seq.cells, np.flatnonzero(refs).tolist())
 
@@ -163,7 +163,7 @@ def reply_checked(s, path, q, history, ctx):
 
 def interrupt(s, q, at, after, hist):
     had = len(s.ids)
-    s.engine.backend.arm(at, after)
+    s.batcher.backend.arm(at, after)
     _, st = s.reply(q)
     assert st.stop_reason == "interrupted"
     if not s.ring and had:  # a linear cache keeps what it held (at least the system prompt's slots)

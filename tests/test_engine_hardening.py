@@ -6,9 +6,9 @@ tenant; `max_queue` 0 means "nothing waits", not "nothing runs"."""
 import numpy as np
 import pytest
 
-import edgekv.runtime.engine as engine_module
+import edgekv.runtime.batching.scheduler as scheduler_module
 from edgekv.errors import QueueFull
-from edgekv.runtime.engine import FAULT_STEPS, Request
+from edgekv.runtime.batching import FAULT_STEPS, Done, Request, Token
 from edgekv.runtime.sampling import SamplingParams
 from tests.test_serve_compaction_fuzz import assert_each_equals_alone, check_pool, random_schedule
 from tests.test_serve_engine import alone, ids
@@ -27,8 +27,8 @@ def run_checked(engine, reqs, max_steps=3000, each=None):
 
 
 def assert_clean(engine):
-    assert not engine.active and not engine.waiting
-    assert engine.reserved() == 0
+    assert not engine.running and not engine.waiting
+    assert engine.scheduler.reserved() == 0
     assert engine.pool.used() == engine.pool.cached_only()  # only the prefix cache holds cells
 
 
@@ -47,21 +47,24 @@ class Exploding:
         return 0.5
 
 
-def events_of(log, req):
-    return lambda kind, value: log.append((req, kind, value))
+def events_of(log, key):
+    """An emit that logs (key, "token", id) and (key, "done", reason)."""
+    def emit(ev):
+        log.append((key, "token", ev.id) if isinstance(ev, Token) else (key, "done", ev.reason))
+    return emit
 
 
 def test_a_sampling_error_ends_only_its_own_request(rt_float):
-    engine = rt_float.engine(capacity=256, parallel=4, prefill_chunk=8)
+    engine = rt_float.batcher(capacity=256, parallel=4, prefill_chunk=8)
     log = []
-    good = [Request(ids(9, 1), 12, record_logits=True), Request(ids(14, 2), 10, record_logits=True)]
-    bad = Request(ids(11, 3), 10, SamplingParams(temperature=1.0), rng=Exploding())
+    good = [Request(ids(9, 1), 12, record_logits=True, emit=events_of(log, "good0")),
+            Request(ids(14, 2), 10, record_logits=True, emit=events_of(log, "good1"))]
+    bad = Request(ids(11, 3), 10, SamplingParams(temperature=1.0), rng=Exploding(), emit=events_of(log, "bad"))
     for r in (good[0], bad, good[1]):
-        r.emit = events_of(log, r)
         engine.submit(r)
     run_checked(engine, good + [bad])
     assert bad.finish_reason == "error" and "the sampler broke" in bad.error
-    assert len(bad.out) == 2 and (bad, "done", "error") in log
+    assert len(bad.out) == 2 and ("bad", "done", "error") in log
     for r in good:
         want_toks, want_rows = alone(rt_float, r.prompt, r.max_tokens)
         assert r.finish_reason == "length" and r.out == want_toks
@@ -72,9 +75,9 @@ def test_a_sampling_error_ends_only_its_own_request(rt_float):
 
 def test_an_emit_that_raises_ends_only_its_own_request(rt_float):
     """Stop handling raising (here the request's own callback, every time it is called)."""
-    engine = rt_float.engine(capacity=256, parallel=4, prefill_chunk=8)
+    engine = rt_float.batcher(capacity=256, parallel=4, prefill_chunk=8)
 
-    def broken(kind, value):
+    def broken(event):
         raise ValueError("the client's queue is gone")
 
     good = Request(ids(9, 4), 8)
@@ -87,7 +90,7 @@ def test_an_emit_that_raises_ends_only_its_own_request(rt_float):
 
 
 def test_a_subnormal_temperature_beside_others_is_greedy(rt_float):
-    engine = rt_float.engine(capacity=256, parallel=4, prefill_chunk=8)
+    engine = rt_float.batcher(capacity=256, parallel=4, prefill_chunk=8)
     reqs = [Request(ids(9, 6), 8), Request(ids(12, 7), 8, SamplingParams(temperature=1e-310, seed=1)),
             Request(ids(7, 8), 8)]
     for r in reqs:
@@ -100,7 +103,7 @@ def test_a_subnormal_temperature_beside_others_is_greedy(rt_float):
 # -- 2. fault(): the engine failing everything ----------------------------------------------------
 
 def test_fault_while_every_step_gives_non_finite_logits_and_reset_by_a_good_step(rt_float, monkeypatch):
-    engine = rt_float.engine(capacity=256, parallel=4, prefill_chunk=16)
+    engine = rt_float.batcher(capacity=256, parallel=4, prefill_chunk=16)
     run = rt_float.backend.run_cells
     damaged = {"rows": "all"}
 
@@ -133,7 +136,7 @@ def test_fault_while_every_step_gives_non_finite_logits_and_reset_by_a_good_step
 
 
 def test_many_requests_whose_own_sampling_fails_are_not_a_fault(rt_float):
-    engine = rt_float.engine(capacity=256, parallel=4, prefill_chunk=8)
+    engine = rt_float.batcher(capacity=256, parallel=4, prefill_chunk=8)
     for i in range(2 * FAULT_STEPS):
         r = Request(ids(6, 40 + i), 6, SamplingParams(temperature=1.0), rng=Exploding())
         engine.submit(r)
@@ -143,7 +146,7 @@ def test_many_requests_whose_own_sampling_fails_are_not_a_fault(rt_float):
 
 
 def test_a_step_that_raises_counts_towards_a_fault(rt_float, monkeypatch):
-    engine = rt_float.engine(capacity=256, parallel=4, prefill_chunk=8)
+    engine = rt_float.batcher(capacity=256, parallel=4, prefill_chunk=8)
 
     def broken(*a):
         raise RuntimeError("the device is gone")
@@ -161,7 +164,7 @@ def test_a_step_that_raises_counts_towards_a_fault(rt_float, monkeypatch):
 def test_a_short_request_starts_while_a_long_one_runs(rt_float):
     """A request whose max_tokens would fill the pool no longer holds it: a short request that
     comes later is admitted at the next step and ends first (before: it waited for the long one)."""
-    engine = rt_float.engine(capacity=128, parallel=4, prefill_chunk=16)
+    engine = rt_float.batcher(capacity=128, parallel=4, prefill_chunk=16)
     long = Request(ids(8, 60), 112)  # prompt + max_tokens - 1 = 119 of 128 cells
     engine.submit(long)
     for _ in range(5):
@@ -169,7 +172,7 @@ def test_a_short_request_starts_while_a_long_one_runs(rt_float):
     short = Request(ids(7, 61), 5)
     engine.submit(short)
     engine.step()
-    assert short in engine.active
+    assert short in engine.running
     run_checked(engine, [short])
     assert long.finish_reason is None, "the short request waited for the long one"
     run_checked(engine, [long])
@@ -182,22 +185,22 @@ def test_a_pool_too_small_for_every_max_tokens_preempts_and_each_equals_alone(rt
     """Three requests whose prompt + max_tokens add up to twice the pool: all run at once until
     the pool is full, the youngest is preempted (its cells freed, its prompt and reply prefilled
     again later) and every one gives its lone greedy tokens and logits."""
-    engine = rt_float.engine(capacity=96, parallel=4, prefill_chunk=16)
+    engine = rt_float.batcher(capacity=96, parallel=4, prefill_chunk=16)
     spec = [(ids(10, 70), 60), (ids(12, 71), 50), (ids(9, 72), 55)]
-    reqs = [Request(p, n, record_logits=True) for p, n in spec]
-    emitted = {id(r): [] for r in reqs}
+    emitted = {k: [] for k in range(len(spec))}
+    reqs = [Request(p, n, record_logits=True, emit=lambda ev, k=k: isinstance(ev, Token) and emitted[k].append(ev.id))
+            for k, (p, n) in enumerate(spec)]
     for r in reqs:
-        r.emit = lambda kind, value, r=r: kind == "token" and emitted[id(r)].append(value)
         engine.submit(r)
     engine.step()
-    assert len(engine.active) == 3  # all admitted at once (before: one at a time)
+    assert len(engine.running) == 3  # all admitted at once (before: one at a time)
     run_checked(engine, reqs)
     assert engine.counters["preempted"] > 0
     assert reqs[-1].preempted > 0 and reqs[0].preempted == 0  # the youngest gave way, the oldest never
-    for r in reqs:
+    for k, r in enumerate(reqs):
         want_toks, want_rows = alone(rt_float, r.prompt, r.max_tokens)
         assert r.finish_reason == "length" and r.out == want_toks
-        assert emitted[id(r)] == r.out  # no token emitted twice or lost across a preemption
+        assert emitted[k] == r.out  # no token emitted twice or lost across a preemption
         np.testing.assert_allclose(np.stack(r.logits), np.stack(want_rows), atol=1e-4, rtol=1e-4)
     assert engine.counters["requests"] == 3
     assert_clean(engine)
@@ -206,9 +209,9 @@ def test_a_pool_too_small_for_every_max_tokens_preempts_and_each_equals_alone(rt
 def test_a_preempted_request_resumes_from_its_cached_prompt(rt_float):
     """The prompt's cells stay in the prefix cache while the reply's are enough to free: the
     preempted request prefills only its reply again (and still equals its lone decode)."""
-    engine = rt_float.engine(capacity=96, parallel=4, prefill_chunk=16)
+    engine = rt_float.batcher(capacity=96, parallel=4, prefill_chunk=16)
     old, young = Request(ids(10, 75), 41), Request(ids(30, 76), 40, record_logits=True)
-    resumed, admit = [], engine._admit_one
+    resumed, admit = [], engine.scheduler._admit_new
 
     def spy(req):
         ok = admit(req)
@@ -216,7 +219,7 @@ def test_a_preempted_request_resumes_from_its_cached_prompt(rt_float):
             resumed.append(req.fed)  # tokens taken from the cache at its readmission
         return ok
 
-    engine._admit_one = spy
+    engine.scheduler._admit_new = spy
     engine.submit(old), engine.submit(young)
     run_checked(engine, [old, young])
     assert young.preempted and resumed and min(resumed) >= len(young.prompt)
@@ -230,11 +233,11 @@ def test_a_preempted_sampled_request_draws_what_it_draws_uninterrupted(rt_float)
     """Recompute leaves the request's random source alone: with a seed it draws the same tokens
     preempted or not (the logits are the same to float rounding)."""
     prompt, params = ids(10, 80), SamplingParams(temperature=0.8, seed=5)
-    roomy = rt_float.engine(capacity=256, parallel=4, prefill_chunk=16)
+    roomy = rt_float.batcher(capacity=256, parallel=4, prefill_chunk=16)
     ref = Request(prompt, 50, params)
     roomy.submit(ref)
     run_checked(roomy, [ref])
-    small = rt_float.engine(capacity=80, parallel=4, prefill_chunk=16)
+    small = rt_float.batcher(capacity=80, parallel=4, prefill_chunk=16)
     first, again = Request(ids(9, 81), 60), Request(prompt, 50, params)
     small.submit(first), small.submit(again)
     run_checked(small, [first, again])
@@ -246,12 +249,12 @@ def test_preemption_in_random_schedules_keeps_the_books_and_each_equals_alone(rt
     """The compaction fuzz schedules with a headroom of one cell: requests are admitted into a
     full pool and preempted often (cancelled while waiting to resume, too), every step's pool
     checked against its owners."""
-    monkeypatch.setattr(engine_module, "HEADROOM", 1)
+    monkeypatch.setattr(scheduler_module, "HEADROOM", 1)
     preempted = 0
     for seed in range(400, 406):
         engine, reqs, _ = random_schedule(rt_float, seed, True, monkeypatch, caps=(24, 40, 64))
         assert_each_equals_alone(rt_float, reqs, logits=True)
-        assert engine.reserved() == 0
+        assert engine.scheduler.reserved() == 0
         preempted += engine.counters["preempted"]
     assert preempted > 0
 
@@ -259,7 +262,7 @@ def test_preemption_in_random_schedules_keeps_the_books_and_each_equals_alone(rt
 # -- 4. prefixes per tenant ---------------------------------------------------------------------------
 
 def test_a_prefix_is_reused_only_by_its_own_tenant(rt_float):
-    engine = rt_float.engine(capacity=256, parallel=4, prefill_chunk=16)
+    engine = rt_float.batcher(capacity=256, parallel=4, prefill_chunk=16)
     system = ids(40, 90)
     a1 = Request(system + ids(5, 91), 4, tenant="a")
     engine.submit(a1)
@@ -286,11 +289,11 @@ def test_a_prefix_is_reused_only_by_its_own_tenant(rt_float):
 # -- 5. max_queue 0: nothing waits, what can start starts -------------------------------------------
 
 def test_queue_zero_starts_what_can_start_and_refuses_what_would_wait(rt_float):
-    engine = rt_float.engine(capacity=128, parallel=1, max_queue=0, prefill_chunk=16)
+    engine = rt_float.batcher(capacity=128, parallel=1, max_queue=0, prefill_chunk=16)
     a = Request(ids(8, 100), 20)
     engine.submit(a)  # an idle engine: it starts
     engine.step()
-    assert a in engine.active
+    assert a in engine.running
     with pytest.raises(QueueFull):  # the one slot is taken: it would wait
         engine.submit(Request(ids(8, 101), 4))
     run_checked(engine, [a])
@@ -301,7 +304,7 @@ def test_queue_zero_starts_what_can_start_and_refuses_what_would_wait(rt_float):
 
 
 def test_queue_zero_refuses_a_request_whose_cells_are_not_free(rt_float):
-    engine = rt_float.engine(capacity=64, parallel=4, max_queue=0, prefill_chunk=16, max_prefixes=0)
+    engine = rt_float.batcher(capacity=64, parallel=4, max_queue=0, prefill_chunk=16, max_prefixes=0)
     a = Request(ids(40, 103), 20)
     engine.submit(a)
     engine.step()
@@ -313,7 +316,7 @@ def test_queue_zero_refuses_a_request_whose_cells_are_not_free(rt_float):
 # -- 6. submit leaves the caller's fields alone ---------------------------------------------------------
 
 def test_submit_does_not_rewrite_max_tokens(rt_float):
-    engine = rt_float.engine(capacity=64, parallel=4, prefill_chunk=16)
+    engine = rt_float.batcher(capacity=64, parallel=4, prefill_chunk=16)
     r = Request(ids(20, 110), 10 ** 6)
     engine.submit(r)
     run_checked(engine, [r])

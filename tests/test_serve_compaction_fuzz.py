@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from edgekv.runtime.engine import Request
+from edgekv.runtime.batching import Request
 from tests.test_serve_engine import alone, ids
 
 
@@ -18,41 +18,45 @@ def check_pool(engine):
     pool = engine.pool
     owners = np.zeros(pool.capacity, np.int64)
     cache = np.zeros(pool.capacity, np.int64)
-    for r in engine.active:
-        c = np.asarray(r.cells, np.int64)
-        assert len(set(r.cells)) == len(r.cells), "a request holds a cell twice"
+    for r in engine.running:
+        cells = r.seq.cells
+        c = np.asarray(cells, np.int64)
+        assert len(set(cells)) == len(cells), "a request holds a cell twice"
         assert ((c >= 0) & (c < pool.capacity)).all()
-        assert r.held is not None or len(r.cells) == r.pos
-        np.add.at(owners, c, 1)
+        assert r.kept or len(cells) == r.seq.pos
+        if not r.kept:
+            np.add.at(owners, c, 1)
     for key, cells in pool.prefixes.items():
         assert len(cells) == len(key) and len(set(cells.tolist())) == len(cells)
         np.add.at(owners, cells, 1)
         np.add.at(cache, cells, 1)
-    for h in engine.held:
+    for h in engine.kv.kept:
         np.add.at(owners, np.asarray(h.cells, np.int64), 1)
     assert (pool.refs == owners).all(), "refs != owners"
     assert (pool.cache_refs == cache).all(), "cache_refs != the prefix entries"
-    assert pool.used() + engine.reserved() <= pool.capacity
+    assert pool.used() + engine.scheduler.reserved() <= pool.capacity
 
 
 def instrument(engine, calls):
-    orig = engine._call
+    orig = engine.runner.run
 
-    def call(w, pieces):
-        p, s = engine._past(), sum(len(t) for _, t, _ in pieces)
+    def run(call):
+        p, w, s = call.past, call.write, call.size
+        assert p == engine.kv.past()
         assert 0 <= w and w + s <= engine.capacity and (engine.pool.refs[w: w + s] == 0).all(), "write run not free"
-        for r, _, _ in pieces:
-            assert not r.cells or max(r.cells) < p, ("a cell outside the bound past", max(r.cells), p)
+        for piece in call.pieces:
+            cells = piece.seq.cells
+            assert not cells or max(cells) < p, ("a cell outside the bound past", max(cells), p)
         calls.append((p, w, s))
-        return orig(w, pieces)
-    engine._call = call
+        return orig(call)
+    engine.runner.run = run
 
 
 def random_schedule(rt, seed, record, monkeypatch, caps=(40, 64, 96, 128), stop_ids=frozenset()):
     rng = np.random.default_rng(seed)
     cap = int(rng.choice(caps))
     monkeypatch.setattr(rt.backend, "past_bucket", int(rng.choice([1, 3, 8, 128])))
-    engine = rt.engine(capacity=cap, parallel=int(rng.integers(1, 7)), max_queue=64,
+    engine = rt.batcher(capacity=cap, parallel=int(rng.integers(1, 7)), max_queue=64,
                        prefill_chunk=int(rng.integers(1, 17)), max_prefixes=int(rng.integers(0, 6)))
     calls, reqs, convs = [], [], []
     instrument(engine, calls)
@@ -142,7 +146,7 @@ def test_random_schedules_with_a_call_limit_and_stop_tokens(rt_float, seed, monk
 
 def test_engine_thread_with_concurrent_submits_cancels_and_stats(rt_float, monkeypatch):
     monkeypatch.setattr(rt_float.backend, "past_bucket", 4)
-    engine = rt_float.engine(capacity=80, parallel=5, max_queue=200, prefill_chunk=6, max_prefixes=4).start()
+    engine = rt_float.batcher(capacity=80, parallel=5, max_queue=200, prefill_chunk=6, max_prefixes=4).start()
     done, errors = threading.Event(), []
 
     def poll():
@@ -183,7 +187,7 @@ def test_engine_thread_with_concurrent_submits_cancels_and_stats(rt_float, monke
 def test_metrics_expose_cells_bound_and_moved_cells(rt_float, monkeypatch):
     from edgekv.serve.metrics import Metrics
     monkeypatch.setattr(rt_float.backend, "past_bucket", 8)
-    engine = rt_float.engine(capacity=96, parallel=6, max_queue=64, prefill_chunk=8, max_prefixes=4)
+    engine = rt_float.batcher(capacity=96, parallel=6, max_queue=64, prefill_chunk=8, max_prefixes=4)
     metrics = Metrics(engine)
     reqs, bound = [Request(ids(5 + (i * 7) % 13, 100 + i), 3 + (i * 5) % 9) for i in range(14)], []
     for r in reqs:

@@ -6,7 +6,7 @@ import pytest
 
 from edgekv.errors import ContextOverflow, EdgeKVError, QueueFull
 from edgekv.runtime.assemble import open_runtime
-from edgekv.runtime.engine import Engine, Request
+from edgekv.runtime.batching import Batcher, Request
 
 
 def ids(n, seed=0, vocab=300):
@@ -59,7 +59,7 @@ def batch_schedule(engine):
 
 
 def test_batched_equals_alone_float_logits(rt_float):
-    engine = rt_float.engine(capacity=256, parallel=4, prefill_chunk=8)
+    engine = rt_float.batcher(capacity=256, parallel=4, prefill_chunk=8)
     spec, reqs, saw_mixed = batch_schedule(engine)
     assert saw_mixed, "the schedule did not mix a prefill with decodes"
     assert engine.counters["steps"] < sum(n for _, n in spec.values())  # batched: fewer steps than tokens
@@ -73,14 +73,14 @@ def test_batched_equals_alone_float_logits(rt_float):
 
 
 def test_batched_equals_alone_int8_greedy(rt_int8):
-    engine = rt_int8.engine(capacity=256, parallel=4, prefill_chunk=8)
+    engine = rt_int8.batcher(capacity=256, parallel=4, prefill_chunk=8)
     spec, reqs, _ = batch_schedule(engine)
     for k, (prompt, n) in spec.items():
         assert reqs[k].out == alone(rt_int8, prompt, n)[0], k
 
 
 def test_prefix_reuse_prefills_only_the_new_tokens(rt_float):
-    engine = rt_float.engine(capacity=256, parallel=4, prefill_chunk=16)
+    engine = rt_float.batcher(capacity=256, parallel=4, prefill_chunk=16)
     system = ids(40, 7)
     first = Request(system + ids(6, 8), 4, record_logits=True)
     engine.submit(first)
@@ -98,21 +98,21 @@ def test_prefix_reuse_prefills_only_the_new_tokens(rt_float):
 
 
 def test_cancel_frees_cells_at_the_next_step(rt_float):
-    engine = rt_float.engine(capacity=256, parallel=4, prefill_chunk=16, max_prefixes=0)
+    engine = rt_float.batcher(capacity=256, parallel=4, prefill_chunk=16, max_prefixes=0)
     a, b = Request(ids(10, 1), 50), Request(ids(10, 2), 50)
     engine.submit(a), engine.submit(b)
     for _ in range(6):
         engine.step()
     held = engine.pool.used()
-    a_cells = list(a.cells)
-    assert held == len(a.cells) + len(b.cells) and len(a_cells) > 10
+    a_cells = list(a.seq.cells)
+    assert held == len(a.seq.cells) + len(b.seq.cells) and len(a_cells) > 10
     engine.cancel(a)
     engine.step()
     assert a.finish_reason == "cancelled"
     # its cells were freed before the step ran (the step may have moved b into them): the pool
     # holds exactly b's cells, and b goes on exactly
-    assert set(np.flatnonzero(engine.pool.refs).tolist()) == set(b.cells)
-    assert engine.pool.used() == len(b.cells)
+    assert set(np.flatnonzero(engine.pool.refs).tolist()) == set(b.seq.cells)
+    assert engine.pool.used() == len(b.seq.cells)
     run_until_done(engine, [b])
     assert engine.pool.used() == 0
     assert b.out == alone(rt_float, b.prompt, 50)[0]
@@ -121,13 +121,13 @@ def test_cancel_frees_cells_at_the_next_step(rt_float):
 def test_queue_bound(rt_float):
     """With every slot taken, max_queue requests wait and the next is refused; the waiting ones
     run in turn (cells are reserved on demand: tests/test_engine_hardening.py)."""
-    engine = rt_float.engine(capacity=64, parallel=1, max_queue=2, prefill_chunk=16, max_prefixes=0)
+    engine = rt_float.batcher(capacity=64, parallel=1, max_queue=2, prefill_chunk=16, max_prefixes=0)
     a, b, c = Request(ids(20, 1), 30), Request(ids(20, 2), 30), Request(ids(5, 3), 5)
     engine.submit(a), engine.submit(b), engine.submit(c)
     with pytest.raises(QueueFull):
         engine.submit(Request(ids(5, 4), 5))
     engine.step()
-    assert engine.active == [a] and list(engine.waiting) == [b, c]
+    assert engine.running == [a] and list(engine.waiting) == [b, c]
     run_until_done(engine, [a, b, c])
     assert b.out == alone(rt_float, b.prompt, 30)[0]
     with pytest.raises(ContextOverflow):
@@ -148,7 +148,7 @@ def churn(engine):
 def test_a_churning_pool_is_compacted_and_stays_exact(rt_float):
     """Cells are moved (compaction) so every step is one call, and every sequence still equals
     its lone decode: the moved K/V rows and every owner's renamed cells agree."""
-    engine = rt_float.engine(capacity=96, parallel=6, max_queue=64, prefill_chunk=8, max_prefixes=4)
+    engine = rt_float.batcher(capacity=96, parallel=6, max_queue=64, prefill_chunk=8, max_prefixes=4)
     reqs = churn(engine)
     assert engine.counters["moved_cells"] > 0
     assert engine.counters["calls"] == engine.counters["steps"]
@@ -159,10 +159,9 @@ def test_a_churning_pool_is_compacted_and_stays_exact(rt_float):
 def test_inside_a_turn_a_fragmented_step_is_split_and_stays_exact(rt_float):
     """A turn (chat) never moves cells (its rollback restores owners, not moved rows): the step
     is split over the free runs there are instead."""
-    engine = rt_float.engine(capacity=96, parallel=6, max_queue=64, prefill_chunk=8, max_prefixes=4)
-    engine.begin_turn()
-    reqs = churn(engine)
-    engine.end_turn()
+    engine = rt_float.batcher(capacity=96, parallel=6, max_queue=64, prefill_chunk=8, max_prefixes=4)
+    with engine.turn():
+        reqs = churn(engine)
     assert engine.counters["moved_cells"] == 0
     assert engine.counters["calls"] > engine.counters["steps"]  # some steps ran as several calls
     for r in reqs:
@@ -170,7 +169,7 @@ def test_inside_a_turn_a_fragmented_step_is_split_and_stays_exact(rt_float):
 
 
 def test_prefix_cache_gives_way_when_cells_are_needed(rt_float):
-    engine = rt_float.engine(capacity=64, parallel=2, prefill_chunk=16)
+    engine = rt_float.batcher(capacity=64, parallel=2, prefill_chunk=16)
     a = Request(ids(30, 1), 4)
     engine.submit(a)
     run_until_done(engine, [a])
@@ -190,7 +189,7 @@ def test_batched_equals_alone_real_model_int8_greedy(real_bundle):
     rt = open_runtime(real_bundle, ctx=512, backend="ort-cpu")
     questions = ["What is the capital of France?", "Name three colours.", "What is 2 + 2?", "Say hello in German."]
     prompts = [rt.codec.chat_ids([{"role": "user", "content": q}]) for q in questions]
-    engine = rt.engine(capacity=512, parallel=4, prefill_chunk=16)
+    engine = rt.batcher(capacity=512, parallel=4, prefill_chunk=16)
     reqs = [Request(p, 12 + 4 * i, stop_ids=rt.codec.stop_ids) for i, p in enumerate(prompts)]
     for r in reqs:  # each joins two steps after the previous one, mid-prefill or mid-decode of the others
         engine.submit(r)
@@ -216,11 +215,11 @@ def test_a_backend_without_run_cells_is_refused_in_one_line(rt_float):
         backend = OneSequenceBackend()
 
     with pytest.raises(EdgeKVError, match="needs a backend that runs a pool of cells"):
-        Engine(Rt.backend, None)
+        Batcher(Rt.backend, None)
 
 
 def test_next_turn_reuses_the_reply_and_equals_a_fresh_prefill(rt_float):
-    engine = rt_float.engine(capacity=256, parallel=4, prefill_chunk=16)
+    engine = rt_float.batcher(capacity=256, parallel=4, prefill_chunk=16)
     first = Request(ids(30, 11), 8)
     engine.submit(first)
     run_until_done(engine, [first])
@@ -241,7 +240,7 @@ def test_next_turn_reuses_the_reply_and_equals_a_fresh_prefill(rt_float):
 
 
 def test_a_cancelled_reply_is_not_cached(rt_float):
-    engine = rt_float.engine(capacity=256, parallel=4, prefill_chunk=16)
+    engine = rt_float.batcher(capacity=256, parallel=4, prefill_chunk=16)
     req = Request(ids(20, 13), 30)
     engine.submit(req)
     for _ in range(6):
@@ -258,7 +257,7 @@ def test_a_prompt_gets_a_contiguous_run_when_cached_prefixes_fragment_the_pool(r
     # a bucket past the capacity: no compaction shortens the past, so the pool stays fragmented
     # until a prompt needs a run
     monkeypatch.setattr(rt_float.backend, "past_bucket", 128)
-    engine = rt_float.engine(capacity=100, parallel=4, prefill_chunk=32)
+    engine = rt_float.batcher(capacity=100, parallel=4, prefill_chunk=32)
     # four requests decoded together: their cells interleave, one token of each per step
     reqs = [Request(ids(6, 40 + i), 20) for i in range(4)]
     for r in reqs:
@@ -284,7 +283,7 @@ def test_cached_conversations_do_not_lengthen_the_past_a_step_binds(rt_float, mo
     (rounded to the bucket), the cached cells moved above them, and a later turn of a cached
     conversation, its cells moved, still equals a fresh prefill."""
     monkeypatch.setattr(rt_float.backend, "past_bucket", 8)
-    engine = rt_float.engine(capacity=256, parallel=8, prefill_chunk=16)
+    engine = rt_float.batcher(capacity=256, parallel=8, prefill_chunk=16)
     first = [Request(ids(12, 60 + i), 10) for i in range(8)]
     for r in first:
         engine.submit(r)
@@ -296,9 +295,9 @@ def test_cached_conversations_do_not_lengthen_the_past_a_step_binds(rt_float, mo
     new = Request(ids(10, 70), 20, record_logits=True)
     engine.submit(new)
     engine.step()  # the cached cells make way before the new prompt is written, not after
-    landed = list(new.cells)
+    landed = list(new.seq.cells)
     engine.step()
-    assert new.cells[: len(landed)] == landed, "the new prompt was written above the cached cells, then moved"
+    assert new.seq.cells[: len(landed)] == landed, "the new prompt was written above the cached cells, then moved"
     run_until_done(engine, [new])
     assert engine.counters["moved_cells"] > 0
     assert max(bound) <= 32, f"bound {max(bound)} cells for a sequence of at most 30"

@@ -33,11 +33,11 @@ HOLD_SERVE = r"""
 import sys, time
 from pathlib import Path
 from edgekv.cli import main
-from edgekv.runtime.engine import Engine
+from edgekv.runtime.batching import Batcher
 from edgekv.serve import server
 
 gates = Path(sys.argv[1])
-_open, _step = server.open_runtime, Engine.step
+_open, _step = server.open_runtime, Batcher.step
 
 def open_runtime(*a, **kw):  # waits while the file `load` exists
     while (gates / "load").exists():
@@ -54,7 +54,7 @@ def step(self):  # while the file `steps` exists, runs only as many steps as it 
         time.sleep(0.01)
     return _step(self)
 
-server.open_runtime, Engine.step = open_runtime, step
+server.open_runtime, Batcher.step = open_runtime, step
 sys.exit(main(sys.argv[2:]))
 """
 WAIT = 120  # seconds any wait may take on a loaded machine before the test gives up (never a pass/fail timing)
@@ -347,12 +347,12 @@ def test_queue_0_is_passed_through_and_explained():
 
 
 # -- the warm-up itself
-class FailingEngine:
-    """Ends every request with an error, as an engine whose model gives non-finite logits does."""
+class FailingBatcher:
+    """Ends every request with an error, as a batcher whose model gives non-finite logits does."""
 
     def submit(self, req):
-        req.finish_reason = "error"
-        req.emit("done", "error")
+        from edgekv.runtime.batching import Done, Usage
+        req.ask.emit(Done("error", Usage(len(req.ask.prompt), 0, 0)))
 
 
 def test_a_warm_up_that_cannot_decode_is_an_error(rt_int8):
@@ -360,7 +360,7 @@ def test_a_warm_up_that_cannot_decode_is_an_error(rt_int8):
     from edgekv.serve.server import warm_up
 
     with pytest.raises(EdgeKVError, match="cannot decode"):
-        warm_up(FailingEngine(), rt_int8.codec)
+        warm_up(FailingBatcher(), rt_int8.codec)
 
 
 # -- slow clients

@@ -34,21 +34,21 @@ class Conversation:
         """The system turn and one user message, nothing between."""
         return system_turn(self.system) + [{"role": "user", "content": user}]
 
-    def render(self, msgs: list[dict], held: list[int]) -> list[int]:
+    def render(self, msgs: list[dict], in_cache: list[int]) -> list[int]:
         """Token ids of the conversation `msgs` plus the generation prompt. Where the rendered text
-        only appends to what the cache holds (`held`), the held ids are kept as they are
+        only appends to what the cache holds (`in_cache`), the in_cache ids are kept as they are
         (re-tokenizing a generated reply can split it differently) and only the appended text is
         tokenized."""
         new_text = self.codec.render(msgs, add_generation_prompt=True)
-        if held:
-            held_text = self.codec.tok.decode(held, skip_special_tokens=False)
-            if new_text.startswith(held_text):
-                return list(held) + self.codec.encode(new_text[len(held_text):])
+        if in_cache:
+            cached_text = self.codec.tok.decode(in_cache, skip_special_tokens=False)
+            if new_text.startswith(cached_text):
+                return list(in_cache) + self.codec.encode(new_text[len(cached_text):])
         return self.codec.encode(new_text)
 
-    def prompt_ids(self, user: str, held: list[int]) -> list[int]:
+    def prompt_ids(self, user: str, in_cache: list[int]) -> list[int]:
         """The ids of the conversation with the new user message, ready for the reply."""
-        return self.render(self.msgs([{"role": "user", "content": user}]), held)
+        return self.render(self.msgs([{"role": "user", "content": user}]), in_cache)
 
     def drop_oldest_exchange(self) -> None:
         """Drop the oldest exchange (user + assistant) as a whole."""

@@ -75,7 +75,7 @@ def save(session, path: str) -> None:
             "bundle_scheme": bundle.scheme.name, "kv_origin": kv_origin(bundle),
             "conversation": session.conversation_id, "system": session.system,
             "messages": session.messages, "ids": seq.ids, "ring": {"w": seq.n, "sinks": seq.sinks}}
-    snap = session.engine.snapshot(seq)
+    snap = session.batcher.snapshot(seq)
     with atomic_open(path, "wb") as f:  # a Ctrl-C or an error here: the temporary file is removed
         try:
             # __meta__ first: its name at a fixed offset is how a file is known to be ours (SIGNATURE)
@@ -234,9 +234,9 @@ def check_meta(meta, path: str) -> None:
 
 
 def restore(session, saved: Saved) -> None:
-    """Put a checked file's cells and ids into the session's sequence (Engine.restore: all or
+    """Put a checked file's cells and ids into the session's sequence (Batcher.restore: all or
     nothing); the conversation's messages are the session's to set (ChatSession.load)."""
-    session.engine.restore(session.seq, saved.snap, saved.meta["ids"], w=saved.meta["ring"].get("w"),
+    session.batcher.restore(session.seq, saved.snap, saved.meta["ids"], w=saved.meta["ring"].get("w"),
                            sinks=saved.sinks)
 
 
@@ -277,5 +277,5 @@ def _restore(session, path: str, ids: list[int]) -> str | None:
     m = saved.meta
     if m["system"] != session.system or m["ids"] != ids or m["messages"]:
         return None
-    session.engine.restore(session.seq, saved.snap, ids, w=m["ring"].get("w"), sinks=saved.sinks)
+    session.batcher.restore(session.seq, saved.snap, ids, w=m["ring"].get("w"), sinks=saved.sinks)
     return f"restored {len(ids)} system-prompt tokens from {path} in {(time.perf_counter() - t0) * 1000:.0f} ms"

@@ -11,18 +11,18 @@ from __future__ import annotations
 
 from edgekv.chat.conversation import Conversation, sink_count
 from edgekv.errors import ContextOverflow, EdgeKVError
-from edgekv.runtime.engine import Held
+from edgekv.runtime.batching import PoolSequence
 from edgekv.runtime.text import TextCodec
 
 
 class DropTurns:
     name = "drop-turns"
 
-    def prepare(self, seq: Held, codec: TextCodec, system: str | None) -> None:
+    def prepare(self, seq: PoolSequence, codec: TextCodec, system: str | None) -> None:
         """Set up an empty sequence for this policy."""
         seq.disable_ring()
 
-    def fit(self, conv: Conversation, user: str, seq: Held, max_new: int) -> list[int]:
+    def fit(self, conv: Conversation, user: str, seq: PoolSequence, max_new: int) -> list[int]:
         """Token ids for the conversation + the new message, dropping old turns until the prompt
         leaves room for a reply (min(max_new, a quarter of the cache))."""
         cap = seq.capacity
@@ -40,7 +40,7 @@ class DropTurns:
 class Ring(DropTurns):
     name = "ring"
 
-    def prepare(self, seq: Held, codec: TextCodec, system: str | None) -> None:
+    def prepare(self, seq: PoolSequence, codec: TextCodec, system: str | None) -> None:
         """The system prompt's slots are the sinks. They may take at most half the cache: a longer
         system prompt is refused, never partly overwritten."""
         sinks = sink_count(codec, system)
@@ -50,7 +50,7 @@ class Ring(DropTurns):
         seq.disable_ring()
         seq.enable_ring(sinks)
 
-    def fit(self, conv: Conversation, user: str, seq: Held, max_new: int) -> list[int]:
+    def fit(self, conv: Conversation, user: str, seq: PoolSequence, max_new: int) -> list[int]:
         # a ring overwrites what does not fit in the cache, but positions must stay verified: it
         # keeps going while a whole reply still has positions left, then drops turns once
         self.check_message(conv, user, seq)
@@ -60,7 +60,7 @@ class Ring(DropTurns):
         return super().fit(conv, user, seq, max_new)
 
     @staticmethod
-    def check_message(conv: Conversation, user: str, seq: Held) -> None:
+    def check_message(conv: Conversation, user: str, seq: PoolSequence) -> None:
         """One message (with its template glue) must fit in the ring beside the sinks: the ring
         would otherwise overwrite its own start before the model has read to its end."""
         alone = len(conv.render(conv.msgs_alone(user), [])) - (seq.sinks or 0)

@@ -1,6 +1,6 @@
 """ChatSession: multi-turn chat that keeps its KV cache between turns.
 
-The conversation is a held sequence of the runtime's Engine (the one `edgekv serve` runs), stepped
+The conversation is a kept sequence of the runtime's Batcher (the one `edgekv serve` runs), stepped
 on the caller's thread. Each turn renders the whole conversation with the bundle's chat template,
 finds the longest prefix the sequence already holds (it tracks its token ids) and sends only the
 rest, the new message and the template glue, as one request appending to it. When the
@@ -18,19 +18,19 @@ from edgekv.chat import persistence
 from edgekv.chat.conversation import Conversation, common_prefix
 from edgekv.chat.policies import CONTEXT_POLICIES, POLICIES
 from edgekv.errors import EdgeKVError
-from edgekv.runtime.engine import Engine, Request
+from edgekv.runtime.batching import Batcher, Request, Token
 from edgekv.runtime.generate import Stats
 from edgekv.runtime.sampling import SamplingParams
 from edgekv.runtime.text import StreamDecoder
 
 
 class ChatSession:
-    def __init__(self, bundle, codec, engine: Engine, params: SamplingParams, system: str | None,
+    def __init__(self, bundle, codec, batcher: Batcher, params: SamplingParams, system: str | None,
                  max_new_tokens: int, context: str = "drop-turns"):
         if context not in CONTEXT_POLICIES:
             raise EdgeKVError(f"unknown context policy {context!r}; choose {' or '.join(CONTEXT_POLICIES)}")
-        self.bundle, self.codec, self.engine = bundle, codec, engine
-        self.seq = engine.hold()  # the conversation's cells in the engine's pool
+        self.bundle, self.codec, self.batcher = bundle, codec, batcher
+        self.seq = batcher.hold()  # the conversation's cells in the batcher's pool
         self.params, self.max_new = params, max_new_tokens
         self.rng = np.random.default_rng(params.seed)
         self.policy = POLICIES[context]
@@ -70,7 +70,12 @@ class ChatSession:
 
     @property
     def cache(self):
-        return self.engine.cache
+        return self.batcher.cache
+
+    @property
+    def engine(self) -> Batcher:
+        """The old name of `batcher` (tests/test_bench.py, tests/test_hardening.py read it)."""
+        return self.batcher
 
     @property
     def dropped_turns(self) -> int:
@@ -84,14 +89,14 @@ class ChatSession:
     def _keep_common_prefix(self, target: list[int]) -> int:
         """Truncate the sequence to the longest prefix it shares with `target`; return its length.
         A ring that has wrapped cannot be truncated (its cells lost their first tokens): it starts over."""
-        held = self.seq.ids
-        n = common_prefix(held, target)
-        if n < len(held):
+        in_cache = self.seq.ids
+        n = common_prefix(in_cache, target)
+        if n < len(in_cache):
             if self.seq.wrapped:
-                self.engine.reset(self.seq)
+                self.batcher.reset(self.seq)
                 n = 0
             else:
-                self.engine.truncate(self.seq, n)
+                self.batcher.truncate(self.seq, n)
         return n
 
     def _common(self, target: list[int]) -> int:
@@ -112,9 +117,9 @@ class ChatSession:
         dec = StreamDecoder(self.codec)
         pieces = []
 
-        def emit(kind, value):
-            if kind == "token":
-                piece = dec.push(value)
+        def emit(event):
+            if isinstance(event, Token):
+                piece = dec.push(event.id)
                 if piece:
                     pieces.append(piece)
                     write(piece)
@@ -122,22 +127,21 @@ class ChatSession:
         t0 = time.perf_counter()
         before = (list(self.conv.messages), self.conv.dropped_turns, self.rng.bit_generator.state)
         try:
-            self.engine.begin_turn()
-            target = self.policy.fit(self.conv, user, self.seq, self.max_new)
-            n = self._common(target)
-            # the stop token (or the last one) is fed too: the cache holds the turn as the template renders it
-            req = Request(target[n:], self.max_new, self.params, self.codec.stop_ids, emit=emit, held=self.seq,
-                          feed_last=True, rng=self.rng)
-            self.engine.run(req)
-            tail = dec.flush()
-            if tail:
-                pieces.append(tail)
-                write(tail)
-            text = "".join(pieces)
-            self.conv.add_exchange(user, text)
-            self.last_prompt_ids = list(target)
-            self.last = stats_of(req, t0)
-            self.engine.end_turn()
+            with self.batcher.turn():
+                target = self.policy.fit(self.conv, user, self.seq, self.max_new)
+                n = self._common(target)
+                # the stop token (or the last one) is fed too: the cache holds the turn as the template renders it
+                req = Request(target[n:], self.max_new, self.params, self.codec.stop_ids, emit=emit, seq=self.seq,
+                              feed_last=True, rng=self.rng)
+                self.batcher.run(req)
+                tail = dec.flush()
+                if tail:
+                    pieces.append(tail)
+                    write(tail)
+                text = "".join(pieces)
+                self.conv.add_exchange(user, text)
+                self.last_prompt_ids = list(target)
+                self.last = stats_of(req, t0)
         except BaseException as e:
             self._rollback(before)
             if not isinstance(e, KeyboardInterrupt):
@@ -147,7 +151,7 @@ class ChatSession:
         return text, self.last
 
     def _rollback(self, before) -> None:
-        self.engine.rollback()
+        self.batcher.rollback()  # the turn's own lines interrupted leave it open: undone here (else nothing)
         self.conv.messages, self.conv.dropped_turns, self.rng.bit_generator.state = \
             before[0], before[1], before[2]
 
@@ -160,7 +164,7 @@ class ChatSession:
 
     def reset(self) -> None:
         self.conv.messages = []
-        self.engine.reset(self.seq)
+        self.batcher.reset(self.seq)
         self.policy.prepare(self.seq, self.codec, self.system)  # the system prompt may have changed
 
     def set_system(self, text: str | None) -> None:
@@ -168,18 +172,17 @@ class ChatSession:
         before = (self.system, list(self.conv.messages))
         self.system = text
         try:
-            self.engine.begin_turn()  # reset moves no KV data: going back is the turn's bookkeeping
-            self.reset()
-            self.engine.end_turn()
+            with self.batcher.turn():  # reset moves no KV data: going back is the turn's bookkeeping
+                self.reset()
         except BaseException:
             self.system, self.conv.messages = before
-            self.engine.rollback()
+            self.batcher.rollback()  # (an interrupt inside turn() itself)
             raise
 
     def prefill(self, ids: list[int]) -> None:
         """Feed `ids` to the empty conversation, sampling nothing (the system prompt alone)."""
-        self.engine.reset(self.seq)
-        self.engine.run(Request(ids, 0, held=self.seq))
+        self.batcher.reset(self.seq)
+        self.batcher.run(Request(ids, 0, seq=self.seq))
 
     # -- persistence (persistence.py)
     def warm_system(self, prompt_cache: str | None) -> str:
@@ -195,7 +198,7 @@ class ChatSession:
     def load(self, path: str, trust_unrecorded: bool = False) -> tuple[int, int]:
         """Replace the conversation with a saved one; returns (exchanges, cached tokens) loaded.
         All or nothing, a Ctrl-C included: the file is read and checked whole first; then the
-        messages and the cells change inside one engine turn, which an interrupt anywhere in it
+        messages and the cells change inside one batcher turn, which an interrupt anywhere in it
         rolls back; one that comes once the load is whole has nothing left to cancel."""
         saved = persistence.read(self, path, trust_unrecorded)
         loaded = len(saved.meta["messages"]) // 2, saved.n
@@ -203,18 +206,17 @@ class ChatSession:
         before = self._loaded_state()
         whole = False
         try:
-            self.engine.begin_turn()
-            self._set_loaded_state((saved.meta["system"], saved.meta["messages"], 0, None, str(path), conversation,
-                                    []))
-            persistence.restore(self, saved)
-            whole = True
-            self.engine.end_turn()
+            with self.batcher.turn():
+                self._set_loaded_state((saved.meta["system"], saved.meta["messages"], 0, None, str(path),
+                                        conversation, []))
+                persistence.restore(self, saved)
+                whole = True
             return loaded
         except BaseException:
-            if whole:
-                self.engine.end_turn()
+            if whole:  # the load is whole (an interrupt in turn()'s own commit): keep it
+                self.batcher.commit_turn()
                 return loaded
-            self.engine.rollback()
+            self.batcher.rollback()
             self._set_loaded_state(before)
             raise
 

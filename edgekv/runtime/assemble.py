@@ -1,4 +1,4 @@
-"""The one place a bundle, a backend, caches, engines and generators are put together."""
+"""The one place a bundle, a backend, caches, batchers and generators are put together."""
 from __future__ import annotations
 
 import os
@@ -9,7 +9,7 @@ from edgekv.format.bundle import Bundle, load_bundle
 from edgekv.runtime.backends import MATMUL_ACCURACY, make_backend
 from edgekv.runtime.backends.base import PREFILL_CHUNK, Backend
 from edgekv.runtime.cache import KVCache, default_capacity
-from edgekv.runtime.engine import Engine
+from edgekv.runtime.batching import Batcher
 from edgekv.runtime.generate import Generator
 from edgekv.runtime.text import TextCodec
 
@@ -33,10 +33,12 @@ class Runtime:
         """A generator over a new sequence: in `cache`, or in a new cache of `capacity` slots."""
         return Generator(self.backend, cache or self.cache(capacity), prefill_chunk=prefill_chunk)
 
-    def engine(self, capacity: int | None = None, **kw) -> Engine:
-        """An engine over a new pool of `capacity` cells (kw: Engine's parallel, max_queue,
+    def batcher(self, capacity: int | None = None, **kw) -> Batcher:
+        """A batcher over a new pool of `capacity` cells (kw: Batcher's parallel, max_queue,
         prefill_chunk, max_prefixes): serve's, with its thread started; chat's, run on the caller's."""
-        return Engine(self.backend, self.cache(capacity), **kw)
+        return Batcher(self.backend, self.cache(capacity), **kw)
+
+    engine = batcher  # the old name, until chat/terminal.py and jetson/selftest.py call batcher()
 
     def close(self) -> None:
         self.backend.close()

@@ -1,6 +1,6 @@
 """The OpenAI-compatible HTTP layer (Starlette, served by uvicorn): parses requests, renders the
-chat template, hands prompts to the runtime's Engine and streams its tokens back. No scheduling
-or KV state lives here: the engine (edgekv/runtime/engine.py) owns all of it and runs every graph
+chat template, hands prompts to the runtime's Batcher and streams its tokens back. No scheduling
+or KV state lives here: the batcher (edgekv/runtime/batching/) owns all of it and runs every graph
 call on its own thread; tokens cross to the asyncio handlers through an asyncio.Queue per request.
 
 What a request costs the event loop is bounded: the body is read up to `max_body_bytes`, and the
@@ -26,7 +26,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from edgekv.errors import ContextOverflow, EdgeKVError, QueueFull
-from edgekv.runtime.engine import Engine, Request
+from edgekv.runtime.batching import Batcher, Done, Request, Token
 from edgekv.runtime.sampling import SamplingParams
 from edgekv.runtime.text import StreamDecoder, TextCodec
 from edgekv.serve import LOCAL_HOSTS
@@ -274,7 +274,7 @@ def encode_unlocked(codec: TextCodec, text: str) -> list[int]:
 
 
 def tenant_of(key: str) -> str:
-    """A stable, non-secret name for an API key: the engine keeps each tenant's prefixes apart."""
+    """A stable, non-secret name for an API key: the batcher keeps each tenant's prefixes apart."""
     return hashlib.sha256(key.encode("utf-8")).hexdigest()[:16]
 
 
@@ -290,7 +290,7 @@ class Server:
     `max_body_bytes`: the largest request body (413 beyond); `bind_host`: where the server listens
     (on a local bind the Host header must name this machine, against DNS rebinding)."""
 
-    def __init__(self, engine: Engine, codec: TextCodec, model: str, api_keys: Sequence[str] | str | None = (),
+    def __init__(self, batcher: Batcher, codec: TextCodec, model: str, api_keys: Sequence[str] | str | None = (),
                  metrics: Metrics | None = None, *, max_body_bytes: int = MAX_BODY_BYTES,
                  bind_host: str = "127.0.0.1"):
         keys = [api_keys] if isinstance(api_keys, str) else list(api_keys or ())
@@ -298,12 +298,12 @@ class Server:
             raise ValueError("API keys must be non-empty strings")
         if max_body_bytes < 1:
             raise ValueError("max_body_bytes must be at least 1")
-        self.engine, self.codec, self.model = engine, codec, model
+        self.batcher, self.codec, self.model = batcher, codec, model
         self.keys = [(k.encode("utf-8"), tenant_of(k)) for k in keys]
         self.max_body_bytes = max_body_bytes
         self.check_host = bind_host.strip("[]") in LOCAL_HOSTS
-        self.max_chars = engine.limit * max_token_chars(codec)
-        self.metrics = metrics or Metrics(engine)
+        self.max_chars = batcher.limit * max_token_chars(codec)
+        self.metrics = metrics or Metrics(batcher)
         self.created = int(time.time())
         self.state = "ready"
 
@@ -387,15 +387,15 @@ class Server:
     def check_length(self, chars: int, param: str) -> None:
         """Refuse, before tokenizing, text that cannot fit the context however it tokenizes."""
         if chars > self.max_chars:
-            raise ApiError(413, f"the {param} hold {chars} characters; the context holds {self.engine.limit} tokens, "
+            raise ApiError(413, f"the {param} hold {chars} characters; the context holds {self.batcher.limit} tokens, "
                                 f"at most {self.max_chars} characters of this tokenizer", param=param,
                            code="context_length_exceeded")
 
     # -- endpoints
     async def health(self, request: HttpRequest) -> Response:
-        reason = self.engine.fault()
+        reason = self.batcher.fault()
         status = "ok" if self.state == "ready" and reason is None else ("error" if reason else self.state)
-        body = {"status": status, "state": self.state, **({"reason": reason} if reason else {}), **self.engine.stats()}
+        body = {"status": status, "state": self.state, **({"reason": reason} if reason else {}), **self.batcher.stats()}
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     async def prom(self, request: HttpRequest) -> Response:
@@ -443,10 +443,10 @@ class Server:
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         req = Request(ask.prompt, ask.max_tokens, ask.params, stop_ids=self.codec.stop_ids,
-                      emit=lambda kind, value: loop.call_soon_threadsafe(queue.put_nowait, (kind, value)),
+                      emit=lambda event: loop.call_soon_threadsafe(queue.put_nowait, event),
                       tenant=request.state.tenant)
         try:
-            self.engine.submit(req)
+            self.batcher.submit(req)
         except ContextOverflow as e:
             raise ApiError(413, f"{e}", code="context_length_exceeded",
                            param="messages" if ask.chat else "prompt") from None
@@ -462,8 +462,11 @@ class Server:
         return await reply.whole(request)
 
 
+GONE = object()  # in a reply's queue beside the batcher's events: the client hung up
+
+
 class Reply:
-    """One request's answer, whole or as server-sent events; the engine's request is cancelled
+    """One request's answer, whole or as server-sent events; the batcher's request is cancelled
     whenever the answer ends early (a stop sequence, a client gone)."""
 
     def __init__(self, server: Server, req: Request, queue: asyncio.Queue, watch: StopWatch, chat: bool, scope: dict):
@@ -472,42 +475,46 @@ class Reply:
         self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.completion_tokens = 0
+        self.cached_tokens = 0  # of the prompt (the first token's event or the Done says)
+        self.done: Done | None = None
         self.scope = scope  # the access log reads the token counts from its state
 
     async def events(self):
         """(text, finish_reason) pieces; finish_reason is set on the last."""
         try:
             while True:
-                kind, value = await self.queue.get()
-                if kind == "token":
-                    if self.completion_tokens == 0:
-                        self.server.metrics.first_token(self.req)
+                event = await self.queue.get()
+                if isinstance(event, Token):
+                    if event.ttft_s is not None:  # the first
+                        self.server.metrics.first_token(event.ttft_s)
+                        self.cached_tokens = event.cached_tokens
                     self.completion_tokens += 1
-                    text = self.watch.push(value)
+                    text = self.watch.push(event.id)
                     if self.watch.stopped:
-                        self.server.engine.cancel(self.req)
+                        self.server.batcher.cancel(self.req)
                         yield text, "stop"
                         return
                     if text:
                         yield text, None
-                elif kind == "gone":
+                elif event is GONE:
                     raise ClientGone()
                 else:
-                    if value == "error":
+                    self.done, self.cached_tokens = event, event.usage.cached_tokens
+                    if event.reason == "error":
                         raise ApiError(500, "the engine failed while generating (see the server log)",
                                        kind="server_error")
-                    yield self.watch.flush(), "length" if value == "length" else "stop"
+                    yield self.watch.flush(), "length" if event.reason == "length" else "stop"
                     return
         finally:
-            self.scope.setdefault("state", {})["usage"] = (len(self.req.prompt), self.completion_tokens)
-            if self.req.finish_reason is None:
-                self.server.engine.cancel(self.req)  # a client gone, or an early end: free its cells now
+            self.scope.setdefault("state", {})["usage"] = (len(self.req.ask.prompt), self.completion_tokens)
+            if self.done is None:
+                self.server.batcher.cancel(self.req)  # a client gone, or an early end: free its cells now
 
     def usage(self) -> dict:
-        p = len(self.req.prompt)
+        p = len(self.req.ask.prompt)
         return {"prompt_tokens": p, "completion_tokens": self.completion_tokens,
                 "total_tokens": p + self.completion_tokens,
-                "prompt_tokens_details": {"cached_tokens": self.req.reused}}
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     async def whole(self, request: HttpRequest) -> Response:
         """The whole answer; a client that hangs up meanwhile cancels its request (the body has
@@ -515,7 +522,7 @@ class Reply:
         async def watch():
             while (await request.receive())["type"] != "http.disconnect":
                 pass
-            self.queue.put_nowait(("gone", None))
+            self.queue.put_nowait(GONE)
 
         watcher = asyncio.create_task(watch())
         try:

@@ -26,10 +26,10 @@ def rss_mib(pid: int | None = None) -> float:
 
 
 class Sampler:
-    """Peak RSS (of `pid`) and peak KV cells used (of an in-process engine), sampled every 20 ms."""
+    """Peak RSS (of `pid`) and peak KV cells used (of an in-process batcher), sampled every 20 ms."""
 
-    def __init__(self, engine=None, pid=None):
-        self.engine, self.pid = engine, pid
+    def __init__(self, batcher=None, pid=None):
+        self.batcher, self.pid = batcher, pid
         self.rss = self.cells = 0.0
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True)
@@ -38,8 +38,8 @@ class Sampler:
     def _run(self):
         while not self._stop.is_set():
             self.rss = max(self.rss, rss_mib(self.pid))
-            if self.engine is not None:
-                self.cells = max(self.cells, self.engine.pool.used())
+            if self.batcher is not None:
+                self.cells = max(self.cells, self.batcher.pool.used())
             self._stop.wait(0.02)
 
     def stop(self):
@@ -137,26 +137,26 @@ def cmd_bench_serve(args) -> int:
 
     levels = args.clients  # a list (cli.int_list)
     rt = open_runtime(args.bundle, ctx=args.ctx, backend=args.backend, threads=args.threads)
-    engine, srv, pid = None, None, None
+    batcher, srv, pid = None, None, None
     if args.url:
         url, pid = args.url.rstrip("/"), args.pid
     else:
-        engine, app = build(rt, args.ctx, parallel=max(levels), max_queue=4 * max(levels))
+        batcher, app = build(rt, args.ctx, parallel=max(levels), max_queue=4 * max(levels))
         srv = BackgroundServer(app)
         url = srv.url
-    res = {"server": args.url or f"edgekv serve ({rt.backend.name}, {engine.capacity} cells)", "levels": []}
+    res = {"server": args.url or f"edgekv serve ({rt.backend.name}, {batcher.capacity} cells)", "levels": []}
     try:
         asyncio.run(level(url, 1, 8))  # warm-up
         for c in levels:
-            s = Sampler(engine, pid)
+            s = Sampler(batcher, pid)
             r = asyncio.run(level(url, c, args.tokens))
             s.stop()
-            r.update(peak_rss_mib=s.rss, peak_kv_cells=s.cells if engine else None)
+            r.update(peak_rss_mib=s.rss, peak_kv_cells=s.cells if batcher else None)
             res["levels"].append(r)
             note(f"{c} clients: aggregate {r['aggregate_tps']:.1f} tok/s, per client {r['per_client_tps']:.1f} tok/s, "
                  f"TTFT p50 {r['ttft_p50_ms']:.0f} ms p95 {r['ttft_p95_ms']:.0f} ms, {r['tokens']} tokens"
                  + (f" ({r['failed']} streams broke off, left out)" if r["failed"] else "") + ", "
-                 f"peak RSS {s.rss:.0f} MiB" + (f", peak KV cells {s.cells:.0f}" if engine else ""))
+                 f"peak RSS {s.rss:.0f} MiB" + (f", peak KV cells {s.cells:.0f}" if batcher else ""))
         res["shared_prefix"] = p = asyncio.run(shared_prefix(url, system_prompt(rt.codec, args.system_tokens)))
         note(f"shared {args.system_tokens}-token system prompt: first TTFT {p['first_ttft_ms']:.0f} ms, second "
              f"{p['second_ttft_ms']:.0f} ms ({p['speedup']:.1f}x)")
@@ -167,7 +167,7 @@ def cmd_bench_serve(args) -> int:
     finally:
         if srv:
             srv.close()
-            engine.stop()
+            batcher.stop()
         rt.close()
     base = res["levels"][0]["aggregate_tps"] if res["levels"] else 0
     for r in res["levels"]:

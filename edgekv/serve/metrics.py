@@ -1,5 +1,5 @@
 """Prometheus metrics of the server (prometheus_client, a registry of its own): requests by
-endpoint and status and the TTFT histogram are recorded by the handlers; everything the engine
+endpoint and status and the TTFT histogram are recorded by the handlers; everything the batcher
 counts (tokens in and out, queue, KV cells) is read from it at each scrape."""
 from __future__ import annotations
 
@@ -11,13 +11,13 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
-class EngineCollector:
-    def __init__(self, engine):
-        self.engine = engine
+class BatcherCollector:
+    def __init__(self, batcher):
+        self.batcher = batcher
         self.last = (time.monotonic(), 0)  # for tokens/s since the previous scrape
 
     def collect(self):
-        st = self.engine.stats()
+        st = self.batcher.stats()
         for key, help_ in (("prompt_tokens", "prompt tokens received"),
                            ("reused_tokens", "prompt tokens taken from the prefix cache (not prefilled)"),
                            ("prefilled_tokens", "prompt tokens run through the model"),
@@ -41,7 +41,7 @@ class EngineCollector:
 
 
 class Metrics:
-    def __init__(self, engine):
+    def __init__(self, batcher):
         self.registry = CollectorRegistry()
         self.requests = Counter("edgekv_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
                                 registry=self.registry)
@@ -49,7 +49,7 @@ class Metrics:
                               registry=self.registry)
         self.disconnects = Counter("edgekv_client_disconnects", "requests whose client hung up before the whole "
                                    "answer (cancelled in the engine)", registry=self.registry)
-        self.registry.register(EngineCollector(engine))
+        self.registry.register(BatcherCollector(batcher))
 
     def request(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint=endpoint, status=str(status)).inc()
@@ -57,9 +57,8 @@ class Metrics:
     def disconnect(self) -> None:
         self.disconnects.inc()
 
-    def first_token(self, req) -> None:
-        if req.ttft_s is not None:
-            self.ttft.observe(req.ttft_s)
+    def first_token(self, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s)
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST

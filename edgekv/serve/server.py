@@ -3,7 +3,7 @@
 The process, in order (docs/serve.md, "Running as a service"):
 1. the port is bound (a busy port or a bad host is one error line, exit 1) and uvicorn serves it on
    its own thread at once, with `Gate` answering 503 "loading" until the model is there;
-2. the bundle is loaded, the engine started and warmed up (`warm_up`), then /health says ready
+2. the bundle is loaded, the batcher started and warmed up (`warm_up`), then /health says ready
    (and systemd, when it started us with Type=notify, hears READY=1);
 3. the first SIGTERM or SIGINT drains: /health and new requests get 503 "draining", running ones
    finish within --drain-seconds, then exit 0; a second signal stops at once (exit 128 + signal).
@@ -26,7 +26,7 @@ from edgekv.errors import EdgeKVError, note
 from edgekv.format.bundle import load_bundle
 from edgekv.runtime.assemble import Runtime, open_runtime
 from edgekv.runtime.backends.base import PREFILL_CHUNK
-from edgekv.runtime.engine import Request
+from edgekv.runtime.batching import Done, Request, Token
 from edgekv.runtime.sampling import SamplingParams
 from edgekv.runtime.text import StreamDecoder
 from edgekv.serve import LOCAL_HOSTS
@@ -49,22 +49,22 @@ def _import_serving():
 
 def build_server(rt: Runtime, ctx: int | None = None, parallel: int = 4, max_queue: int = 64,
                  prefill_chunk: int = PREFILL_CHUNK, **server):
-    """(engine, app's Server) over a runtime; the engine's thread is started. `server`: the
+    """(batcher, app's Server) over a runtime; the batcher's thread is started. `server`: the
     Server's own options (api_keys, max_body_bytes)."""
     from edgekv.serve.app import Server
 
-    engine = rt.engine(capacity=ctx, parallel=parallel, max_queue=max_queue, prefill_chunk=prefill_chunk).start()
-    return engine, Server(engine, rt.codec, rt.bundle.manifest.get("name", rt.bundle.path.name), **server)
+    batcher = rt.batcher(capacity=ctx, parallel=parallel, max_queue=max_queue, prefill_chunk=prefill_chunk).start()
+    return batcher, Server(batcher, rt.codec, rt.bundle.manifest.get("name", rt.bundle.path.name), **server)
 
 
 def build(rt: Runtime, ctx: int | None = None, parallel: int = 4, max_queue: int = 64, api_key: str | None = None,
           prefill_chunk: int = PREFILL_CHUNK, **server):
-    """(engine, ASGI app) over a runtime, the app ready at once (tests, bench-serve)."""
+    """(batcher, ASGI app) over a runtime, the app ready at once (tests, bench-serve)."""
     if api_key is not None:
         server["api_keys"] = [api_key]
-    engine, srv = build_server(rt, ctx, parallel, max_queue, prefill_chunk, **server)
+    batcher, srv = build_server(rt, ctx, parallel, max_queue, prefill_chunk, **server)
     srv.set_state("ready")
-    return engine, srv.app()
+    return batcher, srv.app()
 
 
 # -- the socket
@@ -327,49 +327,62 @@ WARM_UP_PARAMS = (SamplingParams(temperature=0.0),  # greedy
 WARM_UP_TENANT = "edgekv-warm-up"  # its own prefixes: no client is told of cached tokens it never sent
 
 
-def warm_up(engine, codec) -> int:
+def warm_up(batcher, codec) -> int:
     """One short prefill and decode through every path a request takes, before /health says ready:
-    the chat template and the tokenizer, the engine's batched step (two sequences in one call),
+    the chat template and the tokenizer, the batcher's batched step (two sequences in one call),
     greedy and filtered sampling, the detokenizer. The first call of each costs seconds on a board
     (lazy set-up in onnxruntime or TensorRT, the weights' pages read from disk); this way the first
     client does not pay it. Returns the tokens decoded; a model that cannot decode is an error."""
     prompt = codec.chat_ids(WARM_UP)
-    done = [threading.Event() for _ in WARM_UP_PARAMS]
-    reqs = [Request(prompt, 2, p, stop_ids=codec.stop_ids, tenant=WARM_UP_TENANT,
-                    emit=lambda kind, value, ev=ev: ev.set() if kind == "done" else None)
-            for p, ev in zip(WARM_UP_PARAMS, done)]
-    for r in reqs:
-        engine.submit(r)
-    for ev in done:
-        while not ev.wait(0.2):  # short waits: a signal's handler runs between them
+    runs = [WarmUpRun() for _ in WARM_UP_PARAMS]
+    for p, run in zip(WARM_UP_PARAMS, runs):
+        batcher.submit(Request(prompt, 2, p, stop_ids=codec.stop_ids, tenant=WARM_UP_TENANT, emit=run.event))
+    for run in runs:
+        while not run.ended.wait(0.2):  # short waits: a signal's handler runs between them
             pass
-    for r in reqs:
-        if r.finish_reason not in ("stop", "length"):
-            raise EdgeKVError(f"the warm-up request ended with {r.finish_reason!r} (see the lines above): "
+    for run in runs:
+        if run.reason not in ("stop", "length"):
+            raise EdgeKVError(f"the warm-up request ended with {run.reason!r} (see the lines above): "
                               "the model cannot decode on this backend")
         dec = StreamDecoder(codec)
-        for t in r.out:
+        for t in run.tokens:
             dec.push(t)
         dec.flush()
-    return sum(len(r.out) for r in reqs)
+    return sum(len(run.tokens) for run in runs)
 
 
-def busy(engine, http: BackgroundServer) -> int:
-    """Requests not finished: in the engine (running or waiting), or a reply still being written."""
-    s = engine.stats()
+class WarmUpRun:
+    """One warm-up request's events: its tokens, then its end."""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.reason: str | None = None
+        self.ended = threading.Event()
+
+    def event(self, ev) -> None:
+        if isinstance(ev, Token):
+            self.tokens.append(ev.id)
+        elif isinstance(ev, Done):
+            self.reason = ev.reason
+            self.ended.set()
+
+
+def busy(batcher, http: BackgroundServer) -> int:
+    """Requests not finished: in the batcher (running or waiting), or a reply still being written."""
+    s = batcher.stats()
     return max(s["active"] + s["waiting"], http.in_flight())
 
 
-def drain(server, engine, http: BackgroundServer, seconds: float) -> None:
+def drain(server, batcher, http: BackgroundServer, seconds: float) -> None:
     """No new requests (503 "draining"), running ones finish within `seconds`, the rest are cut."""
     server.set_state("draining")
     notify("STOPPING=1\nSTATUS=draining")
-    note(f"edgekv serve: draining: {busy(engine, http)} requests running, up to {seconds:g} s "
+    note(f"edgekv serve: draining: {busy(batcher, http)} requests running, up to {seconds:g} s "
          "(signal again to stop now)")
     deadline = time.monotonic() + seconds
-    while busy(engine, http) and time.monotonic() < deadline:
+    while busy(batcher, http) and time.monotonic() < deadline:
         time.sleep(0.05)  # a second signal raises Stop here
-    left = busy(engine, http)
+    left = busy(batcher, http)
     if left:
         note(f"edgekv serve: {left} requests still running after {seconds:g} s were cut")
         http.abort()
@@ -424,7 +437,7 @@ def cmd_serve(args) -> int:
     if args.host not in LOCAL_HOSTS and not keys:
         note(f"edgekv serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
              "port can use the model")
-    http = rt = engine = None
+    http = rt = batcher = None
     with Signals() as signals:
         try:
             gate = Gate()
@@ -433,21 +446,21 @@ def cmd_serve(args) -> int:
             notify("STATUS=loading")
             t0 = time.perf_counter()
             rt = open_runtime(bundle, ctx=args.ctx, backend=args.backend, threads=args.threads)
-            engine, server = build_server(rt, args.ctx, args.parallel, args.queue, api_keys=keys,
+            batcher, server = build_server(rt, args.ctx, args.parallel, args.queue, api_keys=keys,
                                           max_body_bytes=args.max_body, bind_host=args.host)
             server.set_state("loading")
             gate.open(server.app())  # the app answers "loading" itself until ready
             t1 = time.perf_counter()
-            warm_up(engine, rt.codec)
+            warm_up(batcher, rt.codec)
             server.set_state("ready")
             signals.serving()
             t2 = time.perf_counter()
             print(f"edgekv serve: ready in {t2 - t0:.1f} s, warm-up {t2 - t1:.1f} s (model "
-                  f"{rt.bundle.manifest.get('name')}, {rt.backend.name}, {engine.capacity} KV cells, {engine.parallel} "
+                  f"{rt.bundle.manifest.get('name')}, {rt.backend.name}, {batcher.capacity} KV cells, {batcher.parallel} "
                   f"parallel, queue {args.queue})", flush=True)
             notify("READY=1\nSTATUS=ready")
             signals.wait_first()
-            drain(server, engine, http, args.drain_seconds)
+            drain(server, batcher, http, args.drain_seconds)
             note("edgekv serve: stopped")
             return 0
         except Stop as s:
@@ -461,7 +474,7 @@ def cmd_serve(args) -> int:
             if http is not None:
                 http.close()
             sock.close()
-            if engine is not None:
-                engine.stop()
+            if batcher is not None:
+                batcher.stop()
             if rt is not None:
                 rt.close()

@@ -1,0 +1,35 @@
+"""A step as plain data (vLLM's SchedulerOutput): the scheduler's pieces, then the KV manager's
+calls (where each piece's K/V land and the past they see), which the step runner runs. Tuples:
+a step makes one piece per running request."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from edgekv.runtime.batching.poolseq import PoolSequence
+    from edgekv.runtime.batching.request import Request
+
+
+class Piece(NamedTuple):
+    req: "Request"  # whose tokens these are (the post-processing's)
+    seq: "PoolSequence"  # whose cells they join (the KV manager's)
+    tokens: list[int]
+    decode: bool  # the request's next token (else a run of its feed)
+    sample: bool  # its last token's logits row comes back: a decode step, or the feed's last token
+
+    def split(self, n: int) -> tuple["Piece", "Piece"]:
+        """The first n tokens (never sampled from) and the rest."""
+        return self._replace(tokens=self.tokens[:n], sample=False), self._replace(tokens=self.tokens[n:])
+
+
+class Call(NamedTuple):
+    write: int  # the new tokens' K/V land at cells [write, write + size)
+    size: int
+    past: int  # cells [0, past) bound as the past
+    pieces: list[Piece]
+    sampled: list[Piece]  # those whose rows come back, in order
+    freed: int = 0  # cells the first piece's ring gave up (its oldest tokens) to make room for this call
+
+    @classmethod
+    def of(cls, write: int, past: int, pieces: list[Piece], freed: int = 0) -> "Call":
+        return cls(write, sum(len(p.tokens) for p in pieces), past, pieces, [p for p in pieces if p.sample], freed)

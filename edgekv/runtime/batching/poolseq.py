@@ -1,0 +1,120 @@
+"""PoolSequence: one sequence's cells in the shared pool, for serve (one per request, released at
+its end) and chat (one held across turns) alike. Its cells and ids are written by the KV manager
+only (kv.py: the methods marked so); its owner chooses the ring (`enable_ring` / `disable_ring`,
+on an empty sequence); everyone else reads it.
+
+`cells` are the cells of the tokens in context, in position order; `ids` every token fed since
+the last reset (a ring's overwritten ones too), so the next position is len(ids). A ring
+(StreamingLLM) keeps its first `sinks` cells forever and overwrites the oldest of the rest."""
+from __future__ import annotations
+
+from edgekv.errors import ContextOverflow, EdgeKVError
+
+NO_LIMIT = 1 << 62
+
+
+class PoolSequence:
+    def __init__(self, capacity: int, max_positions: int):
+        self.capacity = capacity  # cells it may hold: the pool's (and at most the verified positions)
+        self.max_positions = max_positions  # positions the bundle was verified for
+        self._cells: list[int] = []
+        self._ids: list[int] = []
+        self._sinks: int | None = None
+
+    # -- what it holds (read-only)
+    @property
+    def n(self) -> int:
+        return len(self._cells)
+
+    @property
+    def pos(self) -> int:
+        return len(self._ids)
+
+    @property
+    def cells(self) -> list[int]:
+        return list(self._cells)
+
+    @property
+    def ids(self) -> list[int]:
+        return list(self._ids)
+
+    def cell_view(self) -> list[int]:
+        """Its cells without a copy, for the step runner's mask (read, never changed)."""
+        return self._cells
+
+    @property
+    def sinks(self) -> int | None:
+        return self._sinks
+
+    @property
+    def ring(self) -> bool:
+        return self._sinks is not None
+
+    @property
+    def wrapped(self) -> bool:
+        """A ring that has overwritten tokens (its cells no longer hold every id)."""
+        return len(self._ids) > len(self._cells)
+
+    def room(self) -> int:
+        """Tokens it may still be fed: free cells (a ring always has some) and verified positions."""
+        cells = NO_LIMIT if self.ring else self.capacity - self.n
+        return min(cells, self.max_positions - self.pos)
+
+    def can_feed(self) -> bool:
+        """One more token fits: a cell (a ring overwrites) and a verified position."""
+        return self.pos < self.max_positions and (self.ring or self.n < self.capacity)
+
+    def recent(self, k: int) -> list[int]:
+        """The last k token ids fed (the sampler's repetition window)."""
+        return self._ids[-k:] if k > 0 else []
+
+    # -- the owner's choice, on an empty sequence
+    def enable_ring(self, sinks: int) -> None:
+        """Make this (empty) sequence a ring that keeps its first `sinks` cells."""
+        if self.n:
+            raise ValueError("a ring is set up on an empty sequence")
+        if not 0 <= sinks < self.capacity - 1:
+            raise EdgeKVError(f"ring cache: {sinks} sink slots leave no ring in a capacity of {self.capacity}")
+        self._sinks = sinks
+
+    def disable_ring(self) -> None:
+        if self.ring and self.n:
+            raise ValueError("a ring is set up on an empty sequence")
+        self._sinks = None
+
+    def check_restore(self, n: int, ids: list[int]) -> None:
+        """`Batcher.restore` would accept n cells holding the last n of `ids` (an error saying why not)."""
+        if n > self.capacity:
+            raise ContextOverflow(f"snapshot holds {n} tokens, more than the cache capacity {self.capacity}",
+                                  setting="capacity", fix="raise {}")
+        if len(ids) < n or (len(ids) > n and not self.ring):
+            raise EdgeKVError(f"snapshot holds {n} slots but {len(ids)} token ids"
+                              + (" (a wrapped ring: load it with the ring policy)" if len(ids) > n else ""))
+        if len(ids) > self.max_positions:
+            raise ContextOverflow(f"snapshot holds {len(ids)} positions, more than the {self.max_positions} "
+                                  f"this bundle was verified for")
+
+    # -- the KV manager's
+    def _set(self, cells: list[int], ids: list[int]) -> None:
+        self._cells, self._ids = list(cells), list(ids)
+
+    def _extend(self, cells, ids) -> None:
+        self._cells.extend(cells)
+        self._ids.extend(ids)
+
+    def _drop_oldest(self, count: int) -> list[int]:
+        """A ring's `count` oldest cells after its sinks leave the context; returns them."""
+        sinks = self._sinks
+        gone = self._cells[sinks: sinks + count]
+        del self._cells[sinks: sinks + count]
+        return gone
+
+    def _relabel(self, perm) -> None:
+        self._cells = perm[self._cells].tolist() if self._cells else []
+
+    def _state(self) -> tuple:
+        return list(self._cells), list(self._ids), self._sinks
+
+    def _restore_state(self, state: tuple) -> None:
+        cells, ids, self._sinks = state
+        self._cells, self._ids = list(cells), list(ids)

@@ -1,0 +1,117 @@
+"""Post-processing: the one place a returned logits row becomes a request's token. Per row: the
+constraint's mask, sampling, the constraint's accept, stop tokens, the token event, the end at
+max_tokens (or when the constraint is done), and the finish that frees the cells. One request's
+error ends only it (a kept sequence's — chat — is raised: its turn rolls back)."""
+from __future__ import annotations
+
+import numpy as np
+
+from edgekv.errors import NonFinite, note
+from edgekv.runtime.batching.plan import Call
+from edgekv.runtime.batching.request import Request, Token
+from edgekv.runtime.batching.scheduler import Scheduler
+from edgekv.runtime.constraint import constrain
+from edgekv.runtime.sampling import sample
+
+# steps in a row that failed every request they sampled (non-finite logits) or raised: the batcher
+# is failing everything (`Batcher.fault`); one good row resets it
+FAULT_STEPS = 3
+
+
+class Health:
+    """Whether the batcher is failing everything: the last FAULT_STEPS steps each raised or had
+    only non-finite rows among those it sampled (a request's own sampling error does not count:
+    one client must not make the server look down). Written by the stepping thread, read by any."""
+
+    def __init__(self):
+        self.failed_steps, self.reason = 0, ""
+        self.good = self.bad = 0  # rows of the step under way
+
+    def row(self, finite: bool) -> None:
+        if finite:
+            self.good += 1
+        else:
+            self.bad += 1
+
+    def step_ended(self, error: str | None = None) -> None:
+        if error is None and self.good:
+            self.failed_steps = 0
+        elif error is not None or self.bad:
+            self.failed_steps, self.reason = self.failed_steps + 1, error or NonFinite.MESSAGE
+        self.good = self.bad = 0
+
+    def fault(self) -> str | None:
+        n = self.failed_steps
+        return f"the last {n} engine steps failed every request in them: {self.reason}" if n >= FAULT_STEPS else None
+
+
+class PostProcess:
+    def __init__(self, scheduler: Scheduler, health: Health):
+        self.scheduler, self.health = scheduler, health
+        self.generated_tokens = 0
+
+    def process(self, call: Call, logits: np.ndarray) -> None:
+        """logits [K, V]: one row per sampled piece of the call, in order."""
+        for piece, row in zip(call.sampled, logits):
+            req = piece.req
+            try:
+                self._row(req, row)
+            except Exception as e:
+                if req.kept:  # chat: the turn is rolled back
+                    raise
+                self._fail(req, e)
+
+    def _row(self, req: Request, row: np.ndarray) -> None:
+        if req.closing:  # its last token is in the cells now
+            self.scheduler.finish(req, req.closing)
+        elif req.max_new == 0:  # only fed (a kept sequence's prompt)
+            self.scheduler.finish(req, "length")
+        else:
+            self._sample(req, row)
+
+    def _fail(self, req: Request, e: Exception) -> None:
+        """One request's sampling or stop handling raised: it alone ends, finish reason "error"
+        (one that had ended already, its emit raising inside `finish`, keeps its reason)."""
+        note(f"engine: a request failed: {type(e).__name__}: {e}")
+        if req not in self.scheduler.running:
+            return
+        try:
+            self.scheduler.finish(req, "error", f"{type(e).__name__}: {e}")
+        except Exception as again:  # its emit is broken: it has left all the same
+            note(f"engine: a request's emit failed: {type(again).__name__}: {again}")
+
+    def _sample(self, req: Request, row: np.ndarray) -> None:
+        if req.cancelled:
+            return  # dropped at the next step
+        finite = bool(np.isfinite(row).all())
+        self.health.row(finite)
+        if not finite:  # damaged weights or an overflow: never sample from it
+            if req.kept:  # chat: the turn is rolled back
+                raise NonFinite()
+            note(f"engine: {NonFinite.MESSAGE}")
+            self.scheduler.finish(req, "error", NonFinite.MESSAGE)
+            return
+        ask = req.ask
+        history = req.seq.recent(ask.params.repeat_last_n) if ask.params.repeat_penalty != 1.0 else []
+        tok = sample(constrain(row, ask.constraint), ask.params, req.rng, history)
+        if ask.constraint is not None:
+            ask.constraint.accept(tok)
+        ttft = req.sampled(tok, row)
+        reason = None
+        if tok in ask.stop_ids:
+            reason = "stop"
+        else:
+            req.add(tok)
+            self.generated_tokens += 1
+            if ask.emit:
+                ask.emit(Token(tok, ttft, None if ttft is None else req.reused))
+            if len(req.out) >= req.max_new:
+                reason = req.limit_reason
+            elif ask.constraint is not None and ask.constraint.is_done():
+                reason = "stop"
+        if reason is None:
+            req.goes_on(tok)
+        elif ask.feed_last and req.seq.can_feed():
+            req.goes_on(tok, reason)  # fed at the next step, then it ends
+        else:
+            self.scheduler.finish(req, reason)

@@ -1,0 +1,48 @@
+"""The step runner: a call (plan.py) in, the backend's logits rows out. It builds the ids, the
+positions, the per-token mask and the logits index, runs the graph once, and decides nothing.
+
+The mask [1, S, P + S] says per token which cells of the past are its own sequence's (wherever
+they lie: a shared prefix, a ring's wrapped layout) and which earlier tokens of the batch it
+sees (its own piece's, causally)."""
+from __future__ import annotations
+
+import numpy as np
+
+from edgekv.runtime.backends.base import BatchBackend
+from edgekv.runtime.batching.plan import Call
+from edgekv.runtime.cache import KVCache
+
+
+class StepRunner:
+    def __init__(self, backend: BatchBackend, cache: KVCache):
+        self.backend, self.cache = backend, cache
+        self.calls = 0
+
+    def inputs(self, call: Call) -> tuple[np.ndarray, ...]:
+        """(input_ids [1, S], position_ids [1, S], key_mask [1, S, P + S], logits_index [1, K])."""
+        s, p = call.size, call.past
+        ids = np.empty((1, s), np.int64)
+        pos = np.empty((1, s), np.int64)
+        mask = np.zeros((1, s, p + s), np.bool_)
+        rows, r = [], 0
+        for piece in call.pieces:
+            n = len(piece.tokens)
+            cells = piece.seq.cell_view()
+            ids[0, r: r + n] = piece.tokens
+            pos[0, r: r + n] = piece.seq.pos + np.arange(n)
+            if cells:
+                mask[0, r: r + n, cells] = True  # its own past, wherever its cells are
+            mask[0, r: r + n, p + r: p + r + n] = np.tri(n, dtype=np.bool_)  # its new tokens, causally
+            if piece.sample:
+                rows.append(r + n - 1)
+            r += n
+        idx = np.asarray([rows or [s - 1]], np.int64)  # a call samples nothing: any one row
+        return ids, pos, mask, idx
+
+    def run(self, call: Call) -> np.ndarray:
+        """logits [K, V]: one row per sampled piece, in the call's order (a view into the
+        backend's buffer, valid until the next call)."""
+        ids, pos, mask, idx = self.inputs(call)
+        logits = self.backend.run_cells(self.cache, call.past, call.write, ids, pos, mask, idx)
+        self.calls += 1
+        return logits[0]

@@ -1,0 +1,67 @@
+"""Turns: what a turn changes can be undone exactly (an interrupted or failed chat turn). `open`
+remembers who holds which cell and what the kept sequences hold; before each call writes cells,
+`protect` copies those in use at the turn's start (once each: where the memory reads row ranges,
+else the whole cache once); `rollback` puts all of it back."""
+from __future__ import annotations
+
+import numpy as np
+
+from edgekv.runtime.cache import KVCache, runs
+from edgekv.runtime.pool import CellPool
+
+
+class Turn:
+    """What a rollback restores: the pool's owners, the kept sequences, and the rows of cells
+    written since (copied before their first write)."""
+
+    def __init__(self, pool: tuple, kept: list, capacity: int):
+        self.pool, self.kept = pool, kept
+        self.rows: list[tuple[int, dict]] = []
+        self.whole: dict | None = None  # the whole cache, where the memory cannot copy row ranges
+        self.saved = np.zeros(capacity, np.bool_)
+
+
+class Turns:
+    def __init__(self, cache: KVCache, pool: CellPool):
+        self.cache, self.pool = cache, pool
+        self.current: Turn | None = None
+
+    @property
+    def open(self) -> bool:
+        return self.current is not None
+
+    def begin(self, kept: list) -> None:
+        self.current = Turn(self.pool.state(), [(s, s._state()) for s in kept], self.cache.capacity)
+
+    def commit(self) -> None:
+        self.current = None
+
+    def rollback(self) -> bool:
+        """Back to `begin`: the cells' owners, the kept sequences and every overwritten cell as
+        they were. False when no turn was open."""
+        turn, self.current = self.current, None
+        if turn is None:
+            return False
+        if turn.whole is not None:
+            self.cache.write(turn.whole)
+        for start, rows in turn.rows:
+            self.cache.write_rows(start, rows)
+        self.pool.set_state(turn.pool)
+        for seq, state in turn.kept:
+            seq._restore_state(state)
+        return True
+
+    def protect(self, w: int, s: int) -> None:
+        """Before a call writes cells [w, w + s): copy those in use at the turn's start, once each."""
+        turn = self.current
+        if turn is None or turn.whole is not None:
+            return
+        todo = (turn.pool.refs[w: w + s] > 0) & ~turn.saved[w: w + s]
+        if not todo.any():
+            return
+        if not self.cache.reads_rows:
+            turn.whole = self.cache.read(self.cache.capacity)
+            return
+        for a, b in runs(w + np.flatnonzero(todo)):
+            turn.rows.append((a, self.cache.read_rows(a, b)))
+        turn.saved[w: w + s] |= todo
