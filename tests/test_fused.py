@@ -247,3 +247,112 @@ def test_an_unknown_rope_is_refused(tiny_bundle_float, tmp_path):
     (dst / "edgekv.json").write_text(json.dumps(manifest))
     with pytest.raises(NotFusable, match="rotate_half"):
         fuse_bundle(load_bundle(dst))
+
+
+def random_cells_call(rng, b, capacity, past, s, write):
+    """An engine-like call (run_cells): s new tokens at arbitrary positions, a key mask over
+    past + s that shows each token a random part of the past and the new block causally, the
+    write run's cells inside the past masked (free cells, as a ring's overwritten ones)."""
+    ids = rng.integers(0, b.model["vocab_size"], (1, s))
+    pos = rng.integers(0, 2 * capacity, (1, s))
+    mask = rng.random((1, s, past + s)) < 0.6
+    mask[0, :, past:] &= np.tri(s, dtype=np.bool_)
+    mask[0, np.arange(s), past + np.arange(s)] = True  # every token sees itself
+    mask[0, :, write: min(write + s, past)] = False
+    return ids, pos, mask
+
+
+@needs_gqa
+@pytest.mark.parametrize("which", ["llama", "qwen"])
+def test_fused_run_cells_equals_plain(which, tiny_bundle_float, qwen_float):
+    """The serving pool's and chat's calls (run_cells: any mask, any positions, the write run
+    anywhere, inside the past or above it) give the plain graph's logits and write the same K/V
+    into the same cells; the cells around them are untouched. Covers a first prompt whose
+    positions do not run on (the op reads only position_ids[0] there) and writes at, inside and
+    beyond the past."""
+    b = load_bundle(tiny_bundle_float if which == "llama" else qwen_float)
+    plain_b, fused_b = (OrtBackend(b, threads=1, max_logits_rows=8, attention=a) for a in ("plain", "fused"))
+    plain, fused = (KVCache(b, CAPACITY, memory=be.memory) for be in (plain_b, fused_b))
+    rng = np.random.default_rng(5)
+    seed = {n: rng.standard_normal(plain.slots_shape(n, CAPACITY)).astype(np.float32) for n in plain.names}
+    plain.write(seed)
+    fused.write(seed)  # the same (random) past in both layouts
+    cases = [(0, 4, 0), (0, 1, 7), (20, 3, 20), (20, 3, 5), (20, 3, 40), (CAPACITY - 2, 2, 3),
+             (CAPACITY, 5, CAPACITY - 9), (CAPACITY - 1, 1, CAPACITY - 1)]
+    for past, s, write in cases:
+        ids, pos, mask = random_cells_call(rng, b, CAPACITY, past, s, write)
+        rows = np.arange(s)[None]
+        want = plain_b.run_cells(plain, past, write, ids, pos, mask, rows).copy()
+        got = fused_b.run_cells(fused, past, write, ids, pos, mask, rows).copy()
+        np.testing.assert_allclose(got, want, atol=LOGITS_ATOL, rtol=0, err_msg=f"{(past, s, write)}")
+        a, f = plain.read(CAPACITY), fused.read(CAPACITY)
+        for n in plain.names:
+            np.testing.assert_allclose(f[n], a[n], atol=1e-5, rtol=0, err_msg=f"{n} after {(past, s, write)}")
+
+
+@needs_gqa
+def test_fused_ring_equals_plain_ring(tiny_bundle_float):
+    """A Sequence ring (sinks kept, the oldest overwritten) through the fused graph: the plain
+    ring's logits, before and long after it wraps, with a prompt chunk that lands inside the past."""
+    b = load_bundle(tiny_bundle_float)
+    streams = [Stream(b, a, capacity=24) for a in ("plain", "fused")]
+    for st in streams:
+        st.seq.enable_ring(4)
+    rng = np.random.default_rng(9)
+    for s in [10, 7] + [1] * 12 + [5] + [1] * 20:
+        s = min(s, streams[0].seq.max_write())
+        ids = rng.integers(0, b.model["vocab_size"], (1, s))
+        rows = np.arange(s)[None]
+        want, got = (st.run(ids, rows) for st in streams)
+        np.testing.assert_allclose(got, want, atol=LOGITS_ATOL, rtol=0)
+    assert streams[1].seq.wrapped and streams[1].seq.pos > 2 * 24
+
+
+def test_head_major_cache_speaks_slots(tiny_bundle_float):
+    """KVCache's copies in and out (snapshots, row ranges, cells, moves) mean the same in the
+    head-major layout as in the slot-major one: the same operations on both leave the same slots."""
+    from edgekv.runtime.memory import HeadMajorMemory, HostMemory
+
+    b = load_bundle(tiny_bundle_float)
+    caches = [KVCache(b, 16, memory=m) for m in (HostMemory(), HeadMajorMemory(spare=3))]
+    assert caches[1].layout == "heads" and caches[1].buffers["past.0.key"].shape[2] == 16 + 3
+    rng = np.random.default_rng(2)
+    snap = {n: rng.standard_normal(caches[0].slots_shape(n, 9)).astype(np.float32) for n in caches[0].names}
+    rows = {n: rng.standard_normal(caches[0].slots_shape(n, 4)).astype(np.float32) for n in caches[0].names}
+    cells = rng.standard_normal(caches[0].slots_shape("past.0.key", 3)).astype(np.float32)
+    for c in caches:
+        c.write(snap)
+        c.write_rows(10, rows)
+        c.write_cells([15, 2, 12], {n: cells for n in c.names})
+        c.move_cells([0, 1, 15], [1, 0, 5])  # a swap and a move
+    for got in (caches[1].read(16), caches[1].read_rows(3, 14), caches[1].read_cells([5, 0, 11, 1])):
+        want = {16: caches[0].read(16), 11: caches[0].read_rows(3, 14), 4: caches[0].read_cells([5, 0, 11, 1])}
+        for n in caches[0].names:
+            np.testing.assert_array_equal(got[n], want[len(got[n])][n])
+    with pytest.raises(ValueError, match="no single address"):
+        caches[1].ptr("past.0.key", 3)
+
+
+@needs_gqa
+def test_a_plain_backend_refuses_a_head_major_cache(llama_static):
+    b = load_bundle(llama_static)
+    plain_b, fused_b = (OrtBackend(b, threads=1, attention=a) for a in ("plain", "fused"))
+    for be, other in ((plain_b, fused_b), (fused_b, plain_b)):
+        cache = KVCache(b, CAPACITY, memory=other.memory)
+        with pytest.raises(EdgeKVError, match="memory=backend.memory"):
+            be.run(cache, cache.new_sequence(), np.zeros((1, 2), np.int64), np.array([[1]]))
+
+
+@needs_gqa
+def test_a_moved_call_fits_the_spare_slots(tiny_bundle_float):
+    """A call written inside the past lands in the spare slots first: the backend takes no more
+    tokens per call than they hold (the engine and the generator keep to max_tokens_per_call),
+    and a direct caller asking for more gets one line, not a write past the buffer."""
+    b = load_bundle(tiny_bundle_float)
+    be = OrtBackend(b, threads=1, attention="fused")
+    assert 1 <= be.max_tokens_per_call <= be.memory.spare
+    cache = KVCache(b, CAPACITY, memory=be.memory)
+    s = be.memory.spare + 1
+    mask = np.ones((1, s, CAPACITY + s), np.bool_)
+    with pytest.raises(EdgeKVError, match="spare slots"):
+        be.run_cells(cache, CAPACITY, 0, np.zeros((1, s), np.int64), np.arange(s)[None], mask, np.array([[0]]))

@@ -326,8 +326,9 @@ ATTENTION_ENV = "EDGEKV_ATTENTION"
 ATTENTIONS = ("auto", "fused", "plain")
 FUSED_INPUTS = (SEQLENS, TOTAL, BIAS)
 # slots after the capacity where a fused call writing inside the past lands before it is moved
-# (a ring's overwrite, a pool's cell run): a prompt chunk and a batch of decode tokens
-FUSED_SPARE = PREFILL_CHUNK + 64
+# (a ring's overwrite, a pool's cell run), and so the most tokens a fused call takes (the
+# engine's steps and the generator's chunks keep to max_tokens_per_call): two prompt chunks
+FUSED_SPARE = 2 * PREFILL_CHUNK
 
 
 def attention_default() -> str:
@@ -451,6 +452,8 @@ class OrtBackend:
         self.memory = self.make_memory() if self.fused is None else HeadMajorMemory(FUSED_SPARE)
         # the fused graph binds the whole buffer and reads only seqlens_k + 1 slots: no bucket
         self.past_bucket = past_bucket if self.fused is None else 1
+        if self.fused is not None:
+            self.max_tokens_per_call = FUSED_SPARE
         self._small: dict[str, np.ndarray] = {}  # the small inputs' arrays, bound as they are
         self._bound: dict[str, tuple] = {}  # what the binding holds now, per part: small, past, present, logits
         self._stage: tuple = (None,)  # the last cache, its present.* staging arrays [1, 1, Hkv, D|-], their copies
