@@ -21,7 +21,7 @@ from edgekv.format.files import kind_of, replace_dir, replace_dir_keeping, write
 from edgekv.format.kvschemes import INT4_GROUP, INT4_LEVELS, get_scheme, unpack_int4
 from export.loaders import Source, SourceError, gguf_matrix_types, load_gguf, load_hf_folder
 from export.model import Transformer, UnsupportedModel, causal_mask
-from export.weights import GROUPS, KEPT_BITS, METHODS, WEIGHT_FORMATS, auto_format, plan_weights, summary
+from export.weights import GROUPS, KEPT_BITS, METHODS, WEIGHT_FORMATS, auto_format, plan_weights, stored_bytes, summary
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
 DEFAULT_RECIPE = "smollm2-135m-instruct"
@@ -335,6 +335,7 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
             proto = export_onnx(model, plan)
             save_onnx(proto, tmp / "model.onnx")
             del proto
+            store_identical_once(tmp / "model.onnx")
         with stage("checking the graph", " (onnx.checker full, TensorRT parser rules)"):
             onnx.checker.check_model(str(tmp / "model.onnx"), full_check=True)
             from edgekv.tools.trt_check import check_for_engine
@@ -512,15 +513,19 @@ def activation_aware(model: Transformer, src: Source, state: dict, kept: dict, g
 def matrix_records(plan: dict, file_types: dict[str, set[str]]) -> dict:
     """Per stored matrix: the source's type ("Q4_K"; fused parts "Q5_0|Q5_0|Q8_0"; what a
     requantized matrix was, "float" for a Hugging Face folder), how the graph carries it, and its bytes."""
+    first = {}
+    for name, q in plan.items():
+        first.setdefault(id(q), name)
     return {name: {"source": q.source or "|".join(sorted(file_types.get(name, ()))) or "float",
-                   "carried": q.carrier if q.source else f"{q.carrier}, requantized: {q.origin}",
-                   "bytes": q.nbytes}
+                   "carried": (q.carrier if q.source else f"{q.carrier}, requantized: {q.origin}")
+                   + ("" if first[id(q)] == name else f"; the same initializers as {first[id(q)]} (one copy)"),
+                   "bytes": q.nbytes if first[id(q)] == name else 0}
             for name, q in sorted(plan.items())}
 
 
 def weights_manifest(weights: str, plan: dict, group: int, method: str, awq: dict | None,
                      file_types: dict[str, set[str]] | None = None) -> dict:
-    total = sum(q.nbytes for q in plan.values())
+    total = stored_bytes(plan)
     return {"format": weights, "group": group if weights == "int4" else None,
             "requantize": ({"rtn": "round-to-nearest", "clip": "clip-ratio search"}.get(method)
                            or ("AWQ scales + clip by output error" if awq else "clip-ratio search"))
@@ -569,13 +574,52 @@ def weight_reference(src: Source, requantize: bool) -> str:
             "not that its 4 bits are lossless")
 
 
+def store_identical_once(onnx_path: Path) -> int:
+    """Initializers with identical bytes (a tied head's table and its lookup's copy) point at one
+    region of the external weights file (ONNX external data is an offset and a length per tensor;
+    nothing requires the regions to differ). Rewrites the graph and its weights file; returns the
+    bytes saved."""
+    import hashlib
+
+    m = onnx.load(str(onnx_path), load_external_data=False)
+    regions, where = {}, {}
+    for init in m.graph.initializer:
+        if init.data_location == onnx.TensorProto.EXTERNAL:
+            info = {e.key: e.value for e in init.external_data}
+            regions[init.name] = (info["location"], int(info.get("offset", 0)), int(info["length"]))
+    files = {loc for loc, _, _ in regions.values()}
+    if len(files) != 1:
+        return 0
+    data_path = onnx_path.parent / files.pop()
+    data = data_path.read_bytes()
+    out = bytearray()
+    for init in m.graph.initializer:
+        if init.name not in regions:
+            continue
+        _, off, ln = regions[init.name]
+        key = hashlib.sha256(data[off:off + ln]).digest()
+        if key not in where:
+            where[key] = len(out)
+            out += data[off:off + ln]
+        for e in init.external_data:
+            if e.key == "offset":
+                e.value = str(where[key])
+        if not any(e.key == "offset" for e in init.external_data):
+            init.external_data.add(key="offset", value=str(where[key]))
+    saved = len(data) - len(out)
+    if saved:
+        data_path.write_bytes(bytes(out))
+        onnx.save_model(m, str(onnx_path))
+    return saved
+
+
 def stored_weight_bytes(model: Transformer, plan: dict) -> int:
     """The weights as the bundle stores them: the quantized matrices' codes and scales, every other
     parameter in the bundle's float dtype. Two bundles of the same weights get the same number
     whatever their KV scheme (the graph file also holds the scheme's constants: `edgekv eval`'s
     weights MiB is this)."""
     rest = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if n not in plan)
-    return sum(q.nbytes for q in plan.values()) + rest
+    return stored_bytes(plan) + rest
 
 
 def calibrate(model: Transformer, src: Source, kv: str, calib_text: str | None, calib_tokens: int) -> dict:

@@ -237,8 +237,15 @@ def plan_weights(state: dict, kept: dict[str, QuantWeight], fmt: str, group: int
             plan[name] = eight_bit(name)
     src = kept.get(embed)
     plan[embed] = to_eight_bit(src) if src is not None and src.block is not None else int8_per_channel(state[embed], "int8 per row")
-    plan[head] = eight_bit(head)
+    # a tied head is the table's own blocks: the same object, stored once (quantize_initializers)
+    tied = kept.get(head) is not None and kept.get(head) is kept.get(embed) and plan[embed].bits == 8
+    plan[head] = plan[embed] if tied else eight_bit(head)
     return plan
+
+
+def stored_bytes(plan: dict[str, QuantWeight]) -> int:
+    """Bytes of the quantized matrices as stored: a tied head sharing the table counts once."""
+    return sum(q.nbytes for q in {id(q): q for q in plan.values()}.values())
 
 
 # --- the ONNX pass ----------------------------------------------------------------------------
@@ -269,6 +276,7 @@ def quantize_initializers(m, targets: dict[str, tuple[np.ndarray, QuantWeight]],
             arrays[tname] = numpy_helper.to_array(inits[tname])
         return arrays[tname]
 
+    twin = table_twin(targets, embed)
     done, new_nodes, new_inits = set(), [], []
     for node in g.node:
         if node.op_type == "MatMul":
@@ -289,7 +297,9 @@ def quantize_initializers(m, targets: dict[str, tuple[np.ndarray, QuantWeight]],
         if node.op_type == "Gather" and node.input[0] in inits and not any(a.name == "axis" and a.i for a in node.attribute):
             name = by_key.get("gather:" + _key(array(node.input[0])))
             if name is not None:
-                new_nodes.extend(_quantized_gather(node, name, targets[name][1], array(node.input[0]).dtype, new_inits))
+                dtype = array(node.input[0]).dtype
+                new_nodes.extend(_shared_gather(node, twin, targets[name][1], dtype, new_inits) if twin
+                                 else _quantized_gather(node, name, targets[name][1], dtype, new_inits))
                 done.add(("gather", name))
                 continue
         new_nodes.append(node)
@@ -371,6 +381,66 @@ def _min_term(x: str, mm_out: str, out: str, base: str, q: QuantWeight, dtype, i
                     helper.make_node("Add", [mm_out, base + "_xmin"], [out], name=base + "_add_min")]
 
 
+def table_twin(targets: dict[str, tuple[np.ndarray, QuantWeight]], embed: str) -> str | None:
+    """The MatMul weight (a tied head) stored with exactly the embedding's codes, scales and
+    minimums, whose initializers the table's Gather can then read: one copy of the table."""
+    if embed not in targets:
+        return None
+    e = targets[embed][1]
+    same = lambda a, b: a is b or (a is not None and b is not None and np.array_equal(a, b))  # noqa: E731
+    for name, (_, q) in targets.items():
+        if name != embed and q.bits == e.bits == 8 and q.block == e.block and not q.shift and same(q.codes, e.codes) \
+                and same(q.scales, e.scales) and (q.mins is None) == (e.mins is None) and (q.mins is None or same(q.mins, e.mins)):
+            return name
+    return None
+
+
+def _shared_gather(node, head: str, q: QuantWeight, dtype, inits: list) -> list:
+    """The tied table's lookup on copies of the head's initializers, byte for byte (codes [K, V],
+    scales and minimums [K/B, V], gathered along V): export/bundle.py stores identical tensors
+    once in the weights file (onnxruntime's MatMulNBits fusion needs the head's own initializers
+    to feed nothing else, so the Gather cannot read those very tensors). The gathered codes go
+    straight to a unit DequantizeLinear (TensorRT's rule; no Reshape after it), the scales are
+    expanded to [K, B, S] instead, and one Transpose makes the rows [B, S, K]."""
+    from onnx import helper, numpy_helper
+
+    base = head.replace(".", "_") + "_table"
+    ids, out = node.input[1], node.output[0]
+    n, k = q.codes.shape
+    b = q.block or k
+    scales = q.scales.T if q.block else q.scales  # as the head's DequantizeLinear holds them
+    inits += [_int_tensor(base + "_q", q.codes.T, 8),
+              numpy_helper.from_array(np.ascontiguousarray(scales.astype(dtype)), base + "_scale"),
+              numpy_helper.from_array(np.array(1.0, dtype), base + "_unit"),
+              numpy_helper.from_array(np.array(0, np.int8), base + "_zero"),
+              numpy_helper.from_array(np.array([-3], np.int64), base + "_axis"),
+              numpy_helper.from_array(np.array([k // b, b, 1, 1], np.int64), base + "_blocks"),
+              numpy_helper.from_array(np.array([k], np.int64), base + "_k")]
+    if q.mins is not None:
+        inits.append(numpy_helper.from_array(np.ascontiguousarray(q.mins.T.astype(dtype)), base + "_min"))
+    nodes = [helper.make_node("Gather", [base + "_q", ids], [base + "_rows_q"], axis=-1, name=base + "_gather_q"),
+             helper.make_node("DequantizeLinear", [base + "_rows_q", base + "_unit", base + "_zero"], [base + "_rows"],
+                              name=base + "_rows_dq"),
+             helper.make_node("Shape", [ids], [base + "_ids_shape"], name=base + "_ids_shape"),
+             helper.make_node("Concat", [base + "_k", base + "_ids_shape"], [base + "_kbs"], axis=0, name=base + "_kbs")]
+
+    def per_element(src: str, tag: str) -> str:  # [K/B, V] (or [V] per channel) gathered -> [K, B, S]
+        nodes.extend([
+            helper.make_node("Gather", [src, ids], [f"{base}_{tag}_g"], axis=-1, name=f"{base}_{tag}_g"),
+            helper.make_node("Unsqueeze", [f"{base}_{tag}_g", base + "_axis"], [f"{base}_{tag}_u"], name=f"{base}_{tag}_u"),
+            helper.make_node("Expand", [f"{base}_{tag}_u", base + "_blocks"], [f"{base}_{tag}_e"], name=f"{base}_{tag}_e"),
+            helper.make_node("Reshape", [f"{base}_{tag}_e", base + "_kbs"], [f"{base}_{tag}_kbs"], name=f"{base}_{tag}_r")])
+        return f"{base}_{tag}_kbs"
+
+    rows = base + "_rows_scaled"
+    nodes.append(helper.make_node("Mul", [base + "_rows", per_element(base + "_scale", "scale")], [rows], name=base + "_mul"))
+    if q.mins is not None:
+        nodes.append(helper.make_node("Add", [rows, per_element(base + "_min", "min")], [base + "_rows_min"], name=base + "_add"))
+        rows = base + "_rows_min"
+    nodes.append(helper.make_node("Transpose", [rows], [out], perm=[1, 2, 0], name=base + "_to_rows"))
+    return nodes
+
+
 def _quantized_gather(node, name: str, q: QuantWeight, dtype, inits: list) -> list:
     """Gather the INT8 rows, DequantizeLinear with a unit scale (exact), times the rows' scales."""
     from onnx import helper, numpy_helper
@@ -413,9 +483,10 @@ def needs_opset_21(plan: dict[str, QuantWeight], embed: str) -> bool:
 
 def summary(plan: dict[str, QuantWeight]) -> dict:
     """The manifest's record of the weights: formats by count and bytes."""
-    by = {}
+    by, seen = {}, set()
     for q in plan.values():
         r = by.setdefault(q.origin, {"tensors": 0, "bytes": 0})
         r["tensors"] += 1
-        r["bytes"] += q.nbytes
+        r["bytes"] += 0 if id(q) in seen else q.nbytes  # a tied head and its table: one copy
+        seen.add(id(q))
     return by

@@ -61,11 +61,45 @@ def decoded_weights(onnx_path) -> dict[str, np.ndarray]:
         else:  # per output channel: scales [N] along axis 1
             wt = codes * scale[None, :]
         out[_name(base)] = wt.T
+    shared = [n for n in m.graph.node if n.name.endswith("_table_to_rows")]
+    if shared:  # a tied table read from the head's initializers: the lookup subgraph run on every id
+        out["embed.weight"] = table_lookup(m, shared[0].output[0], codes_shape(inits, shared[0]))
     if "embed_weight_q" in inits:  # the Gather's table: rows times their (block) scales
         codes, scale = arr("embed_weight_q"), arr("embed_weight_scale")  # [V, E] & [V, 1] or [V, E/B, B] & [V, E/B, 1]
         rows = codes * scale + (arr("embed_weight_min") if "embed_weight_min" in inits else 0.0)
         out["embed.weight"] = rows.reshape(codes.shape[0], -1)
     return out
+
+
+def codes_shape(inits, node) -> tuple[int, int]:
+    """[K, V] of the head's codes a shared table lookup reads."""
+    k, v = inits[node.name[: -len("_table_to_rows")] + "_q"].dims
+    return int(k), int(v)
+
+
+def table_lookup(m: onnx.ModelProto, out: str, kv: tuple[int, int]) -> np.ndarray:
+    """The embedding rows [V, K] the graph's own lookup nodes compute for ids 0..V-1 (onnxruntime
+    running only the nodes `out` depends on)."""
+    import onnxruntime as ort
+
+    k, v = kv
+    producers = {o: n for n in m.graph.node for o in n.output}
+    inits = {i.name: i for i in m.graph.initializer}
+    need, todo, used = [], [out], set()
+    while todo:
+        t = todo.pop()
+        if t in producers and producers[t].name not in used:
+            used.add(producers[t].name)
+            need.append(producers[t])
+            todo.extend(producers[t].input)
+    need.sort(key=lambda n: list(m.graph.node).index(n))
+    ids = next(i for i in m.graph.input if i.name == "input_ids")
+    names = {i for n in need for i in n.input}
+    g = onnx.helper.make_graph(need, "lookup", [ids], [onnx.helper.make_tensor_value_info(out, TensorProto.FLOAT, None)],
+                               [inits[n] for n in names if n in inits])
+    sub = onnx.helper.make_model(g, opset_imports=list(m.opset_import), ir_version=m.ir_version)
+    s = ort.InferenceSession(sub.SerializeToString(), providers=["CPUExecutionProvider"])
+    return s.run(None, {"input_ids": np.arange(v, dtype=np.int64)[None]})[0][0].astype(np.float64)
 
 
 def graph_norms(onnx_path) -> dict[str, np.ndarray]:
@@ -251,9 +285,10 @@ def test_gguf_blocks_reproduced_exactly(gguf_bundle):
     assert {"gguf Q4_0", "gguf Q4_1", "gguf Q8_0"} <= set(stored)
 
 
-def test_tied_head_is_the_tables_own_q8_0_blocks(tmp_path):
+def test_tied_head_is_the_tables_own_q8_0_blocks(tmp_path, monkeypatch):
     """A tied GGUF (no output.weight: SmolLM2's case) stores its head from the table's Q8_0 blocks
-    as they are, not requantized."""
+    as they are, not requantized, and only once: the lookup reads the head's initializers (also
+    after the engine build's per-channel rewrite), and onnxruntime still fuses the head."""
     from export.bundle import export_bundle
     from tests.test_gguf import write_gguf
 
@@ -264,6 +299,22 @@ def test_tied_head_is_the_tables_own_q8_0_blocks(tmp_path):
     got = decoded_weights(b.onnx_path)
     np.testing.assert_array_equal(got["lm_head.weight"], got["embed.weight"])
     assert b.manifest["weights"]["stored"]["gguf Q8_0"]["tensors"] == 2
+    # stored once: the lookup's table is the head's very bytes in the weights file
+    m = onnx.load(str(b.onnx_path), load_external_data=False)
+    where = {i.name: {e.key: e.value for e in i.external_data} for i in m.graph.initializer if i.external_data}
+    assert where["lm_head_weight_table_q"] == where["lm_head_weight_q"]
+    assert where["lm_head_weight_table_scale"] == where["lm_head_weight_scale"]
+    regions = {(int(w.get("offset", 0)), int(w["length"])) for w in where.values()}
+    assert (b.onnx_path.parent / "model.onnx.data").stat().st_size == sum(ln for _, ln in regions)
+    q = b.manifest["weights"]["matrices"]
+    assert q["lm_head.weight"]["bytes"] == 0 and q["embed.weight"]["bytes"] > 0
+    # the engine build's per-channel head leaves the table's own copy as stored; every rule passes
+    m = onnx.load(str(b.onnx_path))
+    tensorrt_graph(m, b.onnx_path.parent)
+    np.testing.assert_array_equal(decoded_weights(m)["embed.weight"], got["embed.weight"])
+    assert check_model(m, "10.3") == []
+    ops = optimized_ops(b.onnx_path.parent, monkeypatch, tmp_path)
+    assert ops["MatMulNBits"] == 2 * 4 + 1 and ops["float tables"] == 0
 
 
 def test_tensorrt_gets_the_q8_0_head_per_channel(gguf_bundle):
