@@ -220,3 +220,38 @@ def test_llama_cpp_help_names_the_build_flags(cmd):
     r = subprocess.run([sys.executable, "-m", "edgekv", cmd, "--help"], capture_output=True, text=True, cwd=ROOT)
     text = " ".join(r.stdout.split())  # argparse wraps lines
     assert f'CMAKE_ARGS="{bench.LLAMA_CPP_FLAGS}"' in text and "GGML_NATIVE=ON" not in text
+
+
+def test_attentions_take_turns_with_llama_cpp(tiny_bundle_float, fake_llama, tmp_path):
+    """--attention plain,fused: each attention in its own process, llama.cpp once per round
+    (--repeat rounds), the bundle's rows say which graph ran, and each ratio is the median of
+    the per-round ratios (median_ratios, checked on its own below)."""
+    fake, gguf, log = fake_llama
+    out = tmp_path / "bench.json"
+    env = dict(os.environ, PYTHONPATH=f"{fake}{os.pathsep}{ROOT}", FAKE_LLAMA_LOG=str(log))
+    r = subprocess.run([sys.executable, "-m", "edgekv", "bench", str(tiny_bundle_float), "--attention", "plain,fused",
+                        "--prompt-lengths", "8", "--capacities", "32", "--fill", "8", "--decode-tokens", "2",
+                        "--rss-tokens", "10", "--repeat", "2", "--threads", "1", "--json", str(out),
+                        "--llama-cpp", str(gguf)], capture_output=True, text=True, env=env, cwd=ROOT, timeout=900)
+    assert r.returncode == 0, r.stderr
+    recs = [json.loads(line) for line in log.read_text().splitlines()]
+    assert sum("init" in x for x in recs) == 2  # llama.cpp once per round
+    d = json.loads(out.read_text())
+    assert d["rounds"] == 2 and [b["fused"] for b in d["bundles"]] == [False, True]
+    assert d["bundles"][1]["attention"].startswith("attention: fused")
+    assert all(b["vs_llama_cpp"]["rounds"] == 2 for b in d["bundles"])
+    assert r.stderr.count("round 2/2, 2/2") == 1 and "[fused]" in r.stdout and "load average" in r.stdout
+
+
+def test_median_ratios_are_medians_of_the_rounds():
+    rounds = [{"by_prompt": [{"prompt_tokens": 64, "decode_ratio": x, "ttft_ratio": 1 / x}], "peak_rss_ratio": x / 2}
+              for x in (1.0, 3.0, 1.6)]
+    m = bench.median_ratios(rounds)
+    assert m["by_prompt"] == [{"prompt_tokens": 64, "decode_ratio": 1.6, "ttft_ratio": 1 / 1.6}]
+    assert m["peak_rss_ratio"] == 0.8 and m["rounds"] == 3
+
+
+def test_an_unknown_attention_is_one_line(tiny_bundle_float):
+    r = subprocess.run([sys.executable, "-m", "edgekv", "bench", str(tiny_bundle_float), "--attention", "plain,fast"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode != 0 and r.stderr.count("\n") == 1 and "fast" in r.stderr and "fused" in r.stderr
