@@ -510,9 +510,12 @@ class Transformer(nn.Module):
             cos, sin = cos * amp, sin * af
         return tuple(t.to(dtype).transpose(0, 1)[:, :, None] for t in (cos, sin))
 
-    def forward(self, input_ids, position_ids, key_mask, logits_index, *past, key_positions=None):
-        """key_positions [B, P+S] (the position of each key slot): only for the sliding-window
-        layers, which the graph contract cannot express yet (docs/models.md); torch only."""
+    def forward(self, input_ids, position_ids, key_mask, logits_index, *past, key_positions=None,
+                local_key_positions=None):
+        """Only for the sliding-window layers, which the graph contract cannot express yet
+        (docs/models.md; torch only): key_positions [B, P+S], the position of each key slot; or
+        local_key_positions [B, P_local+S], those of the local layers' own shorter past (a
+        windowed cache: their past tensors hold P_local slots)."""
         n = len(self.scheme.tensors)  # tensors per layer for K, and again for V
         assert len(past) == 2 * n * self.cfg.n_layers, (len(past), n)
         x = self.embed(input_ids)  # [B, S, E]
@@ -524,7 +527,9 @@ class Transformer(nn.Module):
         allowed = {"global": key_mask, None: key_mask}  # [B, S, P+S]
         if self.cfg.local_layers:
             tables["local"] = self.rope_tables(position_ids, self.inv_freq_local, x.dtype)
-            allowed["local"] = key_mask & self.window_mask(position_ids, key_positions)
+            allowed["local"] = (self.window_mask(position_ids, local_key_positions, own=True)
+                                if local_key_positions is not None
+                                else key_mask & self.window_mask(position_ids, key_positions))
         rot = self.rot.to(x.dtype)
         presents = []
         for i, layer in enumerate(self.layers):
@@ -539,11 +544,13 @@ class Transformer(nn.Module):
         logits = self.lm_head(self.norm(x)).float()  # [B, K, V]
         return (logits, *presents)
 
-    def window_mask(self, position_ids, key_positions):
-        """[B, S, P+S]: key j within the sliding window of query i (q_pos - k_pos < window)."""
+    def window_mask(self, position_ids, key_positions, own: bool = False):
+        """[B, S, P+S]: key j within the sliding window of query i (q_pos - k_pos < window);
+        own: a windowed cache's slots, which hold nothing later than the query (0 <= q - k)."""
         if key_positions is None:
             raise UnsupportedModel(WINDOW_UNSUPPORTED)
-        return (position_ids[:, :, None] - key_positions[:, None, :]) < self.cfg.sliding_window
+        d = position_ids[:, :, None] - key_positions[:, None, :]  # [B, S, T]
+        return ((d >= 0) if own else True) & (d < self.cfg.sliding_window)
 
     def past_like(self, slots: int, batch: int, dtype=torch.float32):
         cfg = self.cfg

@@ -82,9 +82,9 @@ def test_torch_matches_transformers(name, folders):
         assert ref.abs().max() > 0.1  # not degenerate
         torch.testing.assert_close(out, ref, atol=2e-4, rtol=1e-4)
         prompt, n = ids[:, :12], 12
-        hf_cached = hf.generate(prompt, max_new_tokens=n, do_sample=False, use_cache=True, min_new_tokens=n,
+        hf_cached = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, do_sample=False, use_cache=True, min_new_tokens=n,
                                 eos_token_id=None, pad_token_id=0)[0, 12:].tolist()
-        hf_plain = hf.generate(prompt, max_new_tokens=n, do_sample=False, use_cache=False, min_new_tokens=n,
+        hf_plain = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, do_sample=False, use_cache=False, min_new_tokens=n,
                                eos_token_id=None, pad_token_id=0)[0, 12:].tolist()
         toks, steps = greedy_cached(ours, prompt, n)
         uncached = forward(ours, torch.cat([prompt, torch.tensor([toks])], 1))[0][11:]
@@ -138,17 +138,18 @@ def test_int8_bundle_greedy_follows_transformers(name, folders, int8_bundles):
     """The int8-KV bundle (ONNX = torch by the exporter's parity check, which it passed) decodes
     transformers' greedy tokens through the runtime, a different token only where transformers'
     own top two are within the parity tolerance (quantization noise), and nothing after it compared."""
+    from edgekv.format.bundle import load_bundle
     from edgekv.runtime.assemble import open_runtime
 
     path = int8_bundles(name)
-    manifest = json.loads((path / "manifest.json").read_text())
+    manifest = load_bundle(path).manifest
     assert manifest["parity"]["passed"] and manifest["trt_check"] == {"10.3": "pass"}
     tol = manifest["parity"]["outputs"]["logits (decode)"]["tol"]
     prompt = torch.randint(0, 384, (1, 12), generator=torch.Generator().manual_seed(3))
     n = 16
     hf = hf_model(folders(name))
     with torch.no_grad():
-        out = hf.generate(prompt, max_new_tokens=n, do_sample=False, min_new_tokens=n, eos_token_id=None,
+        out = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n, do_sample=False, min_new_tokens=n, eos_token_id=None,
                           pad_token_id=0, output_scores=True, return_dict_in_generate=True)
     ref, scores = out.sequences[0, 12:].tolist(), [s[0].numpy() for s in out.scores]
     with open_runtime(path, 64, "ort-cpu", threads=1) as rt:
@@ -230,4 +231,32 @@ def test_chat_template_renders_as_transformers(name, thinking, folders):
         chat_template = src.chat_template
         path = folder
 
-    assert TextCodec(B()).render(CONVERSATION, enable_thinking=thinking) == ref
+    codec = TextCodec(B())
+    assert codec.render(CONVERSATION, enable_thinking=thinking) == ref
+    assert codec.with_thinking(thinking).render(CONVERSATION) == ref  # chat --thinking off's codec
+
+
+def test_gemma3_windowed_cache_equals_the_full_cache_masked(folders):
+    """The local layers keeping only their window of K/V (a per-layer capacity, the slots a
+    ring would hold) give the same logits as the full cache with the out-of-window keys
+    masked, decoding well past the window (torch: the runtime half is designed, docs/models.md)."""
+    model = ours_from(load_hf_folder(folders("gemma3")))
+    cfg, W = model.cfg, model.cfg.sliding_window
+    local = set(cfg.local_layers)
+    ids = torch.randint(0, 384, (1, 3 * W + 5), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        logits, full = forward(model, ids[:, :W])  # prefill W tokens, then one at a time
+        windowed = list(full)
+        for t in range(W, ids.shape[1]):
+            tok = ids[:, t:t + 1]
+            a, pres_a = forward(model, tok, t, full)
+            keep = W - 1  # a local layer's past: the last W - 1 positions (the query is the W-th)
+            trimmed = [x[-keep:] if i // 2 in local else x for i, x in enumerate(windowed)]
+            p_local = trimmed[0 if 0 in local else 2 * min(local)].shape[0]
+            out = model(tok, torch.tensor([[t]]), causal_mask(t, 1), torch.tensor([[0]]), *trimmed,
+                        key_positions=torch.arange(t + 1)[None],
+                        local_key_positions=torch.arange(t - p_local, t + 1)[None])
+            torch.testing.assert_close(out[0][0], a[-1:], atol=1e-5, rtol=1e-5)  # float reassociation only
+            full = [torch.cat([x, y], 0) for x, y in zip(full, pres_a)]
+            windowed = [torch.cat([x, y], 0) for x, y in zip(trimmed, out[1:])]
+    assert min(x.shape[0] for x in windowed) == W  # the local layers held only their window

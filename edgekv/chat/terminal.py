@@ -9,6 +9,7 @@ from edgekv.chat.session import ChatSession
 from edgekv.errors import EdgeKVError
 from edgekv.runtime.assemble import open_runtime
 from edgekv.runtime.generate import kv_line, ring_note, stats_line, stats_record
+from edgekv.runtime.reasoning import CLOSE, OPEN, ReasoningSplitter, split_reply
 from edgekv.runtime.sampling import sampling_from
 
 HELP = """commands:
@@ -43,7 +44,9 @@ def cmd_chat(args, explain=EdgeKVError.explain) -> int:
 def chat_loop(args, rt, explain) -> int:
     # one conversation: a pool of --ctx cells, no prefix cache (the conversation's cells are its own)
     engine = rt.engine(parallel=1, max_queue=1, max_prefixes=0)
-    session = ChatSession(rt.bundle, rt.codec, engine, sampling_from(args), args.system, args.max_new_tokens,
+    thinking = getattr(args, "thinking", "show")
+    codec = rt.codec.with_thinking(False) if thinking == "off" else rt.codec
+    session = ChatSession(rt.bundle, codec, engine, sampling_from(args), args.system, args.max_new_tokens,
                           args.context)
     interactive = sys.stdin.isatty() and not args.json
     if args.system or args.prompt_cache:
@@ -85,17 +88,21 @@ def chat_loop(args, rt, explain) -> int:
                 print("\n(interrupted; Ctrl-D or /quit to exit)", file=sys.stderr, flush=True)
             continue
         out = sys.stdout
-        write = (lambda s: (out.write(s), out.flush())) if not args.json else None
+        printer = ReplyPrinter(out, show_reasoning=thinking == "show")
         try:
-            text, st = session.reply(line, write)
+            text, st = session.reply(line, printer.write if not args.json else None)
+            printer.finish()
         except EdgeKVError as e:  # the turn was rolled back: the conversation is as before it
             if not args.json:
+                printer.finish()  # no dimming left on
                 out.write("\n")  # end a reply that had started streaming
                 out.flush()
             print(f"error: {explain(e)}", file=sys.stderr, flush=True)
             continue
         if args.json:
-            print(json.dumps({"user": line, "text": text, **stats_record(st, session.cache, session.seq),
+            part = split_reply(text)
+            said = {"text": part.content, "reasoning": part.reasoning} if part.reasoning else {"text": text}
+            print(json.dumps({"user": line, **said, **stats_record(st, session.cache, session.seq),
                               "dropped_turns": session.dropped_turns, "context": args.context}), flush=True)
         else:
             out.write("\n")
@@ -104,6 +111,41 @@ def chat_loop(args, rt, explain) -> int:
                 print("[stopped] (the turn is discarded; the conversation is as before it)", file=sys.stderr, flush=True)
             else:
                 print(f"{dim[0]}{session_stats(session)}{dim[1]}", file=sys.stderr, flush=True)
+
+
+class ReplyPrinter:
+    """A streamed reply on `out`: its <think> part dimmed (a terminal) or between its tags (a
+    pipe), or not printed; the answer as it comes (edgekv/runtime/reasoning.py splits them)."""
+
+    def __init__(self, out, show_reasoning: bool):
+        self.out, self.show = out, show_reasoning
+        self.split = ReasoningSplitter()
+        tty = hasattr(out, "isatty") and out.isatty()
+        self.marks = ("\033[2m", "\033[0m") if tty else (OPEN, CLOSE + "\n")
+        self.in_reasoning = False
+
+    def write(self, piece: str) -> None:
+        self._emit(self.split.push(piece))
+
+    def finish(self) -> None:
+        self._emit(self.split.flush())
+        self._end_reasoning()
+
+    def _emit(self, part) -> None:
+        if part.reasoning and self.show:
+            if not self.in_reasoning:
+                self.out.write(self.marks[0])
+                self.in_reasoning = True
+            self.out.write(part.reasoning)
+        if part.content:
+            self._end_reasoning()
+            self.out.write(part.content)
+        self.out.flush()
+
+    def _end_reasoning(self) -> None:
+        if self.in_reasoning:
+            self.out.write(self.marks[1])
+            self.in_reasoning = False
 
 
 def is_utf8(line: str) -> bool:

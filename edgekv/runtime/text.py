@@ -19,6 +19,7 @@ class TextCodec:
             raise BundleError(f"{bundle.path}: corrupt bundle (cannot read {bundle.tokenizer_path.name}: "
                               f"{str(e).splitlines()[0][:120]})") from None
         self.special = bundle.special
+        self.enable_thinking = None  # the template's thinking mode when a render does not say (None: its default)
         self.stop_ids = set(bundle.special.get("stop_token_ids") or [])
         self.template = None
         if bundle.chat_template:
@@ -41,14 +42,24 @@ class TextCodec:
     def render(self, messages: list[dict], add_generation_prompt: bool = True,
                enable_thinking: bool | None = None) -> str:
         """enable_thinking: passed to the template (Qwen3's and SmolLM3's thinking mode) only
-        when given, so that None leaves the template's own default."""
+        when given (here or by with_thinking), so that None leaves the template's own default."""
         if self.template is None:  # no template: plain "role: content" lines
             text = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
             return text + ("assistant: " if add_generation_prompt else "")
+        if enable_thinking is None:
+            enable_thinking = self.enable_thinking
         extra = {} if enable_thinking is None else {"enable_thinking": bool(enable_thinking)}
         return render_bounded(self.template, messages=messages, add_generation_prompt=add_generation_prompt,
                               bos_token=self.special.get("bos_token") or "", eos_token=self.special.get("eos_token") or "",
                               **extra)
+
+    def with_thinking(self, enable: bool | None) -> "TextCodec":
+        """A codec whose renders pass enable_thinking=`enable` unless told otherwise (chat --thinking off)."""
+        import copy
+
+        c = copy.copy(self)
+        c.enable_thinking = enable
+        return c
 
     def chat_ids(self, messages: list[dict], add_generation_prompt: bool = True,
                  enable_thinking: bool | None = None) -> list[int]:
