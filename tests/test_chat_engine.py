@@ -18,6 +18,7 @@ from edgekv.runtime.generate import Generator
 from edgekv.runtime.sampling import SamplingParams
 from edgekv.runtime.text import TextCodec
 from tests.conftest import chat_engine
+from tests.ring_reference import RingSequence
 from tests.test_chat_invariants import Interrupting, fresh_greedy, small_bundle  # noqa: F401  (fixture)
 from tests.test_chat_invariants import pool_holds_exactly_the_conversation as refs_ok
 
@@ -27,6 +28,13 @@ END_TURN_LINE = next(i for i, l in enumerate(open(ChatSession.reply.__code__.co_
                      if "return text, self.last" in l and i > ChatSession.reply.__code__.co_firstlineno)
 QS = ["What is the capital of France?", "And of Germany?", "Tell me about trains and tea.", "Go on.",
       "robots?", "Café 東京 🙂", "x", "Der schnelle braune Fuchs."]
+
+
+def ring_sequence(ctx, bundle, sinks):
+    """The test-only single-stream ring (tests/ring_reference.py), the oracle of chat's."""
+    seq = RingSequence(ctx, bundle.max_context)
+    seq.enable_ring(sinks)
+    return seq
 
 
 def make(path, ctx, context, max_new=12, chunk=8, params=None):
@@ -241,8 +249,7 @@ def test_ring_matches_sequence_ring_token_by_token(tiny_bundle_int8, params):
     ctx = 56
     s = make(tiny_bundle_int8, ctx, "ring", max_new=100, chunk=1, params=params)
     b = s.bundle
-    g = Generator(OrtBackend(b, threads=1), KVCache(b, ctx), prefill_chunk=1)
-    g.seq.enable_ring(s.seq.sinks)
+    g = Generator(OrtBackend(b, threads=1), KVCache(b, ctx), ring_sequence(ctx, b, s.seq.sinks), prefill_chunk=1)
     rng = np.random.default_rng(params.seed)
     log = []
     real = s.batcher.submit
@@ -361,8 +368,7 @@ def test_old_format_wrapped_ring_file_loads_in_position_order(tiny_bundle_int8, 
     t = make(tiny_bundle_int8, ctx, "ring")
     sinks = t.seq.sinks
     b = t.bundle
-    g = Generator(OrtBackend(b, threads=1), KVCache(b, ctx), prefill_chunk=7)
-    g.seq.enable_ring(sinks)
+    g = Generator(OrtBackend(b, threads=1), KVCache(b, ctx), ring_sequence(ctx, b, sinks), prefill_chunk=7)
     rs = np.random.default_rng(wrapped_at)
     g.prefill(rs.integers(3, 300, ctx + (ctx - sinks) + wrapped_at).tolist())
     assert g.seq.n == ctx and g.seq.pos > ctx

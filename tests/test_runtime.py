@@ -7,12 +7,19 @@ from edgekv.runtime.cache import KVCache
 from edgekv.errors import ContextOverflow, EdgeKVError
 from edgekv.runtime.generate import Generator
 from edgekv.runtime.sequence import Sequence
+from tests.ring_reference import RingSequence
 from edgekv.format.bundle import load_bundle
 
 
-def runtime(path, capacity=128, rows=64, chunk=256):
+def runtime(path, capacity=128, rows=64, chunk=256, sinks=None):
+    """A Generator; with `sinks`, over the test-only ring (tests/ring_reference.py)."""
     b = load_bundle(path)
-    return Generator(OrtBackend(b, threads=1, max_logits_rows=rows), KVCache(b, capacity), prefill_chunk=chunk)
+    cache = KVCache(b, capacity)
+    seq = None
+    if sinks is not None:
+        seq = RingSequence(capacity, cache.max_positions)
+        seq.enable_ring(sinks)
+    return Generator(OrtBackend(b, threads=1, max_logits_rows=rows), cache, seq, prefill_chunk=chunk)
 
 
 def ids(n, seed=0, vocab=300):
@@ -93,8 +100,7 @@ def test_ring_cache_equals_a_linear_cache_that_masks_evicted_tokens(fixture, req
     path = request.getfixturevalue(fixture)
     C, k = 16, 3
     seq = ids(40, seed=5)
-    ring = runtime(path, capacity=C, chunk=4)
-    ring.seq.enable_ring(k)
+    ring = runtime(path, capacity=C, chunk=4, sinks=k)
     got = [ring.prefill(seq[:10]).copy()] + [ring.decode_step(t).copy() for t in seq[10:]]
     assert ring.seq.n == C and ring.seq.pos == len(seq)
 
@@ -124,16 +130,14 @@ def test_ring_cache_equals_a_linear_cache_that_masks_evicted_tokens(fixture, req
 
 
 def test_ring_prefill_crosses_the_wrap_and_refuses_undo(tiny_bundle_int8):
-    g = runtime(tiny_bundle_int8, capacity=16, chunk=7)
-    g.seq.enable_ring(2)
+    g = runtime(tiny_bundle_int8, capacity=16, chunk=7, sinks=2)
     g.prefill(ids(50, seed=6))  # chunks are cut at the buffer's end
     assert g.seq.n == 16 and 2 <= g.seq.w < 16 and g.seq.pos == 50
     with pytest.raises(ValueError, match="wrapped"):
         g.truncate(4)
     # a wrapped ring is saved with its write slot and continues the same after a restore
     snap, w = g.snapshot(), g.seq.w
-    h = runtime(tiny_bundle_int8, capacity=16, chunk=7)
-    h.seq.enable_ring(2)
+    h = runtime(tiny_bundle_int8, capacity=16, chunk=7, sinks=2)
     h.restore(snap, g.seq.ids, w=w)
     assert h.seq.pos == g.seq.pos
     for t in ids(5, seed=7):
@@ -169,7 +173,7 @@ def test_an_interrupted_prefill_leaves_the_sequence_at_its_last_completed_call(t
 def test_a_call_never_runs_past_the_verified_positions(ring):
     """Positions stop at the bundle's verified context, for a linear sequence whose slots would
     still have room and for a ring (whose slots never run out): exactly that many, not one more."""
-    seq = Sequence(capacity=64 if not ring else 16, max_positions=20)
+    seq = (RingSequence if ring else Sequence)(capacity=64 if not ring else 16, max_positions=20)
     if ring:
         seq.enable_ring(4)
     seq.advance(list(range(12)))

@@ -311,3 +311,80 @@ def test_cached_conversations_do_not_lengthen_the_past_a_step_binds(rt_float, mo
     want_toks, want_rows = alone(rt_float, turn, 6)
     assert again.out == want_toks
     np.testing.assert_allclose(np.stack(again.logits), np.stack(want_rows), atol=1e-4, rtol=1e-4)
+
+
+class OnlyThese:
+    """A test Constraint: only `allowed` tokens may come next; done after `done_after` tokens."""
+
+    def __init__(self, vocab, allowed, done_after=None):
+        self.mask = np.zeros(vocab, np.bool_)
+        self.mask[list(allowed)] = True
+        self.accepted, self.done_after = [], done_after
+
+    def allowed(self):
+        return self.mask
+
+    def accept(self, token):
+        if not self.mask[token]:
+            raise ValueError(f"token {token} was not allowed")
+        self.accepted.append(token)
+
+    def is_done(self):
+        return self.done_after is not None and len(self.accepted) >= self.done_after
+
+
+def test_a_constraint_makes_greedy_pick_among_its_tokens_alone_and_in_a_batch(rt_float):
+    """Post-processing masks each row with the request's constraint before sampling and tells it
+    the token after: greedy picks the best allowed token (the oracle: the argmax of the
+    recorded, unconstrained row over the allowed set), alone and beside unconstrained requests."""
+    vocab = rt_float.bundle.model["vocab_size"]
+    allowed = list(range(40, 60))
+    prompt = ids(11, 30)
+
+    def constrained():
+        return Request(prompt, 6, record_logits=True, constraint=OnlyThese(vocab, allowed))
+
+    alone_engine = rt_float.batcher(capacity=256, parallel=4, prefill_chunk=8)
+    solo = alone_engine.submit(constrained())
+    run_until_done(alone_engine, [solo])
+    engine = rt_float.batcher(capacity=256, parallel=4, prefill_chunk=8)
+    others = [Request(ids(9, 31), 6), Request(ids(13, 32), 6)]
+    batched = constrained()
+    for r in (others[0], batched, others[1]):
+        engine.submit(r)
+    run_until_done(engine, [batched, *others])
+    for r in (solo, batched):
+        assert r.finish_reason == "length" and len(r.out) == 6 and r.ask.constraint.accepted == r.out
+        want = [allowed[int(np.argmax(row[allowed]))] for row in r.logits]
+        assert r.out == want
+        assert any(int(np.argmax(row)) not in allowed for row in r.logits)  # the mask changed something
+    assert batched.out == solo.out
+    for r in others:  # the neighbours are unconstrained
+        assert r.out == alone(rt_float, r.prompt, 6)[0]
+
+
+def test_a_done_constraint_ends_the_request_with_stop(rt_float):
+    vocab = rt_float.bundle.model["vocab_size"]
+    engine = rt_float.batcher(capacity=256, parallel=4, prefill_chunk=8)
+    r = engine.submit(Request(ids(11, 33), 20, constraint=OnlyThese(vocab, range(40, 60), done_after=3)))
+    run_until_done(engine, [r])
+    assert r.finish_reason == "stop" and len(r.out) == 3
+
+
+def test_teacher_forced_rows_equal_the_generators(rt_float):
+    """`logits_from` returns the rows of the prompt's tokens from that index on as they are fed
+    (over several chunks, beside another request, and on a kept sequence): the oracle is the
+    Generator's prefill with all_logits."""
+    prompt = ids(40, 34)
+    g = rt_float.generator(capacity=128, prefill_chunk=8)
+    want = g.prefill(prompt, all_logits=True, logits_from=13)
+    engine = rt_float.batcher(capacity=256, parallel=4, prefill_chunk=8)
+    other = engine.submit(Request(ids(9, 35), 5))
+    scored = engine.submit(Request(prompt, 1, logits_from=13))
+    run_until_done(engine, [other, scored])
+    np.testing.assert_allclose(np.stack(scored.logits), want, atol=1e-4, rtol=1e-4)
+    assert other.out == alone(rt_float, other.prompt, 5)[0]
+    chat = rt_float.batcher(capacity=128, parallel=1, max_queue=1, prefill_chunk=8, max_prefixes=0)
+    seq = chat.hold()
+    kept = chat.run(Request(prompt, 0, seq=seq, logits_from=13))
+    np.testing.assert_allclose(np.stack(kept.logits), want, atol=1e-4, rtol=1e-4)

@@ -40,7 +40,7 @@ def rt(tiny_bundle_int8):
 @contextmanager
 def serving(rt, codec=None, parallel=4, max_queue=64, **server_kw):
     """A Server over a fresh engine (256 cells), served on 127.0.0.1: (server, engine, url)."""
-    engine = rt.engine(capacity=256, parallel=parallel, max_queue=max_queue, prefill_chunk=32).start()
+    engine = rt.batcher(capacity=256, parallel=parallel, max_queue=max_queue, prefill_chunk=32).start()
     server = Server(engine, codec or rt.codec, rt.bundle.manifest["name"], **server_kw)
     srv = BackgroundServer(server.app())
     try:
@@ -264,7 +264,7 @@ def test_several_api_keys_each_its_own_tenant(rt):
             r = chat(url, {}, headers={"Authorization": f"Bearer {bad}"})
             assert is_openai_error(r, 401) and r.json()["error"]["type"] == "authentication_error"
         assert is_openai_error(chat(url, {}), 401)
-        a, b, a2 = (r.tenant for r in seen)
+        a, b, a2 = (r.ask.tenant for r in seen)
         assert a == a2 and a != b and a and b  # stable per key, distinct between keys
         assert "key" not in a + b  # not the key itself
     with serving(rt) as (server, engine, url):

@@ -204,17 +204,16 @@ class ChatSession:
         loaded = len(saved.meta["messages"]) // 2, saved.n
         conversation = saved.meta.get("conversation") or self.conversation_id  # (older files have none)
         before = self._loaded_state()
-        whole = False
+        turn = None
         try:
-            with self.batcher.turn():
+            with self.batcher.turn() as turn:
                 self._set_loaded_state((saved.meta["system"], saved.meta["messages"], 0, None, str(path),
                                         conversation, []))
                 persistence.restore(self, saved)
-                whole = True
             return loaded
         except BaseException:
-            if whole:  # the load is whole (an interrupt in turn()'s own commit): keep it
-                self.batcher.commit_turn()
+            if turn is not None and turn.committed:  # the load is whole (the interrupt came after): keep it
+                self.batcher.commit_turn()  # (closed already, unless it landed inside the commit)
                 return loaded
             self.batcher.rollback()
             self._set_loaded_state(before)

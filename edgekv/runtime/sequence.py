@@ -1,90 +1,30 @@
-"""Sequence: one conversation's place in the KV cache, and the only writer of it.
+"""Sequence: one stream's place in its own KV cache (generate, eval, bench), and the only writer of it.
 
-It says which slots are filled (`n`), where the next call writes (`w`), which RoPE position
-comes next (`pos`), which token ids were fed since the last reset (`ids`), and for a ring
-(StreamingLLM) how many slots at the start are kept forever (`sinks`). The cache (cache.py) is
-only the buffers; a backend reads a sequence to know which slots to bind, and the generator
-records each call with `advance`. Nothing else writes these fields: they are read-only
-properties, changed through the methods below.
+It says which slots are filled (`n`), where the next call writes (`w`, always `n`: slot i holds
+position i), which RoPE position comes next (`pos`) and which token ids were fed since the last
+reset (`ids`). The cache (cache.py) is only the buffers; a backend reads a sequence to know
+which slots to bind, and the generator records each call with `advance`. Nothing else writes
+these fields: they are read-only properties, changed through the methods below.
 
-A linear sequence fills slots 0, 1, 2, ... and its slot i holds position i. A ring keeps slots
-[0, sinks) and overwrites the oldest of [sinks, capacity) once full; positions keep growing, so
-the filled slots are no longer in order ("wrapped")."""
+A single stream never wraps: the ring (StreamingLLM) is chat's, on the batcher's pool sequence
+(batching/poolseq.py); tests/ring_reference.py keeps a ring of this kind as a test oracle."""
 from __future__ import annotations
 
 import numpy as np
 
 from edgekv.errors import ContextOverflow, EdgeKVError
 
-NO_LIMIT = 1 << 62
 
-
-class FedTokens:
-    """What a Sequence (slots of its own cache) and the engine's Held (cells of a shared pool)
-    share: the token ids fed since the last reset, a ring's sinks, and the size checks of a saved
-    state. A subclass says how many tokens it holds now (`n`)."""
+class Sequence:
+    wrapped = False  # (the stats line asks every sequence)
 
     def __init__(self, capacity: int, max_positions: int):
-        self.capacity = capacity  # slots (cells) it may fill
+        self.capacity = capacity  # slots it may fill
         self.max_positions = max_positions  # positions the bundle was verified for
         self._ids: list[int] = []  # token ids fed since the last reset, in order
-        self._sinks: int | None = None  # ring: the first `sinks` slots are kept forever, the rest wrap
-
-    @property
-    def n(self) -> int:
-        raise NotImplementedError
-
-    @property
-    def ids(self) -> list[int]:
-        """A copy of the token ids fed since the last reset."""
-        return list(self._ids)
-
-    @property
-    def sinks(self) -> int | None:
-        return self._sinks
-
-    @property
-    def ring(self) -> bool:
-        return self._sinks is not None
-
-    def recent(self, k: int) -> list[int]:
-        """The last k token ids fed (the sampler's repetition window)."""
-        return self._ids[-k:] if k > 0 else []
-
-    def enable_ring(self, sinks: int) -> None:
-        """Make this (empty) sequence a ring that keeps its first `sinks` slots."""
-        if self.n:
-            raise ValueError("a ring is set up on an empty sequence")
-        if not 0 <= sinks < self.capacity - 1:
-            raise EdgeKVError(f"ring cache: {sinks} sink slots leave no ring in a capacity of {self.capacity}")
-        self._sinks = sinks
-
-    def disable_ring(self) -> None:
-        """Make this sequence linear again (a ring only while it is empty)."""
-        if self.ring and self.n:
-            raise ValueError("a ring is set up on an empty sequence")
-        self._sinks = None
-
-    def _check_capacity(self, n: int) -> None:
-        if n > self.capacity:
-            raise ContextOverflow(f"snapshot holds {n} tokens, more than the cache capacity {self.capacity}",
-                                  setting="capacity", fix="raise {}")
-
-    def _check_positions(self, ids: list[int]) -> None:
-        if len(ids) > self.max_positions:
-            raise ContextOverflow(f"snapshot holds {len(ids)} positions, more than the {self.max_positions} "
-                                  f"this bundle was verified for")
-
-
-class Sequence(FedTokens):
-    def __init__(self, capacity: int, max_positions: int):
-        super().__init__(capacity, max_positions)
         self._n = 0  # filled slots: the past the graph sees is slots [0, n)
-        self._w = 0  # write slot: the next call's new tokens go to [w, w + S) (== n unless a ring wrapped)
         self._pos = 0  # the next token's RoPE position
-        # the graph's key_mask of a decode step, rewritten in place each step (key_mask): the filled
-        # past and itself; slots past n (the backend's bucket) and a ring's slots about to be
-        # overwritten are masked
+        # the graph's key_mask of a decode step, rewritten in place each step (key_mask)
         self._mask = np.ones((1, 1, capacity + 1), dtype=np.bool_)
 
     # -- what it holds (read-only)
@@ -94,31 +34,34 @@ class Sequence(FedTokens):
 
     @property
     def w(self) -> int:
-        return self._w
+        """The write slot: the next call's new tokens go to [w, w + S)."""
+        return self._n
 
     @property
     def pos(self) -> int:
         return self._pos
 
     @property
-    def wrapped(self) -> bool:
-        return self.ring and self._n == self.capacity and self._w < self._n
+    def ids(self) -> list[int]:
+        """A copy of the token ids fed since the last reset."""
+        return list(self._ids)
+
+    def recent(self, k: int) -> list[int]:
+        """The last k token ids fed (the sampler's repetition window)."""
+        return self._ids[-k:] if k > 0 else []
 
     # -- what the next call may do
     def room(self) -> int:
-        """Tokens that may still be fed: free slots (a ring always has some: it overwrites) and
-        positions left of the bundle's verified context."""
-        slots = self.capacity - self._n if not self.ring else NO_LIMIT
-        return min(slots, self.max_positions - self._pos)
+        """Tokens that may still be fed: free slots and positions left of the verified context."""
+        return min(self.capacity - self._n, self.max_positions - self._pos)
 
     def max_write(self) -> int:
-        """The most tokens one call may write: up to the end of the slots (a ring call never
-        wraps in the middle; the next one starts again after the sinks)."""
-        return self.capacity - self._w
+        """The most tokens one call may write: up to the end of the slots."""
+        return self.capacity - self._n
 
     def check_room(self, s: int) -> None:
-        """s more tokens fit (a ring: positions permitting)."""
-        if not self.ring and s > self.capacity - self._n:
+        """s more tokens fit."""
+        if s > self.capacity - self._n:
             raise ContextOverflow(f"context full: {self._n} + {s} tokens exceed the cache capacity of "
                                   f"{self.capacity}", setting="capacity", fix="raise {}")
         if s > self.max_positions - self._pos:
@@ -126,10 +69,8 @@ class Sequence(FedTokens):
                                   f"positions this bundle was verified for")
 
     def check_write(self, s: int) -> None:
-        """One graph call may write s tokens at the write slot (a ring's call may not wrap)."""
+        """One graph call may write s tokens at the write slot."""
         self.check_room(s)
-        if s > self.max_write():
-            raise ContextOverflow(f"ring cache: a call of {s} tokens would wrap; at most {self.max_write()} now")
 
     def positions(self, s: int) -> np.ndarray:
         """position_ids [1, s] of the next call's tokens."""
@@ -138,13 +79,11 @@ class Sequence(FedTokens):
     def key_mask(self, s: int, past: int | None = None) -> np.ndarray:
         """key_mask [1, s, past + s] of the next call of s tokens: which keys each new token sees
         (the filled past, and the new block causally). `past` is how many slots the backend binds
-        as the past (at least n, default n): slots [n, past) hold nothing of this sequence and
-        are masked."""
+        as the past (at least n, default n): slots [n, past) hold nothing and are masked."""
         n = self._n
         p = n if past is None else past
         if not n <= p <= self.capacity:
             raise ValueError(f"a past of {p} slots for a sequence of {n} in {self.capacity}")
-        evicting = self.ring and self._w < n  # slots being overwritten: their old keys leave the context now
         if s == 1:  # a decode step: the preallocated row, no allocation per step
             m = self._mask[:, :, : p + 1]
             m[:] = True
@@ -152,53 +91,46 @@ class Sequence(FedTokens):
             m = np.ones((1, s, p + s), dtype=np.bool_)
             m[0, :, p:] = np.tri(s, dtype=np.bool_)
         m[0, :, n:p] = False
-        if evicting:
-            m[0, :, self._w: self._w + s] = False
         return m
 
     # -- changes
     def advance(self, ids) -> None:
         """A call wrote the K/V of `ids` at the write slot."""
-        s = len(ids)
         self._ids.extend(int(t) for t in ids)
-        self._pos += s
-        self._w += s
-        self._n = max(self._n, self._w)
-        if self.ring and self._w == self.capacity:
-            self._w = self._sinks
+        self._pos += len(ids)
+        self._n += len(ids)
 
     def reset(self, pos: int = 0) -> None:
         """Forget everything; the next token gets position `pos`."""
-        self._n = self._w = 0
+        self._n = 0
         self._pos = pos
         self._ids = []
 
     def truncate(self, n: int) -> None:
         """Forget everything after the first n slots (undo / regenerate)."""
-        if not 0 <= n <= self._n or self.wrapped or len(self._ids) != self._n:
-            raise ValueError(f"cannot truncate a sequence of {self._n} tokens to {n}"
-                             + (" (the ring has wrapped)" if self.wrapped else ""))
+        if not 0 <= n <= self._n or len(self._ids) != self._n:
+            raise ValueError(f"cannot truncate a sequence of {self._n} tokens to {n}")
         self._pos -= self._n - n
-        self._n = self._w = n
+        self._n = n
         del self._ids[n:]
 
     def check_restore(self, n: int, ids: list[int], w: int | None = None) -> None:
         """`restore` would accept this saved state (an error saying why not; nothing changes)."""
-        self._check_capacity(n)
-        if w is not None and w != n:  # a ring that had wrapped: the next write goes to its old slot
-            if not self.ring or not self._sinks <= w < n == self.capacity:
-                raise EdgeKVError("snapshot of a wrapped ring does not fit this cache")
-            if len(ids) < n:
-                raise EdgeKVError("snapshot holds more slots than token ids")
-        elif len(ids) != n:  # slot i holds the token fed at position i
+        if n > self.capacity:
+            raise ContextOverflow(f"snapshot holds {n} tokens, more than the cache capacity {self.capacity}",
+                                  setting="capacity", fix="raise {}")
+        if w is not None and w != n:  # a ring's that had wrapped
+            raise EdgeKVError("snapshot of a wrapped ring does not fit this cache")
+        if len(ids) != n:  # slot i holds the token fed at position i
             raise EdgeKVError(f"snapshot holds {n} slots but {len(ids)} token ids")
-        self._check_positions(ids)
+        if len(ids) > self.max_positions:
+            raise ContextOverflow(f"snapshot holds {len(ids)} positions, more than the {self.max_positions} "
+                                  f"this bundle was verified for")
 
     def restore(self, n: int, ids: list[int], w: int | None = None) -> None:
         """Take the state of a saved sequence whose first n slots were just restored: the token
-        ids it had been fed (from position 0) and, for a ring that had wrapped, its write slot."""
+        ids it had been fed (from position 0)."""
         self.check_restore(n, ids, w)
         self._n = n
-        self._w = n if w is None else w
         self._ids = [int(t) for t in ids]
-        self._pos = len(self._ids)  # positions run with the conversation, also past a ring's wrap
+        self._pos = n

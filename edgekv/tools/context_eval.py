@@ -26,6 +26,7 @@ from edgekv.errors import EdgeKVError, note
 from edgekv.format.files import write_json
 from edgekv.format.bundle import load_bundle
 from edgekv.runtime.assemble import open_runtime
+from edgekv.runtime.batching import Batcher, Request
 from edgekv.runtime.generate import Generator
 from edgekv.runtime.sampling import SamplingParams
 from edgekv.runtime.text import TextCodec, system_turn
@@ -70,12 +71,25 @@ def span_of(codec: TextCodec, ids: list[int], before: list[dict], reply: str) ->
 
 def score(gen: Generator, ids: list[int], spans: list[tuple[int, int]]) -> list[np.ndarray]:
     """Feed ids through gen in one pass, teacher-forced; return the log-probs of the rows that
-    predict each span's tokens. (A ring fed a reply as one prefill evicts that many slots at
-    once, a little earlier than decoding token by token would.)"""
+    predict each span's tokens."""
     out, pos = [], 0
     for s, e in spans:
         lp = gen.prefill(ids[pos: e - 1], all_logits=True, logits_from=s - 1 - pos)
         out.append(log_softmax(lp))
+        pos = e - 1
+    return out
+
+
+def score_ring(batcher: Batcher, sinks: int, ids: list[int], spans: list[tuple[int, int]]) -> list[np.ndarray]:
+    """`score` on the ring `edgekv chat` runs: a kept ring sequence of the batcher, each stretch one
+    request appending to it. (A ring fed a reply as one prefill chunk gives up that many of its
+    oldest tokens at once, a little earlier than decoding token by token would.)"""
+    seq = batcher.hold()
+    seq.enable_ring(sinks)
+    out, pos = [], 0
+    for s, e in spans:
+        req = batcher.run(Request(ids[pos: e - 1], 0, seq=seq, logits_from=s - 1 - pos))
+        out.append(log_softmax(np.stack(req.logits)))
         pos = e - 1
     return out
 
@@ -95,8 +109,8 @@ def compare_policies(rt, ctx: int, turns: int, reply_tokens: int, system: str | 
 
     # 1. the reference conversation: greedy, the whole history in the cache
     big = bundle.max_context
-    engine = rt.engine(big, parallel=1, max_queue=1, max_prefixes=0)  # what `edgekv chat` runs
-    sess = ChatSession(bundle, codec, engine, SamplingParams(temperature=0.0), system, reply_tokens)
+    batcher = rt.batcher(big, parallel=1, max_queue=1, max_prefixes=0)  # what `edgekv chat` runs
+    sess = ChatSession(bundle, codec, batcher, SamplingParams(temperature=0.0), system, reply_tokens)
     t0 = time.time()
     for i, q in enumerate(questions):
         if len(sess.prompt_ids(q)) + reply_tokens + 1 > big:
@@ -118,13 +132,11 @@ def compare_policies(rt, ctx: int, turns: int, reply_tokens: int, system: str | 
     affected = [i for i, (s, e) in enumerate(spans) if e > ctx]  # turns whose history no longer fits
 
     # 2. full context (oracle), ring, drop-turns
-    del sess, engine  # its cache: the oracle's takes the same memory
+    del sess, batcher  # its cache: the oracle's takes the same memory
     full_gen = rt.generator(big)
     ref = score(full_gen, full_ids, spans)
     k = sink_count(codec, system) if sinks is None else sinks
-    ring_gen = rt.generator(ctx)
-    ring_gen.seq.enable_ring(k)
-    ring = score(ring_gen, full_ids, spans)
+    ring = score_ring(rt.batcher(ctx, parallel=1, max_queue=1, max_prefixes=0), k, full_ids, spans)
     # a ring prefills only the new message and template glue: from the last reply's end to this one's start
     ring_prefill = [s - prev_e for prev_e, (s, _) in zip([0] + [e for _, e in spans[:-1]], spans)]
 

@@ -33,8 +33,8 @@ def import_tensorrt():
     return trt
 
 
-def gpu_name(rt) -> str:
-    props = check(rt.cudaGetDeviceProperties(0))
+def gpu_name(cudart) -> str:
+    props = check(cudart.cudaGetDeviceProperties(0))
     name = props.name
     return (name.decode(errors="replace") if isinstance(name, bytes) else str(name)).split("\x00")[0]
 
@@ -47,7 +47,7 @@ class TrtBackend:
     def __init__(self, bundle: Bundle, ctx: int, max_logits_rows: int = 1):
         self.trt = import_tensorrt()
         self.memory = CudaMemory()
-        self.rt = self.memory.rt
+        self.cudart = self.memory.rt
         self.stream = None
         self._stage = (None, {})  # (the caches' slot layout, name -> staging buffer of max_tokens_per_call slots)
         try:
@@ -57,8 +57,8 @@ class TrtBackend:
             raise
 
     def _start(self, bundle: Bundle, ctx: int, max_logits_rows: int) -> None:
-        trt, rt = self.trt, self.rt
-        gpu = gpu_name(rt)
+        trt, cudart = self.trt, self.cudart
+        gpu = gpu_name(cudart)
         found = find_engine(bundle, gpu, trt.__version__, ctx)
         if found is None:
             raise BackendUnavailable(f"no TensorRT engine of {bundle.path.name} for {gpu}, TensorRT {trt.__version__}, "
@@ -71,7 +71,7 @@ class TrtBackend:
         self.engine = self.runtime.deserialize_cuda_engine((folder / "model.plan").read_bytes())
         if self.engine is None:
             raise EdgeKVError(f"{folder}: TensorRT could not load the engine (rebuild it with `edgekv build-engine --force`)")
-        self.stream = check(rt.cudaStreamCreate())
+        self.stream = check(cudart.cudaStreamCreate())
         self.stream_handle = int(self.stream)  # TensorRT takes the raw handle
         # one execution context per profile: decode steps and prefill chunks never re-select a profile
         self.contexts = []
@@ -79,7 +79,7 @@ class TrtBackend:
             c = self.engine.create_execution_context()
             c.set_optimization_profile_async(p, self.stream_handle)
             self.contexts.append(c)
-        check(rt.cudaStreamSynchronize(self.stream))
+        check(cudart.cudaStreamSynchronize(self.stream))
         self.vocab = bundle.model["vocab_size"]
         rows = max(max_logits_rows, self.max_tokens_per_call)
         # staging for the small inputs and the logits, sized once for the largest call
@@ -92,8 +92,8 @@ class TrtBackend:
 
     def _up(self, buf, arr: np.ndarray) -> None:
         arr = np.ascontiguousarray(arr, buf.dtype)
-        check(self.rt.cudaMemcpyAsync(buf.ptr, arr.ctypes.data, arr.nbytes,
-                                      self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice, self.stream))
+        check(self.cudart.cudaMemcpyAsync(buf.ptr, arr.ctypes.data, arr.nbytes,
+                                      self.cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, self.stream))
 
     def run(self, cache: KVCache, seq: Sequence, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
         s = input_ids.shape[1]
@@ -128,12 +128,12 @@ class TrtBackend:
             raise EdgeKVError("trt: the engine failed to run (see TensorRT's message above)")
         if stage:
             for name in cache.names:  # on the device, in stream order, before anything reads the cache
-                check(self.rt.cudaMemcpyAsync(cache.ptr(name, write), stage[name].ptr, s * cache.row_bytes[name],
-                                              self.rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice, self.stream))
+                check(self.cudart.cudaMemcpyAsync(cache.ptr(name, write), stage[name].ptr, s * cache.row_bytes[name],
+                                              self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToDevice, self.stream))
         out = self.logits.reshape(-1)[: k * self.vocab].reshape(1, k, self.vocab)
-        check(self.rt.cudaMemcpyAsync(out.ctypes.data, self.d_logits.ptr, out.nbytes,
-                                      self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream))
-        check(self.rt.cudaStreamSynchronize(self.stream))
+        check(self.cudart.cudaMemcpyAsync(out.ctypes.data, self.d_logits.ptr, out.nbytes,
+                                      self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost, self.stream))
+        check(self.cudart.cudaStreamSynchronize(self.stream))
         return out
 
     def _staging(self, cache: KVCache) -> dict:
@@ -148,8 +148,8 @@ class TrtBackend:
     def close(self) -> None:
         """Free the device buffers (the KV caches allocated from this backend's memory too) and the stream."""
         if self.stream is not None:
-            self.rt.cudaStreamSynchronize(self.stream)
-            self.rt.cudaStreamDestroy(self.stream)
+            self.cudart.cudaStreamSynchronize(self.stream)
+            self.cudart.cudaStreamDestroy(self.stream)
             self.stream = None
         self.memory.close()
 

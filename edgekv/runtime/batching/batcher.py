@@ -161,13 +161,14 @@ class Batcher:
     def turn(self):
         """What the block changes can be undone exactly: on an exception it is (the pool's
         owners, the kept sequences, every cell it overwrote), else it is committed. Inside an
-        open turn it joins that one (whose rollback then undoes it)."""
+        open turn it joins that one (whose rollback then undoes it). Yields the Turn: its
+        `committed` says, after an interrupt that landed in these lines, whether it was kept."""
         if self.kv.turns.open:
-            yield
+            yield self.kv.turns.current
             return
-        self.kv.turns.begin(self.kv.kept)
+        turn = self.kv.turns.begin(self.kv.kept)
         try:
-            yield
+            yield turn
         except BaseException:
             self.rollback()
             raise

@@ -16,10 +16,18 @@ class Piece(NamedTuple):
     tokens: list[int]
     decode: bool  # the request's next token (else a run of its feed)
     sample: bool  # its last token's logits row comes back: a decode step, or the feed's last token
+    scored: int = 0  # of its last tokens, how many rows come back to be kept (teacher forcing)
+
+    @property
+    def rows(self) -> int:
+        """Logits rows it gets back: its last `rows` tokens'."""
+        return max(self.scored, 1 if self.sample else 0)
 
     def split(self, n: int) -> tuple["Piece", "Piece"]:
         """The first n tokens (never sampled from) and the rest."""
-        return self._replace(tokens=self.tokens[:n], sample=False), self._replace(tokens=self.tokens[n:])
+        rest = len(self.tokens) - n
+        return (self._replace(tokens=self.tokens[:n], sample=False, scored=max(0, self.scored - rest)),
+                self._replace(tokens=self.tokens[n:], scored=min(self.scored, rest)))
 
 
 class Call(NamedTuple):
@@ -27,9 +35,9 @@ class Call(NamedTuple):
     size: int
     past: int  # cells [0, past) bound as the past
     pieces: list[Piece]
-    sampled: list[Piece]  # those whose rows come back, in order
+    returned: list[Piece]  # those whose rows come back (`Piece.rows` each), in order
     freed: int = 0  # cells the first piece's ring gave up (its oldest tokens) to make room for this call
 
     @classmethod
     def of(cls, write: int, past: int, pieces: list[Piece], freed: int = 0) -> "Call":
-        return cls(write, sum(len(p.tokens) for p in pieces), past, pieces, [p for p in pieces if p.sample], freed)
+        return cls(write, sum(len(p.tokens) for p in pieces), past, pieces, [p for p in pieces if p.rows], freed)

@@ -51,11 +51,17 @@ class PostProcess:
         self.generated_tokens = 0
 
     def process(self, call: Call, logits: np.ndarray) -> None:
-        """logits [K, V]: one row per sampled piece of the call, in order."""
-        for piece, row in zip(call.sampled, logits):
-            req = piece.req
+        """logits [K, V]: the rows of the call's returned pieces, in order."""
+        j = 0
+        for piece in call.returned:
+            req, k = piece.req, piece.rows
+            rows, j = logits[j: j + k], j + k
+            if piece.scored:
+                req.scored(rows[k - piece.scored:])
+            if not piece.sample:
+                continue
             try:
-                self._row(req, row)
+                self._row(req, rows[-1])
             except Exception as e:
                 if req.kept:  # chat: the turn is rolled back
                     raise

@@ -68,16 +68,19 @@ class Ask:
     feed_last: bool  # feed the last token (a stop token too) so a kept sequence holds the whole turn
     tenant: str  # whose prompt it is (an API key's id): prefixes are reused only within a tenant
     constraint: "Constraint | None"  # restricts each next token (issue 26); None: any
+    # teacher forcing (eval-context): the logits rows of the prompt's tokens from this index on are
+    # kept in Request.logits as they are fed (the backend must return that many rows per call)
+    logits_from: int | None
 
 
 class Request:
     def __init__(self, prompt, max_tokens: int, params: SamplingParams | None = None, stop_ids=(),
                  emit: Callable[[Event], None] | None = None, record_logits: bool = False,
                  seq: "PoolSequence | None" = None, feed_last: bool = False, rng: np.random.Generator | None = None,
-                 tenant: str = "", constraint: "Constraint | None" = None):
+                 tenant: str = "", constraint: "Constraint | None" = None, logits_from: int | None = None):
         params = params or SamplingParams()
         self.ask = Ask(tuple(int(t) for t in prompt), max_tokens, params, frozenset(stop_ids), emit, record_logits,
-                       seq, feed_last, tenant, constraint)
+                       seq, feed_last, tenant, constraint, logits_from)
         self.rng = rng if rng is not None else np.random.default_rng(params.seed)
         self.state = State.WAITING
         self.cancelled = False  # set by any thread (`Batcher.cancel`); acted on at the next step
@@ -155,6 +158,9 @@ class Request:
             self.fed += n
 
     # -- the post-processing's
+    def scored(self, rows: np.ndarray) -> None:
+        self.logits.extend(row.copy() for row in rows)
+
     def sampled(self, tok: int, row: np.ndarray) -> float | None:
         """A token was drawn from `row`; returns the TTFT on the first."""
         if self.ask.record_logits:

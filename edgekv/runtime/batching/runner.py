@@ -33,14 +33,15 @@ class StepRunner:
             if cells:
                 mask[0, r: r + n, cells] = True  # its own past, wherever its cells are
             mask[0, r: r + n, p + r: p + r + n] = np.tri(n, dtype=np.bool_)  # its new tokens, causally
-            if piece.sample:
-                rows.append(r + n - 1)
+            k = piece.rows
+            if k:
+                rows.extend(range(r + n - k, r + n))
             r += n
         idx = np.asarray([rows or [s - 1]], np.int64)  # a call samples nothing: any one row
         return ids, pos, mask, idx
 
     def run(self, call: Call) -> np.ndarray:
-        """logits [K, V]: one row per sampled piece, in the call's order (a view into the
+        """logits [K, V]: each returned piece's rows, in the call's order (a view into the
         backend's buffer, valid until the next call)."""
         ids, pos, mask, idx = self.inputs(call)
         logits = self.backend.run_cells(self.cache, call.past, call.write, ids, pos, mask, idx)

@@ -223,7 +223,9 @@ class Scheduler:
                 take = min(budget, left)
                 if r.seq.ring:  # a ring streams a longer prompt through its cells
                     take = min(take, self.kv.capacity - r.seq.sinks)
-                pieces.append(Piece(r, r.seq, r.feed[r.fed: r.fed + take], False, r.fed + take == len(r.feed)))
+                end, lf = r.fed + take, r.ask.logits_from
+                scored = 0 if lf is None else max(0, end - max(r.fed, lf))
+                pieces.append(Piece(r, r.seq, r.feed[r.fed: end], False, end == len(r.feed), scored))
                 budget -= take
         return pieces
 

@@ -19,6 +19,7 @@ class Turn:
         self.rows: list[tuple[int, dict]] = []
         self.whole: dict | None = None  # the whole cache, where the memory cannot copy row ranges
         self.saved = np.zeros(capacity, np.bool_)
+        self.committed = False  # what it changed is kept (set before the turn closes)
 
 
 class Turns:
@@ -30,10 +31,14 @@ class Turns:
     def open(self) -> bool:
         return self.current is not None
 
-    def begin(self, kept: list) -> None:
+    def begin(self, kept: list) -> Turn:
         self.current = Turn(self.pool.state(), [(s, s._state()) for s in kept], self.cache.capacity)
+        return self.current
 
     def commit(self) -> None:
+        turn = self.current
+        if turn is not None:
+            turn.committed = True
         self.current = None
 
     def rollback(self) -> bool:
