@@ -1,10 +1,14 @@
 """Calibration does what it is for. On a tiny model with planted outlier channels (a few K and V
 channels scaled x20, and one key channel with a large constant bias, as real LLMs' keys have):
-- the constants: int8-static scales = channel absmax / 127 of K (after RoPE) and V, and int4 key
-  offsets = channel means of K after RoPE and the rotation, both computed here independently from
-  the Hugging Face model on the calibration text;
-- the accuracy: int8-static and int4 calibrated beat their uncalibrated selves (scales 1.0,
-  offsets 0) on the KL divergence of next-token distributions from the float model, on other text."""
+- int8-static / int8-tensor: each layer's scales are channel absmax / 127 (K after RoPE, the first
+  token's keys left out where the search says so) times the headroom the search chose, the absmax
+  computed here independently from the Hugging Face model; the chosen headroom is the one with the
+  least attention-output error among the candidates, that error recomputed here with transformers'
+  RoPE and o_proj and the numpy reference quantizer; scales are finite, positive, [Hkv, D]
+  (onnxruntime GroupQueryAttention's PER_CHANNEL [1, Hkv, 1, D]);
+- int4 key offsets = channel means of K after RoPE and the rotation;
+- the accuracy: int8-static and int4 calibrated beat their uncalibrated selves on other text, and
+  (slow) the real model's int8-static stays within a bound of the float cache on held-out text."""
 import pytest
 import torch
 
@@ -12,7 +16,8 @@ from edgekv.format.kvschemes import hadamard
 from export.model import causal_mask
 from tests.conftest import make_hf_folder
 
-CALIB_TOKENS = 256  # one calibration window (export/calibrate.py runs windows of 512 from position 0)
+CALIB_TOKENS = 256  # int4: one calibration window (export/calibrate.py runs windows of 512 from position 0)
+STATIC_WINDOW = 64  # int8-static: four windows, so the search has two folds of two
 K_OUTLIERS = [(0, 3), (1, 10)]  # (KV head, channel) rows of k_proj scaled x20
 V_OUTLIERS = [(0, 5)]
 # (KV head, channel, bias): a key channel with a large constant, as real LLMs' keys have. Channel 7
@@ -52,37 +57,58 @@ def outlier_model(tmp_path_factory):
     return folder
 
 
-@pytest.fixture(scope="session")
-def hf_kv(outlier_model):
-    """K after RoPE and V of every layer on the calibration ids, by transformers' own RoPE:
-    [(k [S, Hkv, D], v [S, Hkv, D])] per layer."""
+def hf_attention(folder, ids: list[int]) -> list[tuple]:
+    """Per layer (q [S, H, D] and k [S, Hkv, D] after RoPE, v [S, Hkv, D], o_proj weight) of one
+    sequence starting at position 0, by transformers' own projections and RoPE."""
     import transformers
-    from tokenizers import Tokenizer
     from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb
 
-    ids = Tokenizer.from_file(str(outlier_model / "tokenizer.json")).encode(calib_text(), add_special_tokens=False).ids
-    assert len(ids) >= CALIB_TOKENS
-    ids = ids[:CALIB_TOKENS]
-    hf = transformers.AutoModelForCausalLM.from_pretrained(outlier_model).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     cfg = hf.config
-    hkv, d = cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
+    h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.hidden_size // cfg.num_attention_heads
     seen = {}
     hooks = [m.register_forward_hook(lambda mod, inp, out, key=(i, kv): seen.__setitem__(key, out[0].detach()))
-             for i, layer in enumerate(hf.model.layers) for kv, m in (("k", layer.self_attn.k_proj),
+             for i, layer in enumerate(hf.model.layers) for kv, m in (("q", layer.self_attn.q_proj),
+                                                                       ("k", layer.self_attn.k_proj),
                                                                        ("v", layer.self_attn.v_proj))]
     t = torch.tensor([ids])
     pos = torch.arange(len(ids))[None]
     with torch.no_grad():
         hf(t)
         cos, sin = hf.model.rotary_emb(seen[(0, "k")][None], pos)
-    for h in hooks:
-        h.remove()
+    for hook in hooks:
+        hook.remove()
     out = []
-    for i in range(cfg.num_hidden_layers):
+    for i, layer in enumerate(hf.model.layers):
+        q = seen[(i, "q")].view(1, len(ids), h, d).transpose(1, 2)  # [1, H, S, D]
         k = seen[(i, "k")].view(1, len(ids), hkv, d).transpose(1, 2)  # [1, Hkv, S, D]
-        _, k = apply_rotary_pos_emb(k, k, cos, sin)
-        out.append((k[0].transpose(0, 1), seen[(i, "v")].view(len(ids), hkv, d)))
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        out.append((q[0].transpose(0, 1), k[0].transpose(0, 1), seen[(i, "v")].view(len(ids), hkv, d),
+                    layer.self_attn.o_proj.weight.detach()))
     return out
+
+
+def calib_ids(folder) -> list[int]:
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(folder / "tokenizer.json")).encode(calib_text(), add_special_tokens=False).ids
+    assert len(ids) >= CALIB_TOKENS
+    return ids[:CALIB_TOKENS]
+
+
+@pytest.fixture(scope="session")
+def hf_kv(outlier_model):
+    """K after RoPE and V of every layer on the calibration ids as one sequence (int4's offsets
+    are calibrated in windows of 512, so 256 tokens are one window): [(k, v)] per layer."""
+    return [(k, v) for _, k, v, _ in hf_attention(outlier_model, calib_ids(outlier_model))]
+
+
+@pytest.fixture(scope="session")
+def hf_windows(outlier_model):
+    """The same per layer, for each STATIC_WINDOW-token window the static calibration runs:
+    [window][layer] -> (q, k, v, o_proj weight)."""
+    ids = calib_ids(outlier_model)
+    return [hf_attention(outlier_model, ids[s: s + STATIC_WINDOW]) for s in range(0, len(ids), STATIC_WINDOW)]
 
 
 def calibrated(folder, kv: str, calibrate: bool = True):
@@ -114,21 +140,106 @@ def test_outliers_are_planted(hf_kv):
         assert abs(float(k[:, h, c].mean()) - b) < 0.2 * b  # a mean that RoPE did not rotate away
 
 
-def test_int8_static_scales_are_channel_absmax_over_127(outlier_model, hf_kv):
-    m = calibrated(outlier_model, "int8-static")
-    for layer, (k, v) in zip(m.layers, hf_kv):
-        # 1e-3: far inside the 0.8 % between /127 and /128, far outside float rounding
-        torch.testing.assert_close(layer.attn.k_scale, k.abs().amax(0) / 127, rtol=1e-3, atol=1e-6)
-        torch.testing.assert_close(layer.attn.v_scale, v.abs().amax(0) / 127, rtol=1e-3, atol=1e-6)
+def static_calibrated(folder, kv: str):
+    """(the exporter's torch model for a static scheme, calibrated by export/calibrate.py on the
+    calibration ids in STATIC_WINDOW-token windows, and what the calibration reports)."""
+    from export.calibrate import calibrate_static
+
+    m, ref = calibrated(folder, kv, calibrate=False), calibrated(folder, "float", calibrate=False)
+    return m, calibrate_static(m, ref, calib_ids(folder), window=STATIC_WINDOW)
 
 
-def test_int8_tensor_scale_is_the_layer_absmax_over_127(outlier_model, hf_kv):
-    m = calibrated(outlier_model, "int8-tensor")
-    for layer, (k, v) in zip(m.layers, hf_kv):
-        torch.testing.assert_close(layer.attn.k_scale, torch.full_like(layer.attn.k_scale, float(k.abs().max()) / 127),
-                                   rtol=1e-3, atol=1e-6)
-        torch.testing.assert_close(layer.attn.v_scale, torch.full_like(layer.attn.v_scale, float(v.abs().max()) / 127),
-                                   rtol=1e-3, atol=1e-6)
+def hf_absmax(windows, layer: int, skip_first: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Channel absmax [Hkv, D] of K and V over these windows' positions from skip_first on."""
+    k = torch.stack([w[layer][1][skip_first:].abs().amax(0) for w in windows]).amax(0)
+    v = torch.stack([w[layer][2][skip_first:].abs().amax(0) for w in windows]).amax(0)
+    return k, v
+
+
+@pytest.mark.parametrize("kv", ["int8-static", "int8-tensor"])
+def test_static_scales_are_the_chosen_headroom_times_absmax(outlier_model, hf_windows, kv):
+    from export.calibrate import HEADROOM
+
+    m, info = static_calibrated(outlier_model, kv)
+    for i, layer in enumerate(m.layers):
+        ks, vs = layer.attn.k_scale, layer.attn.v_scale
+        hkv, d = hf_windows[0][i][1].shape[1:]
+        for s in (ks, vs):  # what GroupQueryAttention takes: PER_CHANNEL [1, Hkv, 1, D], finite, > 0
+            assert s.shape == (hkv, d) and bool(torch.isfinite(s).all()) and bool((s > 0).all())
+        assert info["k_headroom"][i] in HEADROOM and info["v_headroom"][i] in HEADROOM
+        k_abs, _ = hf_absmax(hf_windows, i, 0 if info["k_first_token_counted"][i] else 1)
+        _, v_abs = hf_absmax(hf_windows, i, 0)
+        if kv == "int8-tensor":  # one value per layer for K and one for V
+            k_abs, v_abs = (torch.full_like(a, float(a.max())) for a in (k_abs, v_abs))
+        # 1e-3: far inside the 0.8 % between /127 and /128 and the steps between headrooms
+        torch.testing.assert_close(ks, info["k_headroom"][i] * k_abs / 127, rtol=1e-3, atol=1e-6)
+        torch.testing.assert_close(vs, info["v_headroom"][i] * v_abs / 127, rtol=1e-3, atol=1e-6)
+
+
+def oracle_error(held, layer: int, k_scale: torch.Tensor, v_scale: torch.Tensor) -> float:
+    """Squared error of one layer's attention output after o_proj on the held-out windows' last
+    QUERY_ROWS rows, K/V quantized by the numpy reference, attention by hand on transformers' q/k/v."""
+    from edgekv.format.kvschemes import quantize_static
+    from export.calibrate import QUERY_ROWS
+
+    def attend(q, k, v, wo):  # q [S, H, D], k/v [S, Hkv, D]
+        s, h, d = q.shape
+        g = h // k.shape[1]
+        kk, vv = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)  # [S, H, D]
+        scores = torch.einsum("shd,thd->hst", q.double(), kk.double()) / d ** 0.5
+        scores = scores.masked_fill(~torch.ones(s, s, dtype=torch.bool).tril(), float("-inf"))
+        out = torch.einsum("hst,thd->shd", scores.softmax(-1), vv.double()).reshape(s, h * d)
+        return (out @ wo.double().t())[-QUERY_ROWS:]
+
+    def fake(x, scale):
+        return torch.from_numpy(quantize_static(x.numpy(), scale.numpy()).astype("float32")) * scale
+
+    total = 0.0
+    for w in held:
+        q, k, v, wo = w[layer]
+        total += float(((attend(q, fake(k, k_scale), fake(v, v_scale), wo) - attend(q, k, v, wo)) ** 2).sum())
+    return total
+
+
+def test_chosen_headroom_has_the_least_output_error(outlier_model, hf_windows):
+    """The oracle: for each layer, every candidate's error recomputed here (statistics from one
+    fold of windows, error on the other, both ways); the calibration's choice must be the least
+    (V first with K at its absmax, then K, first token counted or not, with the chosen V)."""
+    from export.calibrate import HEADROOM
+
+    _, info = static_calibrated(outlier_model, "int8-static")
+    folds = [(hf_windows[0::2], hf_windows[1::2]), (hf_windows[1::2], hf_windows[0::2])]
+    for i in range(len(hf_windows[0])):
+        def err(ak, av, k_sink=True):
+            total = 0.0
+            for stats, held in folds:
+                k_abs, _ = hf_absmax(stats, i, 0 if k_sink else 1)
+                _, v_abs = hf_absmax(stats, i, 0)
+                total += oracle_error(held, i, ak * k_abs / 127, av * v_abs / 127)
+            return total
+
+        errs_v = {a: err(1.0, a) for a in HEADROOM}
+        av = info["v_headroom"][i]
+        assert errs_v[av] <= min(errs_v.values()) * (1 + 1e-4), (i, av, errs_v)
+        errs_k = {(a, s): err(a, av, s) for a in HEADROOM for s in (True, False)}
+        chosen = (info["k_headroom"][i], info["k_first_token_counted"][i])
+        assert errs_k[chosen] <= min(errs_k.values()) * (1 + 1e-4), (i, chosen, errs_k)
+        assert max(errs_v.values()) > 2 * min(errs_v.values())  # the candidates differ: a choice was made
+
+
+def test_first_token_left_out_of_key_statistics_when_asked():
+    """The first token of a window (an attention sink) can carry keys far from the rest; left out,
+    it does not set the scale."""
+    from export.calibrate import LayerWindow, channel_absmax
+
+    k = torch.ones(8, 1, 2, 4)
+    k[0, 0, 1, 2] = 100.0  # the sink's outlier
+    w = LayerWindow((), k, -2 * k, torch.zeros(1))
+    k_all, v_all = channel_absmax([w], 0)
+    k_rest, v_rest = channel_absmax([w], 1)
+    assert float(k_all[1, 2]) == 100.0 and float(v_all[1, 2]) == 200.0
+    torch.testing.assert_close(k_rest, torch.ones(2, 4))
+    torch.testing.assert_close(v_rest, torch.full((2, 4), 2.0))
 
 
 @pytest.mark.parametrize("kv", ["int4", "int4-norot"])
@@ -165,6 +276,7 @@ def kld_vs_float(folder, model) -> float:
 # x20 variance outliers, which no offset removes). Margins: int8-static at least 5x better, int4 20 %.
 @pytest.mark.parametrize("kv, margin", [("int8-static", 0.2), ("int4", 0.8)])
 def test_calibration_beats_no_calibration(outlier_model, kv, margin):
-    cal = kld_vs_float(outlier_model, calibrated(outlier_model, kv))
+    cal_model = static_calibrated(outlier_model, kv)[0] if kv == "int8-static" else calibrated(outlier_model, kv)
+    cal = kld_vs_float(outlier_model, cal_model)
     raw = kld_vs_float(outlier_model, calibrated(outlier_model, kv, calibrate=False))
     assert cal < margin * raw, (cal, raw)
