@@ -36,11 +36,11 @@ def tok(rt):
     return g.tokenizer_for(rt.bundle)
 
 
-def constrained(rt, tok, grammar: g.Grammar, seed: int, max_new: int = 200, prompt: str = "Answer:"):
+def constrained(rt, tok, grammar: g.Grammar, seed: int, max_new: int = 200, prompt: str = "Answer:", stats=None):
     """(text, stop reason, the constraint) of a sampled reply under `grammar` on the tiny model."""
     from edgekv.runtime.generate import Stats
 
-    gen, st = rt.generator(), Stats()
+    gen, st = rt.generator(), stats if stats is not None else Stats()
     c = g.compile_grammar(tok, grammar)
     ids = list(gen.generate(rt.codec.encode(prompt), max_new, SamplingParams(temperature=1.0, seed=seed),
                             rt.codec.stop_ids | set(tok.stop_ids), st, c))
@@ -146,8 +146,12 @@ def test_regex_and_lark(rt, tok):
 
 def test_a_whole_reply_ends_without_a_stop_token(rt, tok):
     """The grammar complete (only a stop token may follow): the loop ends there, reason stop."""
-    text, reason, c = constrained(rt, tok, g.regex("abc"), 0)
+    from edgekv.runtime.generate import Stats
+
+    st = Stats()
+    text, reason, c = constrained(rt, tok, g.regex("abc"), 0, stats=st)
     assert (text, reason) == ("abc", "stop") and c.is_done()
+    assert st.decode_steps == st.new_tokens - 1  # the first token from the prefill; no step for a stop token
 
 
 def test_cut_by_length_says_so(rt, tok):
