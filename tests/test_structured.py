@@ -116,3 +116,39 @@ def test_an_oversized_schema_is_a_400():
     with pytest.raises(BadRequest, match="more than") as e:
         response_format_grammar({"type": "json_schema", "json_schema": {"name": "big", "schema": big}})
     assert e.value.param == "response_format"
+
+
+# -- logprobs fields ---------------------------------------------------------------------------------
+
+def test_logprobs_asked():
+    from edgekv.serve.structured import logprobs_asked
+
+    assert logprobs_asked({}, chat=True) is None and logprobs_asked({"logprobs": False}, chat=True) is None
+    assert logprobs_asked({"logprobs": True}, chat=True) == 0
+    assert logprobs_asked({"logprobs": True, "top_logprobs": 20}, chat=True) == 20
+    assert logprobs_asked({"logprobs": 3}, chat=False) == 3 and logprobs_asked({}, chat=False) is None
+    for body, chat, param in (({"logprobs": 1}, True, "logprobs"), ({"top_logprobs": 2}, True, "top_logprobs"),
+                              ({"logprobs": True, "top_logprobs": 21}, True, "top_logprobs"),
+                              ({"logprobs": True, "top_logprobs": True}, True, "top_logprobs"),
+                              ({"logprobs": 6}, False, "logprobs"), ({"logprobs": True}, False, "logprobs")):
+        with pytest.raises(BadRequest) as e:
+            logprobs_asked(body, chat)
+        assert e.value.param == param
+
+
+def test_logprobs_fields_in_openais_shape(tok):
+    """Each token's bytes are its own (a UTF-8 character split over tokens: its bytes, joined,
+    are the character), the logprobs those sampling computed."""
+    from edgekv.runtime.sampling import TokenLogprob
+    from edgekv.serve.structured import chat_logprobs, completion_logprobs
+
+    ids = tok.ll.tokenize_str("café 🙂")
+    entries = [TokenLogprob(t, -0.5 * k, [(t, -0.5 * k), (ids[0], -9.0)]) for k, t in enumerate(ids)]
+    token_bytes = lambda t: tok.ll.decode_bytes([t])  # noqa: E731
+    chat = chat_logprobs(entries, token_bytes)
+    assert bytes(b for e in chat["content"] for b in e["bytes"]).decode() == "café 🙂"
+    assert [e["logprob"] for e in chat["content"]] == [e.logprob for e in entries]
+    assert all(e["top_logprobs"][0]["bytes"] == e["bytes"] and len(e["top_logprobs"]) == 2 for e in chat["content"])
+    comp = completion_logprobs(entries, token_bytes, text_offset=3)
+    assert comp["text_offset"][0] == 3 and comp["token_logprobs"] == [e.logprob for e in entries]
+    assert len(comp["tokens"]) == len(comp["top_logprobs"]) == len(ids)

@@ -328,3 +328,16 @@ def test_template_path_on_a_qwen25_style_template(rt):
     assert n == 1 and json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris", "unit": "C"}
     text, reason = sampled(rt, plan(tool_choice="required", parallel_tool_calls=False), 3)
     assert reason == "stop" and T.parse_reply(text, ids)[1] >= 1
+
+
+def test_request_constraint(tok):
+    c, p = T.request_constraint({"tools": TOOLS, "tool_choice": "required"}, tok)
+    assert p.choice == "required" and c is not None and not c.allowed()[tok.ll.tokenize_str("Hi")[0]]
+    c, p = T.request_constraint({"response_format": {"type": "json_object"}}, tok)
+    assert p is None and c is not None
+    c, p = T.request_constraint({"tools": TOOLS, "tool_choice": "none", "response_format": {"type": "json_object"}}, tok)
+    assert p.choice == "none" and c is not None  # the tools are described, the reply is JSON
+    assert T.request_constraint({}, tok) == (None, None)
+    with pytest.raises(BadRequest) as e:
+        T.request_constraint({"tools": TOOLS, "response_format": {"type": "json_object"}}, tok)
+    assert e.value.param == "response_format" and e.value.code == "unsupported_parameter"

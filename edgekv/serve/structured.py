@@ -58,3 +58,54 @@ def compile_for_request(tok: g.GrammarTokenizer, grammar: g.Grammar | None, para
         return g.compile_grammar(tok, grammar)
     except g.GrammarError as e:
         raise BadRequest(f"{param}: {e}", param) from None
+
+
+# -- logprobs --------------------------------------------------------------------------------------
+
+MAX_TOP_LOGPROBS = 20  # OpenAI's chat limit (completions: 5)
+
+
+def logprobs_asked(body: dict, chat: bool) -> int | None:
+    """How many alternatives a request wants per token (None: no logprobs). Chat: `logprobs`
+    true/false and `top_logprobs` 0-20 (which needs logprobs); completions: `logprobs` 0-5."""
+    lp = body.get("logprobs")
+    if chat:
+        top = body.get("top_logprobs")
+        if lp is not None and not isinstance(lp, bool):
+            raise BadRequest("'logprobs' must be true, false or null", "logprobs")
+        if top is not None and (type(top) is not int or not 0 <= top <= MAX_TOP_LOGPROBS):
+            raise BadRequest(f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
+        if top and not lp:
+            raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return (top or 0) if lp else None
+    if lp is None:
+        return None
+    if type(lp) is not int or not 0 <= lp <= 5:
+        raise BadRequest("'logprobs' must be an integer in [0, 5] or null", "logprobs")
+    return lp
+
+
+def _piece(token: int, logprob: float, token_bytes) -> dict:
+    b = token_bytes(token)
+    return {"token": b.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(b)}
+
+
+def chat_logprobs(entries, token_bytes) -> dict:
+    """OpenAI's chat `choices[].logprobs` for sampling.TokenLogprob entries; token_bytes(id) is a
+    token's own bytes (a piece of a UTF-8 character is shown as U+FFFD, its bytes exact)."""
+    return {"content": [{**_piece(e.token, e.logprob, token_bytes),
+                         "top_logprobs": [_piece(t, lp, token_bytes) for t, lp in e.top]} for e in entries],
+            "refusal": None}
+
+
+def completion_logprobs(entries, token_bytes, text_offset: int = 0) -> dict:
+    """The completions API's `logprobs`: tokens, token_logprobs, top_logprobs (token -> logprob)
+    and text_offset (each token's start in the text, counting from `text_offset`)."""
+    tokens = [token_bytes(e.token).decode("utf-8", errors="replace") for e in entries]
+    offsets, at = [], text_offset
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [{token_bytes(t).decode("utf-8", errors="replace"): lp for t, lp in e.top}
+                             for e in entries], "text_offset": offsets}

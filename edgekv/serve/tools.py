@@ -494,3 +494,19 @@ def check_arguments(msg: dict) -> None:
             json.loads(c["function"]["arguments"])
         except ValueError:
             raise ToolCallError(f"tool call {c['function']['name']}: its arguments are not whole JSON") from None
+
+
+def request_constraint(body: dict, tok: g.GrammarTokenizer):
+    """A chat request's constraint (None: free) and ToolPlan (None: no tools), from its
+    response_format, tools, tool_choice and parallel_tool_calls; BadRequest for what cannot be
+    served (response_format with callable tools is not combined yet)."""
+    from edgekv.serve.structured import compile_for_request, response_format_grammar
+
+    plan = tools_of(body)
+    rf = response_format_grammar(body.get("response_format"))
+    if rf is not None and plan is not None and plan.calls_possible:
+        raise BadRequest("'response_format' together with callable 'tools' is not supported yet "
+                         "(tool_choice none, or one of the two)", "response_format", code="unsupported_parameter")
+    if plan is not None and plan.calls_possible:
+        return compile_for_request(tok, tool_grammar(plan, tok), "tools"), plan
+    return compile_for_request(tok, rf, "response_format"), plan
