@@ -335,7 +335,8 @@ def test_request_constraint(tok):
     assert p.choice == "required" and c is not None and not c.allowed()[tok.ll.tokenize_str("Hi")[0]]
     c, p = T.request_constraint({"response_format": {"type": "json_object"}}, tok)
     assert p is None and c is not None
-    c, p = T.request_constraint({"tools": TOOLS, "tool_choice": "none", "response_format": {"type": "json_object"}}, tok)
+    body = {"tools": TOOLS, "tool_choice": "none", "response_format": {"type": "json_object"}}
+    c, p = T.request_constraint(body, tok)
     assert p.choice == "none" and c is not None  # the tools are described, the reply is JSON
     assert T.request_constraint({}, tok) == (None, None)
     with pytest.raises(BadRequest) as e:
