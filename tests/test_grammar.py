@@ -306,3 +306,35 @@ def test_generate_grammar_errors_are_one_line(tiny_bundle_int8, tmp_path):
         assert r.returncode == 1 and len(lines) == 1 and said in lines[0], (args, r.stderr)
     r = run_edgekv("generate", tiny_bundle_int8, "hi", "--regex", "a", "--grammar", tmp_path / "g.lark")
     assert r.returncode == 2 and "not allowed with argument" in r.stderr
+
+
+@pytest.mark.slow
+def test_the_real_models_replies_validate():
+    """SmolLM2-135M (int4 weights) under three schemas, greedy with generate's repeat guard."""
+    from edgekv.runtime.assemble import open_runtime
+    from edgekv.runtime.generate import Stats
+
+    if not REAL.is_dir():
+        pytest.skip("the real default-model bundle is not here")
+    asks = [("Describe a fictional person as JSON.",
+             {"type": "object", "properties": {"name": {"type": "string"},
+                                               "age": {"type": "integer", "minimum": 0},
+                                               "hobbies": {"type": "array", "items": {"type": "string"},
+                                                           "maxItems": 3}},
+              "required": ["name", "age", "hobbies"], "additionalProperties": False}),
+            ("Is Paris in France? Answer as JSON.",
+             {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]},
+                                               "why": {"type": "string", "maxLength": 80}},
+              "required": ["answer", "why"], "additionalProperties": False}),
+            ("When did the Apollo 11 landing happen? Answer as JSON.",
+             {"type": "object", "properties": {"date": {"type": "string", "format": "date"}}, "required": ["date"],
+              "additionalProperties": False})]
+    with open_runtime(REAL, ctx=512, backend="ort-cpu", threads=2) as rt:
+        tok = g.tokenizer_for(rt.bundle)
+        for prompt, schema in asks:
+            st = Stats()
+            ids = list(rt.generator().generate(rt.codec.chat_ids([{"role": "user", "content": prompt}]), 160,
+                                               SamplingParams(repeat_penalty=1.1), rt.codec.stop_ids, st,
+                                               g.compile_grammar(tok, g.json_schema(schema))))
+            assert st.stop_reason == "stop", rt.codec.decode(ids)
+            validate(json.loads(rt.codec.decode(ids)), schema)
