@@ -16,6 +16,8 @@ class OrtValueMemory:
     """KV buffers as onnxruntime OrtValues: on the GPU for ort-cuda (device "cuda"); with device
     "cpu" the same code runs in CI."""
 
+    layout = "slots"  # cache.ptr's slot arithmetic holds (the graph as written; ort-cuda does not fuse)
+
     def __init__(self, ort, device: str = "cuda"):
         self.ort, self.device = ort, device
 
@@ -84,6 +86,7 @@ class CudaBuffer:
 
 class CudaMemory:
     device = "cuda"
+    layout = "slots"
 
     def __init__(self):
         self.rt = cudart()

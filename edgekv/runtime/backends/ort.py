@@ -504,8 +504,9 @@ class OrtBackend:
         return self._run(cache, past, seq.w, input_ids, seq.positions(s), seq.key_mask(s, past), logits_index)
 
     def _check_cache(self, cache: KVCache) -> None:
-        if cache.memory.device != self.device or cache.layout != self.memory.layout:
-            raise EdgeKVError(f"{self.name} needs its KV cache in its own ({self.device}, {self.memory.layout}-major) "
+        if cache.memory.device != self.device or cache.layout != getattr(self.memory, "layout", "slots"):
+            raise EdgeKVError(f"{self.name} needs its KV cache in its own ({self.device}, "
+                              f"{getattr(self.memory, 'layout', 'slots')}-major) "
                               f"memory (build it with memory=backend.memory)")
 
     def _run(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
