@@ -338,3 +338,18 @@ def test_the_real_models_replies_validate():
                                                g.compile_grammar(tok, g.json_schema(schema))))
             assert st.stop_reason == "stop", rt.codec.decode(ids)
             validate(json.loads(rt.codec.decode(ids)), schema)
+
+
+def test_a_schemas_own_lenient_option_is_overridden_and_warnings_are_errors():
+    """Two guards, each tested alone: json_schema() keeps llguidance strict whatever the schema's
+    x-guidance says (llguidance's own validation then reports an error, not a warning), and a
+    grammar that compiles only with warnings (something left unenforced) is refused."""
+    import llguidance
+
+    tok = real_tok()
+    lenient = {"x-guidance": {"lenient": True}, "type": "array", "uniqueItems": True}
+    is_error, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(g.json_schema(lenient).text, tok.ll)
+    assert is_error and "uniqueItems" in msgs[0]
+    warned = g.Grammar("json_schema", llguidance.LLMatcher.grammar_from_json_schema(lenient))
+    with pytest.raises(g.GrammarError, match="uniqueItems"):
+        g.compile_grammar(tok, warned)
