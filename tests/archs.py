@@ -61,13 +61,13 @@ ARCHS = {
                                                             tie_word_embeddings=True), "smollm3"),
     # Phi-4-mini: 3/4 of each head rotates, LongRoPE (6 = 12 rotary dims / 2 factors per set)
     "phi4-mini": ("Phi3Config", "Phi3ForCausalLM", dict(
-        partial_rotary_factor=0.75, tie_word_embeddings=True, max_position_embeddings=128,
-        original_max_position_embeddings=32, sliding_window=262144,
+        partial_rotary_factor=0.75, tie_word_embeddings=True, max_position_embeddings=256,
+        original_max_position_embeddings=64, sliding_window=262144,
         rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
                       "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0]}), "phi3"),
     # Phi-3.5-mini: every dim rotates, its own head
     "phi3.5-mini": ("Phi3Config", "Phi3ForCausalLM", dict(
-        max_position_embeddings=128, original_max_position_embeddings=32, sliding_window=262144,
+        max_position_embeddings=256, original_max_position_embeddings=64, sliding_window=262144,
         rope_scaling={"rope_type": "longrope", "short_factor": [1.0, 1.05, 1.2, 1.5, 1.9, 2.4, 3.0, 3.5],
                       "long_factor": [1.0, 1.5, 3.0, 6.0, 10.0, 14.0, 18.0, 20.0]}), "phi3"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
