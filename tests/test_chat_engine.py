@@ -384,3 +384,26 @@ def test_old_format_wrapped_ring_file_loads_in_position_order(tiny_bundle_int8, 
     assert [int(np.argmax(x)) for x in want] == req.out
     np.testing.assert_allclose(np.stack(req.logits), np.stack(want), atol=2e-2)
     refs_ok(t)
+
+
+def test_a_failed_turn_puts_back_every_cell_it_overwrote(tiny_bundle_int8):
+    """`with batcher.turn():` around a request that wraps a kept ring (overwriting cells that
+    were in use when the turn began) and then fails: the pool's owners, the sequence and the
+    contents of every cell are as before the turn (the oracle: a snapshot taken before it)."""
+    b = load_bundle(tiny_bundle_int8)
+    e = chat_engine(OrtBackend(b, threads=1), b, 32, 8)
+    seq = e.hold()
+    seq.enable_ring(4)
+    e.run(Request(list(range(10, 30)), 0, seq=seq))  # 20 of 32 cells
+    before = (e.pool.refs.copy(), seq.cells, seq.ids, {k: v.copy() for k, v in e.snapshot(seq).items()})
+    whole = e.cache.read(e.capacity)
+    with pytest.raises(RuntimeError, match="after the wrap"):
+        with e.turn():
+            e.run(Request(list(range(40, 70)), 0, seq=seq))  # 30 more: the ring overwrites 18 of its own
+            assert seq.wrapped
+            raise RuntimeError("after the wrap")
+    assert (e.pool.refs == before[0]).all() and (seq.cells, seq.ids) == (before[1], before[2])
+    after = e.snapshot(seq)
+    assert all(np.array_equal(after[k], before[3][k]) for k in after)
+    assert all(np.array_equal(e.cache.read(e.capacity)[k][c], whole[k][c]) for k in whole for c in seq.cells)
+    assert e.kv.turns.current is None and not e.running

@@ -271,7 +271,7 @@ def test_several_api_keys_each_its_own_tenant(rt):
         seen = []
         submit = engine.submit
         engine.submit = lambda req: seen.append(req) or submit(req)
-        assert chat(url, {}).status_code == 200 and seen[0].tenant == ""
+        assert chat(url, {}).status_code == 200 and seen[0].ask.tenant == ""
     with pytest.raises(ValueError):
         Server(engine, rt.codec, "m", api_keys=["ok", ""])
 
