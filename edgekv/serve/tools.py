@@ -248,6 +248,8 @@ def render_prompt(codec, msgs: list[dict], plan: ToolPlan | None, takes_tools: b
                "bos_token": codec.special.get("bos_token") or "", "eos_token": codec.special.get("eos_token") or ""}
         if plan is not None:
             ctx["tools"] = [t.spec for t in plan.offered]
+        if getattr(codec, "enable_thinking", None) is not None:  # as TextCodec.render passes it
+            ctx["enable_thinking"] = bool(codec.enable_thinking)
         return render_bounded(codec.template, **ctx)
     return codec.render(generic_messages(msgs, plan))
 
