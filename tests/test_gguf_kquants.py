@@ -145,6 +145,9 @@ def test_auto_keeps_what_the_file_holds():
     assert auto_format({"a": {"Q5_0", "Q8_0"}, "c": {"Q6_K"}, "d": {"Q5_K"}}, e, h) == "int8"
     assert auto_format({"a": {"Q4_K"}, "b": {"IQ4_XS"}}, e, h) == "float"
     assert auto_format({"a": {"Q4_K"}, "b": {"F16"}}, e, h) == "float"
+    # what the loader keeps says the same (a fused matrix's source as recorded: "Q5_0|Q8_0")
+    assert auto_format({"a": {"Q5_0|Q8_0"}, "d": {"Q4_K"}}, e, h) == "int4"
+    assert auto_format({"a": {"Q5_0|IQ4_XS"}}, e, h) == "float"
 
 
 def test_int8_carries_4bit_blocks_exactly_and_int4_never_narrows_wider_codes():
