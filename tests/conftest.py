@@ -28,6 +28,18 @@ def pytest_xdist_auto_num_workers(config):
     return None
 
 
+def pytest_collection_modifyitems(config, items):
+    """The order whole files go to xdist's workers (pyproject: --no-loadscope-reorder): files with
+    slow tests first, so that their real-model exports overlap the rest of the run instead of
+    ending it alone; then files with more tests first, as xdist orders them. Within a file, the
+    file's own order."""
+    files: dict = {}
+    for item in items:
+        files.setdefault(item.path, []).append(item)
+    slow = {f for f, its in files.items() if any(i.get_closest_marker("slow") for i in its)}
+    items[:] = [i for f in sorted(files, key=lambda f: (f not in slow, -len(files[f]))) for i in files[f]]
+
+
 def tiny_tokenizer_json() -> str:
     """A small byte-level BPE trained here on a few sentences, with chat special tokens."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -159,13 +171,25 @@ def tiny_export(tmp_path_factory, src: Path, name: str, kv: str) -> Path:
 
 
 @pytest.fixture(scope="session")
-def tiny_bundle_int8(tiny_llama, tmp_path_factory) -> Path:
-    return tiny_export(tmp_path_factory, tiny_llama, "tiny-int8", "int8")
+def tiny_bundles(tiny_llama, tmp_path_factory):
+    """kv -> the tiny Llama exported with that KV scheme (named tiny-KV), once per run."""
+    return lambda kv: tiny_export(tmp_path_factory, tiny_llama, f"tiny-{kv}", kv)
 
 
 @pytest.fixture(scope="session")
-def tiny_bundle_float(tiny_llama, tmp_path_factory) -> Path:
-    return tiny_export(tmp_path_factory, tiny_llama, "tiny-float", "float")
+def tiny_bundle_int8(tiny_bundles) -> Path:
+    return tiny_bundles("int8")
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle_float(tiny_bundles) -> Path:
+    return tiny_bundles("float")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_bundle_float(tiny_qwen, tmp_path_factory) -> Path:
+    """The tiny Qwen2 (biases, tied embeddings) with a float cache: another model than tiny-*."""
+    return tiny_export(tmp_path_factory, tiny_qwen, "tiny-qwen-float", "float")
 
 
 REAL_NAME = "smollm2-135m-instruct-int8"

@@ -9,7 +9,7 @@ from edgekv.errors import EdgeKVError
 from edgekv.tools.evaluate import evaluate, write_outputs
 from edgekv.format.kvschemes import SCHEMES, dequantize_int8, get_scheme, quantize_int8, quantize_static
 from export.model import causal_mask, kv_load, kv_store
-from tests.conftest import run_edgekv
+from tests.conftest import cli
 
 
 def test_int8_error_within_half_a_step():
@@ -116,22 +116,19 @@ def test_chunked_scoring_equals_token_by_token(tiny_bundle_int8):
     assert abs(a["results"][0]["ppl"] - b["results"][0]["ppl"]) < 1e-4 * a["results"][0]["ppl"]
 
 
-def test_mismatched_models_refused(tiny_bundle_int8, tiny_qwen, tmp_path):
-    from export.bundle import export_bundle
-
-    other = export_bundle(str(tiny_qwen), kv="int8", out=str(tmp_path / "q"), max_context=128, steps=4)
+def test_mismatched_models_refused(tiny_bundle_int8, tiny_qwen_bundle_float):
     with pytest.raises(EdgeKVError, match="different source models"):
-        evaluate([str(tiny_bundle_int8), str(other)], "x " * 500, ctx=32)
+        evaluate([str(tiny_bundle_int8), str(tiny_qwen_bundle_float)], "x " * 500, ctx=32)
 
 
 def test_short_or_empty_text_refused(tiny_bundle_int8, tmp_path):
     short = tmp_path / "short.txt"
     short.write_text("Too short.")
-    r = run_edgekv("eval", tiny_bundle_int8, "--text", short, "--ctx", "64")
+    r = cli("eval", tiny_bundle_int8, "--text", short, "--ctx", "64")
     assert r.returncode == 1 and "text too short" in r.stderr and "Traceback" not in r.stderr
     empty = tmp_path / "empty.txt"
     empty.write_text("")
-    r = run_edgekv("eval", tiny_bundle_int8, "--text", empty)
+    r = cli("eval", tiny_bundle_int8, "--text", empty)
     assert r.returncode == 1 and "empty" in r.stderr and "Traceback" not in r.stderr
 
 

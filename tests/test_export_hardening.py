@@ -9,33 +9,34 @@ import pytest
 
 from edgekv.format import files
 from edgekv.format.bundle import VERIFIED, load_bundle
-from tests.conftest import make_hf_folder, run_edgekv
+from tests.conftest import cli
 from tests.test_cli_errors import assert_clean_error
 
 
 def export_cli(src, out, *extra):
-    return run_edgekv("export", src, "--out", out, "--max-context", "64", "--steps", "2", *extra)
+    return cli("export", src, "--out", out, "--max-context", "64", "--steps", "2", *extra)
 
 
 @pytest.fixture(scope="module")
-def reexported(tiny_llama, tmp_path_factory):
-    """A tiny bundle exported through the CLI, given a user's notes, a build-engine folder and a
-    verify record, then exported again into the same folder."""
+def reexported(tiny_llama, tiny_bundle_int8, tmp_path_factory):
+    """A tiny bundle (a copy of conftest's int8 one), given a user's notes, a build-engine folder
+    and a verify record, then exported again into the same folder through the CLI."""
+    import shutil
+
     root = tmp_path_factory.mktemp("reexport")
     out = root / "B"
-    first = export_cli(tiny_llama, out)
-    assert first.returncode == 0, first.stderr[-2000:]
+    shutil.copytree(tiny_bundle_int8, out)
     old_sha = json.loads((out / "edgekv.json").read_text())["files"]["sha256"]
     (out / "NOTES.md").write_text("my notes")
     (out / "engines" / "gpu-trt10.3-ctx256-p256").mkdir(parents=True)
     (out / "engines" / "gpu-trt10.3-ctx256-p256" / "engine.plan").write_bytes(b"plan")
     (out / VERIFIED).write_text("{}")
     second = export_cli(tiny_llama, out, "--kv", "float")
-    return root, out, first, second, old_sha
+    return root, out, second, old_sha
 
 
 def test_reexport_keeps_every_file_the_old_bundle_did_not_name(reexported):
-    root, out, _, r, old_sha = reexported
+    root, out, r, old_sha = reexported
     assert r.returncode == 0, r.stderr[-2000:]
     assert (out / "NOTES.md").read_text() == "my notes"
     assert (out / "engines" / "gpu-trt10.3-ctx256-p256" / "engine.plan").read_bytes() == b"plan"
@@ -52,6 +53,7 @@ def test_export_prints_its_stages_in_order_with_their_times(reexported):
     """The long silent steps (the model's load, torch.export, the parity check) each get a start
     line and a line with their time when they end."""
     r = reexported[2]
+    assert r.returncode == 0, r.stderr[-2000:]
     lines = r.stderr.splitlines()
     expected = ["loading ", "  loading: done in ", "exporting ONNX (", "  exporting ONNX: done in ",
                 "checking the graph", "  checking the graph: done in ", "verifying ONNX Runtime against PyTorch: ",
@@ -131,10 +133,10 @@ def test_out_refused_before_the_model_is_read(tmp_path):
     out = tmp_path / "mine"
     out.mkdir()
     (out / "thesis.tex").write_text("keep")
-    r = run_edgekv("export", bad, "--out", out)
+    r = cli("export", bad, "--out", out)
     assert_clean_error(r, "not an edgekv bundle")
     assert "broken.gguf" not in r.stderr and (out / "thesis.tex").read_text() == "keep"
-    r = run_edgekv("export", bad, "--out", out / "thesis.tex" / "B")  # a folder inside a file: never makeable
+    r = cli("export", bad, "--out", out / "thesis.tex" / "B")  # a folder inside a file: never makeable
     assert_clean_error(r, "cannot make a folder there")
     assert "broken.gguf" not in r.stderr and (out / "thesis.tex").read_text() == "keep"
 
@@ -182,11 +184,11 @@ def _mixed_qkv(name):  # v in 8 bits, q and k in 4: the fused q|k|v cannot keep 
 
 
 @pytest.fixture(scope="module")
-def ggufs(tmp_path_factory):
+def ggufs(tiny_llama, tmp_path_factory):
     from tests.test_gguf import write_gguf
 
     root = tmp_path_factory.mktemp("auto")
-    folder = make_hf_folder(root / "hf", "llama")
+    folder = tiny_llama  # read only: each GGUF is written beside it, in root
     out = {}
     for name, quant in (("q4", _q4), ("q8", _q8), ("f32", None), ("mixed", _mixed_qkv)):
         out[name] = root / f"tiny-{name}.gguf"

@@ -9,13 +9,13 @@ from edgekv.runtime.backends import OrtBackend
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.generate import Generator
 from edgekv.format.bundle import load_bundle
-from tests.conftest import run_edgekv
+from tests.conftest import cli
 
 
 @pytest.fixture(scope="module")
 def fp16_bundle(tiny_llama, tmp_path_factory):
     out = tmp_path_factory.mktemp("fp16") / "tiny-float-fp16"
-    r = run_edgekv("export", tiny_llama, "--kv", "float", "--dtype", "float16", "--out", out,
+    r = cli("export", tiny_llama, "--kv", "float", "--dtype", "float16", "--out", out,
                    "--max-context", "256", "--steps", "8")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "✓ logits (decode)" in r.stderr and "fp16 noise" in r.stderr

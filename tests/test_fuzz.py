@@ -56,8 +56,9 @@ def assert_ok_or_one_line(rc, err):
 
 
 def snapshot(*folders):
-    """(path, size, mtime) of every file under the folders (caches excluded)."""
-    skip = {".git", "__pycache__", ".pytest_cache", ".hypothesis"}
+    """(path, size, mtime) of every file under the folders (caches excluded: .test-cache is where
+    another worker of the run may be exporting the real model meanwhile, tests/conftest.py)."""
+    skip = {".git", "__pycache__", ".pytest_cache", ".hypothesis", ".test-cache"}
     out = set()
     for folder in folders:
         for dirpath, dirnames, filenames in os.walk(folder):

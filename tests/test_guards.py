@@ -11,7 +11,7 @@ from edgekv.runtime.backends.engines import META, PLAN, PROFILES_VERSION, bundle
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.memory import HostMemory
 from edgekv.runtime.text import TextCodec
-from tests.conftest import run_edgekv
+from tests.conftest import cli
 
 
 # -- the engine chooser: the smallest fresh engine that covers the cache -----------------------
@@ -113,10 +113,10 @@ def test_ctx_up_to_the_verified_context(tiny_bundle_int8):
 def test_generate_prompt_must_leave_a_slot(tiny_bundle_int8):
     text = "The capital of France is Paris. Tell me about trains and tea."
     n = len(TextCodec(load_bundle(tiny_bundle_int8)).encode(text))
-    r = run_edgekv("generate", tiny_bundle_int8, text, "--raw", "--ctx", n, "--max-new-tokens", 2)
+    r = cli("generate", tiny_bundle_int8, text, "--raw", "--ctx", n, "--max-new-tokens", 2)
     assert r.returncode != 0 and f"prompt is {n} tokens, the cache holds {n}" in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
-    r = run_edgekv("generate", tiny_bundle_int8, text, "--raw", "--ctx", n + 1, "--max-new-tokens", 2)
+    r = cli("generate", tiny_bundle_int8, text, "--raw", "--ctx", n + 1, "--max-new-tokens", 2)
     assert r.returncode == 0, r.stderr
 
 
@@ -124,5 +124,5 @@ def test_eval_refuses_ctx_beyond_the_verified_context(tiny_bundle_int8, tmp_path
     corpus = tmp_path / "t.txt"
     corpus.write_text("The capital of France is Paris. " * 200)
     b = load_bundle(tiny_bundle_int8)
-    r = run_edgekv("eval", tiny_bundle_int8, "--text", corpus, "--ctx", b.max_context + 1)
+    r = cli("eval", tiny_bundle_int8, "--text", corpus, "--ctx", b.max_context + 1)
     assert r.returncode != 0 and "verified context" in r.stderr and "Traceback" not in r.stderr, r.stderr

@@ -23,7 +23,7 @@ from edgekv.runtime.cache import KVCache
 from edgekv.runtime.generate import Generator
 from edgekv.runtime.sampling import SamplingParams
 from edgekv.runtime.text import TextCodec
-from tests.conftest import ROOT, chat_engine, run_edgekv
+from tests.conftest import ROOT, chat_engine, cli
 from tests.test_cli_errors import assert_clean_error
 
 
@@ -87,7 +87,7 @@ def test_export_refuses_a_folder_that_is_not_a_bundle_and_force_keeps_its_files(
     out = tmp_path / "x"
     (out / "sub").mkdir(parents=True)
     (out / "notes.txt").write_text("keep")
-    assert_clean_error(run_edgekv("export", tiny_llama, "--out", out, "--max-context", "64", "--steps", "2"),
+    assert_clean_error(cli("export", tiny_llama, "--out", out, "--max-context", "64", "--steps", "2"),
                        "not an edgekv bundle")
     assert (out / "notes.txt").read_text() == "keep" and (out / "sub").is_dir()
     # --force: what export_bundle does once the new bundle passed its checks (a real export is slow)
@@ -278,15 +278,21 @@ def _sigint_chat(bundle, mode):
     return out, stats, child.exitstatus
 
 
-@pytest.mark.parametrize("mode", ["prefill", "decode"])
-def test_real_sigint_leaves_the_conversation_as_before_the_turn(tiny_bundle_int8, mode):
-    log, stats, status = _sigint_chat(tiny_bundle_int8, mode)
-    assert status == 0
-    # the oracle: the same chat without the interrupted turn
-    r = run_edgekv("chat", tiny_bundle_int8, "--json", "--ctx", "256", "--context", "drop-turns", "--temperature",
-                   "0", "--max-new-tokens", "60", input="What is the capital of France?\nAnd of Germany?\n")
+@pytest.fixture(scope="module")
+def uninterrupted_chat(tiny_bundle_int8):
+    """The oracle of the SIGINT tests: the same chat without the interrupted turn (its records)."""
+    r = cli("chat", tiny_bundle_int8, "--json", "--ctx", "256", "--context", "drop-turns", "--temperature", "0",
+            "--max-new-tokens", "60", input="What is the capital of France?\nAnd of Germany?\n")
     want = [json.loads(l) for l in r.stdout.splitlines()]
     assert want, (r.returncode, r.stderr[-3000:])
+    return want
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_real_sigint_leaves_the_conversation_as_before_the_turn(tiny_bundle_int8, uninterrupted_chat, mode):
+    log, stats, status = _sigint_chat(tiny_bundle_int8, mode)
+    assert status == 0
+    want = uninterrupted_chat
     assert stats == f"KV {want[0]['kv_slots']}/256 slots"
     got = log
     keys = ("text", "kv_slots", "position", "prompt_tokens")
@@ -348,13 +354,13 @@ def test_verify_finds_weights_changed_in_place_and_remembers_what_it_hashed(bund
         f.seek(1024)
         f.write(b"\0" * 8192)
     load_bundle(bundle_copy)
-    assert_clean_error(run_edgekv("verify", bundle_copy), "model.onnx.data does not match its sha256")
+    assert_clean_error(cli("verify", bundle_copy), "model.onnx.data does not match its sha256")
 
 
 def test_non_finite_logits_stop_with_one_line(bundle_copy):
     data = bundle_copy / "model.onnx.data"
     data.write_bytes(np.full(data.stat().st_size // 4, np.nan, np.float32).tobytes())
-    assert_clean_error(run_edgekv("generate", bundle_copy, "hi", "--max-new-tokens", "4"), "non-finite logits")
+    assert_clean_error(cli("generate", bundle_copy, "hi", "--max-new-tokens", "4"), "non-finite logits")
 
 
 def test_chat_template_rendering_is_bounded(bundle_copy, monkeypatch):
@@ -377,8 +383,8 @@ def test_chat_template_rendering_is_bounded(bundle_copy, monkeypatch):
 def test_check_trt_on_empty_and_garbage_files(tmp_path):
     (tmp_path / "empty.onnx").write_bytes(b"")
     (tmp_path / "garbage.onnx").write_bytes(os.urandom(4096))
-    assert_clean_error(run_edgekv("check-trt", tmp_path / "empty.onnx"), "not an ONNX model")
-    assert_clean_error(run_edgekv("check-trt", tmp_path / "garbage.onnx"), "not an ONNX model")
+    assert_clean_error(cli("check-trt", tmp_path / "empty.onnx"), "not an ONNX model")
+    assert_clean_error(cli("check-trt", tmp_path / "garbage.onnx"), "not an ONNX model")
 
 
 # -- flags -----------------------------------------------------------------------------------

@@ -6,21 +6,19 @@ from onnx import TensorProto, helper, numpy_helper
 
 from edgekv.format.bundle import load_bundle
 from edgekv.tools.trt_check import check_model
-from tests.conftest import run_edgekv
+from tests.conftest import cli
 
 
 @pytest.mark.parametrize("kv", ["int8-static", "int8-tensor", "int4", "int4-norot"])
-def test_every_scheme_exports_and_passes(kv, tiny_llama, tmp_path):
-    from export.bundle import export_bundle
-
-    b = export_bundle(str(tiny_llama), kv=kv, out=str(tmp_path / kv), max_context=128, steps=4)
-    assert check_model(load_bundle(b).onnx_path, "10.3") == []
+def test_every_scheme_exports_and_passes(kv, tiny_bundles):
+    """(Each tiny export is conftest's, shared with any other test of that scheme.)"""
+    assert check_model(load_bundle(tiny_bundles(kv)).onnx_path, "10.3") == []
 
 
 def test_exported_bundles_pass(tiny_bundle_int8, tiny_bundle_float):
     for b in (tiny_bundle_int8, tiny_bundle_float):
         assert check_model(load_bundle(b).onnx_path, "10.3") == []
-        r = run_edgekv("check-trt", b)
+        r = cli("check-trt", b)
         assert r.returncode == 0 and "✓" in r.stdout
 
 
@@ -112,7 +110,7 @@ def test_cli_reports_violations(tmp_path):
     m = graph([helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT, name="bad_cast")],
               [vi("x", TensorProto.INT8)], [vi("y", TensorProto.FLOAT)])
     onnx.save(m, tmp_path / "m.onnx")
-    r = run_edgekv("check-trt", tmp_path / "m.onnx")
+    r = cli("check-trt", tmp_path / "m.onnx")
     assert r.returncode == 1 and "bad_cast (Cast)" in r.stdout
 
 
@@ -288,7 +286,7 @@ def test_mutated_export_is_refused(tiny_bundle_int8):
 def test_cli_refuses_a_file_that_is_not_onnx(tmp_path, content):
     f = tmp_path / "bad.onnx"
     f.write_bytes(content)
-    r = run_edgekv("check-trt", f)
+    r = cli("check-trt", f)
     lines = [l for l in r.stderr.splitlines() if l.strip()]
     assert r.returncode != 0 and "Traceback" not in r.stderr and "✓" not in r.stdout
     assert len(lines) == 1 and "not an ONNX model" in lines[0], r.stderr
