@@ -388,3 +388,28 @@ def test_teacher_forced_rows_equal_the_generators(rt_float):
     seq = chat.hold()
     kept = chat.run(Request(prompt, 0, seq=seq, logits_from=13))
     np.testing.assert_allclose(np.stack(kept.logits), want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_request_walks_its_explicit_states(rt_float):
+    """Request.state says where a request is (no implicit markers): waiting, prefilling while its
+    prompt goes in, decoding, closing while a kept sequence's last token is fed, done."""
+    from edgekv.runtime.batching import State
+
+    def states(engine, req):
+        seen = [req.state]
+        engine.submit(req)
+        seen.append(req.state)
+        while req.finish_reason is None:
+            engine.step()
+            if req.state is not seen[-1]:
+                seen.append(req.state)
+        return seen
+
+    engine = rt_float.batcher(capacity=256, parallel=4, prefill_chunk=8)
+    assert states(engine, Request(ids(20, 40), 3)) == [State.WAITING, State.WAITING, State.PREFILLING,
+                                                       State.DECODING, State.DONE]
+    chat = rt_float.batcher(capacity=128, parallel=1, max_queue=1, prefill_chunk=8, max_prefixes=0)
+    kept = Request(ids(20, 41), 2, seq=chat.hold(), feed_last=True)
+    assert states(chat, kept) == [State.WAITING, State.WAITING, State.PREFILLING, State.DECODING, State.CLOSING,
+                                  State.DONE]
+    assert kept.ask.seq.ids == kept.prompt + kept.out  # the closing step fed the last token

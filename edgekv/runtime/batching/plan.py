@@ -35,9 +35,10 @@ class Call(NamedTuple):
     size: int
     past: int  # cells [0, past) bound as the past
     pieces: list[Piece]
-    returned: list[Piece]  # those whose rows come back (`Piece.rows` each), in order
+    returned: list[tuple[Piece, int]]  # the pieces whose rows come back, with how many (`Piece.rows`), in order
     freed: int = 0  # cells the first piece's ring gave up (its oldest tokens) to make room for this call
 
     @classmethod
     def of(cls, write: int, past: int, pieces: list[Piece], freed: int = 0) -> "Call":
-        return cls(write, sum(len(p.tokens) for p in pieces), past, pieces, [p for p in pieces if p.rows], freed)
+        returned = [(p, k) for p, k in zip(pieces, map(Piece.rows.fget, pieces)) if k]
+        return cls(write, sum(len(p.tokens) for p in pieces), past, pieces, returned, freed)

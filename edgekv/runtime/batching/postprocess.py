@@ -53,8 +53,8 @@ class PostProcess:
     def process(self, call: Call, logits: np.ndarray) -> None:
         """logits [K, V]: the rows of the call's returned pieces, in order."""
         j = 0
-        for piece in call.returned:
-            req, k = piece.req, piece.rows
+        for piece, k in call.returned:
+            req = piece.req
             rows, j = logits[j: j + k], j + k
             if piece.scored:
                 req.scored(rows[k - piece.scored:])
@@ -99,9 +99,10 @@ class PostProcess:
             return
         ask = req.ask
         history = req.seq.recent(ask.params.repeat_last_n) if ask.params.repeat_penalty != 1.0 else []
-        tok = sample(constrain(row, ask.constraint), ask.params, req.rng, history)
-        if ask.constraint is not None:
-            ask.constraint.accept(tok)
+        c = ask.constraint
+        tok = sample(row if c is None else constrain(row, c), ask.params, req.rng, history)
+        if c is not None:
+            c.accept(tok)
         ttft = req.sampled(tok, row)
         reason = None
         if tok in ask.stop_ids:
@@ -113,7 +114,7 @@ class PostProcess:
                 ask.emit(Token(tok, ttft, None if ttft is None else req.reused))
             if len(req.out) >= req.max_new:
                 reason = req.limit_reason
-            elif ask.constraint is not None and ask.constraint.is_done():
+            elif c is not None and c.is_done():
                 reason = "stop"
         if reason is None:
             req.goes_on(tok)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import numpy as np
 
@@ -31,23 +31,20 @@ class State(Enum):
     DONE = "done"
 
 
-@dataclass(frozen=True)
-class Usage:
+class Usage(NamedTuple):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int  # of the prompt, taken from the prefix cache
 
 
-@dataclass(frozen=True)
-class Token:
+class Token(NamedTuple):  # (a tuple: one is made per token)
     id: int
     # on a request's first token only: submit to it, and the prompt tokens taken from the prefix cache
     ttft_s: float | None = None
     cached_tokens: int | None = None
 
 
-@dataclass(frozen=True)
-class Done:
+class Done(NamedTuple):
     reason: str  # "stop" | "length" | "context" | "cancelled" | "error"
     usage: Usage
     error: str | None = None  # why, for "error" (one line)
@@ -82,6 +79,9 @@ class Request:
         self.ask = Ask(tuple(int(t) for t in prompt), max_tokens, params, frozenset(stop_ids), emit, record_logits,
                        seq, feed_last, tenant, constraint, logits_from)
         self.rng = rng if rng is not None else np.random.default_rng(params.seed)
+        # its sequence outlives it (chat): it reserves all it may add, is never preempted, and an
+        # error in it is raised to the caller (whose turn rolls back) instead of ending it alone
+        self.kept = seq is not None
         self.state = State.WAITING
         self.cancelled = False  # set by any thread (`Batcher.cancel`); acted on at the next step
         # the scheduler's
@@ -113,12 +113,6 @@ class Request:
     @property
     def max_tokens(self) -> int:
         return self.ask.max_tokens
-
-    @property
-    def kept(self) -> bool:
-        """Its sequence outlives it (chat): it reserves all it may add, is never preempted, and an
-        error in it is raised to the caller (whose turn rolls back) instead of ending it alone."""
-        return self.ask.seq is not None
 
     def usage(self) -> Usage:
         return Usage(len(self.ask.prompt), len(self.out), self.reused)

@@ -35,7 +35,7 @@ class StepRunner:
             mask[0, r: r + n, p + r: p + r + n] = np.tri(n, dtype=np.bool_)  # its new tokens, causally
             k = piece.rows
             if k:
-                rows.extend(range(r + n - k, r + n))
+                rows.extend(range(r + n - k, r + n))  # its last k tokens' rows
             r += n
         idx = np.asarray([rows or [s - 1]], np.int64)  # a call samples nothing: any one row
         return ids, pos, mask, idx
