@@ -8,7 +8,6 @@ import torch
 from export import awq
 from export.loaders import load_hf_folder
 from export.model import Transformer, causal_mask
-from tests.conftest import make_hf_folder
 
 
 def logits(model, ids):
@@ -19,11 +18,11 @@ def logits(model, ids):
     return out[0][0].numpy()
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_folded_scales_leave_the_float_model_unchanged(arch, tmp_path, monkeypatch):
+@pytest.mark.parametrize("folder", ["tiny_llama", "tiny_qwen"])  # conftest's: Qwen2 has biases, tied embeddings
+def test_folded_scales_leave_the_float_model_unchanged(folder, request, monkeypatch):
     """Every scaled matrix with arbitrary scales, unquantized: same logits as the source (q|k|v
     with Qwen2's bias, gate|up through the RMSNorm weights, down through the up rows)."""
-    src = load_hf_folder(make_hf_folder(tmp_path / arch, arch, tie_word_embeddings=arch == "qwen2"))
+    src = load_hf_folder(request.getfixturevalue(folder))
     ref = Transformer(src.config, "float").eval()
     ref.load_state_dict(src.state_dict, strict=False)
     ids = [int(t) for t in np.random.default_rng(0).integers(3, 300, 40)]
