@@ -292,11 +292,15 @@ def test_fused_run_cells_equals_plain(which, tiny_bundle_float, qwen_float):
 
 @needs_gqa
 def test_fused_ring_equals_plain_ring(tiny_bundle_float):
-    """A Sequence ring (sinks kept, the oldest overwritten) through the fused graph: the plain
-    ring's logits, before and long after it wraps, with a prompt chunk that lands inside the past."""
+    """A single-stream ring (tests/ring_reference.py: sinks kept, the oldest overwritten, the
+    write slot inside the past once wrapped) through the fused graph: the plain ring's logits,
+    before and long after it wraps, with a prompt chunk that lands inside the past."""
+    from tests.ring_reference import RingSequence
+
     b = load_bundle(tiny_bundle_float)
     streams = [Stream(b, a, capacity=24) for a in ("plain", "fused")]
     for st in streams:
+        st.seq = RingSequence(24, b.max_context)
         st.seq.enable_ring(4)
     rng = np.random.default_rng(9)
     for s in [10, 7] + [1] * 12 + [5] + [1] * 20:

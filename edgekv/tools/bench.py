@@ -231,7 +231,8 @@ def cmd_bench(args) -> int:
     gguf = llama_cpp_gguf(args.llama_cpp) if args.llama_cpp is not None else None
     if len(bundles) > 1 or args.attention:
         if args.transformers:
-            raise EdgeKVError("--transformers times one bundle's weights and attention: give it one bundle, no --attention")
+            raise EdgeKVError("--transformers times one bundle's weights and attention: "
+                              "give it one bundle, no --attention")
         return compare(args, bundles, gguf)
     bundle = bundles[0]
     threads = args.threads or default_threads()

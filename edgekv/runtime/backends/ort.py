@@ -362,7 +362,8 @@ def choose_attention(backend: "OrtBackend", bundle: Bundle, mode: str):
             why = str(e)
         else:
             return fused, (f"attention: fused (GroupQueryAttention in each of {len(fused.layers)} layers, "
-                           f"{fused.skip_norms} SkipSimplifiedLayerNormalization; {ATTENTION_ENV}=plain runs the graph as written)")
+                           f"{fused.skip_norms} SkipSimplifiedLayerNormalization; "
+                           f"{ATTENTION_ENV}=plain runs the graph as written)")
     if mode == "fused":
         raise BackendUnavailable(f"fused attention: {why}")
     return None, f"attention: the bundle's graph as written ({why})"
@@ -421,7 +422,8 @@ class OrtBackend:
         off = ["QDQPropagationTransformer"] if bundle.weights == "int4" else None
         # the graph this session runs: the fused one where it can (self.fused), else as written;
         # self.attention says which and why (the load log)
-        self.fused, self.attention = choose_attention(self, bundle, attention_default() if attention is None else attention)
+        mode = attention_default() if attention is None else attention
+        self.fused, self.attention = choose_attention(self, bundle, mode)
         try:
             if self.fused is not None:
                 graph, self.exact = self.fused.serialize(), False  # GroupQueryAttention sums as it does
