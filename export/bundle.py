@@ -314,7 +314,7 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
     note(f"  {cfg.arch}: {cfg.n_layers} layers, {cfg.n_heads} heads ({cfg.n_kv_heads} KV), head_dim {cfg.head_dim}, "
         f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}  [{time.time() - t0:.1f}s]")
     torch_dtype = {"float32": torch.float32, "float16": torch.float16}[dtype]
-    model = Transformer(cfg, kv)
+    model = Transformer(cfg.for_context(max_context), kv)  # LongRoPE: one factor set for the bundle's positions
     model.load_state_dict(src.state_dict, strict=False)  # inv_freq is computed, lm_head may be tied
     calibration = None
     if model.scheme.kind == "static" or model.scheme.center_keys:
@@ -494,7 +494,7 @@ def activation_aware(model: Transformer, src: Source, state: dict, kept: dict, g
         return state, {}, None
     ids, desc = calibration_ids(src, *calib)
     note(f"  activation-aware scales (AWQ) for {len(targets)} matrices on {len(ids)} tokens of {desc[:40]}...")
-    ref = Transformer(src.config, "float").eval()
+    ref = Transformer(model.cfg, "float").eval()
     ref.load_state_dict(src.state_dict, strict=False)
     stats = {n: v for n, v in activation_stats(ref, ids).items() if n in targets}
     params = dict(model.named_parameters())
@@ -543,9 +543,9 @@ def weight_cost(model: Transformer, src: Source, prompt: list[int], requantize: 
     For a GGUF those values are its blocks dequantized: blocks kept as they are give the same
     values, so a KLD of 0 says they were kept exactly, not what 4 bits cost against the model
     the GGUF was made from (docs/weights.md measures that against the float-weights bundle)."""
-    ref = Transformer(src.config, "float").eval()
+    ref = Transformer(model.cfg, "float").eval()
     ref.load_state_dict(src.state_dict, strict=False)
-    q = Transformer(src.config, "float").eval()
+    q = Transformer(model.cfg, "float").eval()
     if src.config.tie_word_embeddings:  # stored apart (quantize_model): untie before loading both
         q.lm_head.weight = torch.nn.Parameter(q.embed.weight.detach().clone())
     q.load_state_dict({k: v.float() for k, v in model.state_dict().items()}, strict=False)
@@ -623,23 +623,18 @@ def stored_weight_bytes(model: Transformer, plan: dict) -> int:
 
 
 def calibrate(model: Transformer, src: Source, kv: str, calib_text: str | None, calib_tokens: int) -> dict:
-    from export.calibrate import key_mean, kv_absmax, set_key_offsets, set_static_scales
+    from export.calibrate import calibrate_static, key_mean, set_key_offsets
 
     ids, desc = calibration_ids(src, calib_text, calib_tokens)
     note(f"  on {len(ids)} tokens of {desc[:60]}...")
-    ref = Transformer(src.config, "float").eval()
+    ref = Transformer(model.cfg, "float").eval()
     ref.load_state_dict(src.state_dict, strict=False)
     if model.scheme.center_keys:
         set_key_offsets(model, key_mean(ref, ids))
         return {"text": desc, "tokens": len(ids),
                 "method": "key offset = mean key per (layer, KV head, channel) after RoPE"
                           + (" and the rotation" if model.scheme.rotate else "") + "; int4 levels fixed (INT4_LEVELS)"}
-    stats = kv_absmax(ref, ids)
-    per_tensor = model.scheme.per_tensor
-    set_static_scales(model, stats, per_tensor, model.scheme.min_scale)
-    return {"text": desc, "tokens": len(ids),
-            "method": "absmax/127 per layer for K and for V" if per_tensor
-            else "absmax/127 per (layer, KV head, channel), K after RoPE"}
+    return {"text": desc, "tokens": len(ids), **calibrate_static(model, ref, ids)}
 
 
 def calibration_ids(src: Source, calib_text: str | None, calib_tokens: int) -> tuple[list[int], str]:

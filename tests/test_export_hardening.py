@@ -198,14 +198,15 @@ def ggufs(tiny_llama, tmp_path_factory):
 
 def test_auto_keeps_what_the_source_holds(ggufs):
     """4-bit blocks -> int4, Q8_0 -> int8, float -> float, an HF folder -> float; a fused matrix
-    whose parts differ would be requantized under int4, so auto keeps float values then."""
+    whose parts differ (Q4_0 q|k with a Q8_0 v) meets in one carrier that keeps each part exactly,
+    so auto keeps the file's 4-bit blocks then too."""
     from export.bundle import source_weights
 
     folder, g = ggufs
     assert source_weights(g["q4"], "auto")[0] == "int4"
     assert source_weights(g["q8"], "auto")[0] == "int8"
     assert source_weights(g["f32"], "auto")[0] == "float"
-    assert source_weights(g["mixed"], "auto")[0] == "float"
+    assert source_weights(g["mixed"], "auto")[0] == "int4"
     assert source_weights(folder, "auto")[0] == "float"
     assert source_weights(g["q4"], "float")[0] == "float"  # a format asked for is taken as asked
 
