@@ -11,7 +11,7 @@ from edgekv.runtime.batching.plan import Call
 from edgekv.runtime.batching.request import Request, Token
 from edgekv.runtime.batching.scheduler import Scheduler
 from edgekv.runtime.constraint import constrain
-from edgekv.runtime.sampling import sample
+from edgekv.runtime.sampling import logprobs, sample
 
 # steps in a row that failed every request they sampled (non-finite logits) or raised: the batcher
 # is failing everything (`Batcher.fault`); one good row resets it
@@ -100,7 +100,10 @@ class PostProcess:
         ask = req.ask
         history = req.seq.recent(ask.params.repeat_last_n) if ask.params.repeat_penalty != 1.0 else []
         c = ask.constraint
-        tok = sample(row if c is None else constrain(row, c), ask.params, req.rng, history)
+        seen = constrain(row, c)  # a GrammarError from the constraint ends this request alone
+        tok = sample(seen, ask.params, req.rng, history)
+        # from what the sampler saw, before the history grows
+        lp = None if ask.logprobs is None else logprobs(seen, ask.params, history, tok, ask.logprobs)
         if c is not None:
             c.accept(tok)
         ttft = req.sampled(tok, row)
@@ -111,7 +114,7 @@ class PostProcess:
             req.add(tok)
             self.generated_tokens += 1
             if ask.emit:
-                ask.emit(Token(tok, ttft, None if ttft is None else req.reused))
+                ask.emit(Token(tok, ttft, None if ttft is None else req.reused, lp))
             if len(req.out) >= req.max_new:
                 reason = req.limit_reason
             elif c is not None and c.is_done():

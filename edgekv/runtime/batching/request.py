@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import numpy as np
 
-from edgekv.runtime.sampling import SamplingParams
+from edgekv.runtime.sampling import SamplingParams, TokenLogprob
 
 if TYPE_CHECKING:
     from edgekv.runtime.batching.poolseq import PoolSequence
@@ -42,6 +42,7 @@ class Token(NamedTuple):  # (a tuple: one is made per token)
     # on a request's first token only: submit to it, and the prompt tokens taken from the prefix cache
     ttft_s: float | None = None
     cached_tokens: int | None = None
+    logprob: TokenLogprob | None = None  # when the ask wants logprobs: this token's and the top-N
 
 
 class Done(NamedTuple):
@@ -68,16 +69,18 @@ class Ask:
     # teacher forcing (eval-context): the logits rows of the prompt's tokens from this index on are
     # kept in Request.logits as they are fed (the backend must return that many rows per call)
     logits_from: int | None
+    logprobs: int | None  # alternatives per token to report with each Token (0: only its own); None: none
 
 
 class Request:
     def __init__(self, prompt, max_tokens: int, params: SamplingParams | None = None, stop_ids=(),
                  emit: Callable[[Event], None] | None = None, record_logits: bool = False,
                  seq: "PoolSequence | None" = None, feed_last: bool = False, rng: np.random.Generator | None = None,
-                 tenant: str = "", constraint: "Constraint | None" = None, logits_from: int | None = None):
+                 tenant: str = "", constraint: "Constraint | None" = None, logits_from: int | None = None,
+                 logprobs: int | None = None):
         params = params or SamplingParams()
         self.ask = Ask(tuple(int(t) for t in prompt), max_tokens, params, frozenset(stop_ids), emit, record_logits,
-                       seq, feed_last, tenant, constraint, logits_from)
+                       seq, feed_last, tenant, constraint, logits_from, logprobs)
         self.rng = rng if rng is not None else np.random.default_rng(params.seed)
         # its sequence outlives it (chat): it reserves all it may add, is never preempted, and an
         # error in it is raised to the caller (whose turn rolls back) instead of ending it alone
