@@ -30,6 +30,7 @@ from edgekv.runtime.batching import Batcher, Done, Request, Token
 from edgekv.runtime.sampling import SamplingParams
 from edgekv.runtime.text import StreamDecoder, TextCodec
 from edgekv.serve import LOCAL_HOSTS
+from edgekv.serve import structured, tools
 from edgekv.serve.metrics import Metrics
 
 log = logging.getLogger("edgekv.serve")
@@ -171,26 +172,22 @@ def _absent_or(*ok) -> Callable[[object], bool]:
 
 
 COMMON_UNSUPPORTED = {
-    "n": (_absent_or(1), "1 or null"),
+    "n": (_absent_or(1), "1 or null: one sequence per request"),
     "logit_bias": (_absent_or({}), "{} or null"),
     "presence_penalty": (_absent_or(0, 0.0), "0 or null"),
     "frequency_penalty": (_absent_or(0, 0.0), "0 or null"),
 }
-CHAT_UNSUPPORTED = COMMON_UNSUPPORTED | {
-    "tools": (_absent_or([]), "[] or null"),
-    "tool_choice": (_absent_or("none"), '"none" or null'),
-    "functions": (_absent_or([]), "[] or null"),
-    "function_call": (_absent_or("none"), '"none" or null'),
-    "response_format": (_absent_or({"type": "text"}), '{"type": "text"} or null'),
-    "logprobs": (_absent_or(False), "false or null"),
-    "top_logprobs": (_absent_or(0), "0 or null"),
+CHAT_UNSUPPORTED = COMMON_UNSUPPORTED | {  # tools, response_format, logprobs: edgekv/serve/tools.py, structured.py
+    "functions": (_absent_or([]), "[] or null (use 'tools')"),
+    "function_call": (_absent_or("none"), '"none" or null (use \'tool_choice\')'),
 }
 COMPLETION_UNSUPPORTED = COMMON_UNSUPPORTED | {
     "echo": (_absent_or(False), "false or null"),
     "suffix": (_absent_or(""), '"" or null'),
     "best_of": (_absent_or(1), "1 or null"),
-    "logprobs": (_absent_or(), "null"),
 }
+# fields that need the grammar tokenizer (llguidance): plain requests never build it
+STRUCTURED_FIELDS = ("tools", "tool_choice", "response_format", "logprobs", "top_logprobs")
 
 
 def refuse_unsupported(body: dict, table: dict) -> None:
@@ -265,6 +262,19 @@ class Ask:
     stops: list[str]
     stream: bool
     chat: bool
+    constraint: object = None  # a GrammarConstraint (response_format or tools), None: free
+    plan: "tools.ToolPlan | None" = None  # the request's tools
+    logprobs: int | None = None  # alternatives per token (None: no logprobs)
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+
+
+def include_usage_of(body: dict) -> bool:
+    so = body.get("stream_options")
+    if so is None:
+        return False
+    if not isinstance(so, dict):
+        raise ApiError(400, "'stream_options' must be an object or null", param="stream_options")
+    return _flag(so, "include_usage")
 
 
 def encode_unlocked(codec: TextCodec, text: str) -> list[int]:
@@ -292,7 +302,7 @@ class Server:
 
     def __init__(self, batcher: Batcher, codec: TextCodec, model: str, api_keys: Sequence[str] | str | None = (),
                  metrics: Metrics | None = None, *, max_body_bytes: int = MAX_BODY_BYTES,
-                 bind_host: str = "127.0.0.1"):
+                 bind_host: str = "127.0.0.1", bundle=None):
         keys = [api_keys] if isinstance(api_keys, str) else list(api_keys or ())
         if not all(isinstance(k, str) and k for k in keys):
             raise ValueError("API keys must be non-empty strings")
@@ -306,6 +316,29 @@ class Server:
         self.metrics = metrics or Metrics(batcher)
         self.created = int(time.time())
         self.state = "ready"
+        # the bundle drives tools, response_format and logprobs (None: they get a 400)
+        self.bundle = bundle
+        self.takes_tools = bundle is not None and tools.template_takes_tools(bundle.chat_template)
+
+    def grammar_tokenizer(self):
+        """The bundle's llguidance tokenizer, built on the first request that needs it."""
+        from edgekv.runtime import grammar
+        if self.bundle is None:
+            raise ApiError(400, "this server was started without its bundle: tools, response_format and "
+                                "logprobs are not available", code="unsupported_parameter")
+        try:
+            return grammar.tokenizer_for(self.bundle)
+        except grammar.GrammarError as e:
+            raise ApiError(400, str(e), code="unsupported_parameter") from None
+
+    def stop_ids(self, constrained: bool) -> frozenset[int]:
+        if not constrained:
+            return frozenset(self.codec.stop_ids)
+        from edgekv.runtime import grammar
+        return frozenset(self.codec.stop_ids) | frozenset(grammar.stop_ids_of(self.bundle))
+
+    def token_bytes(self, t: int) -> bytes:
+        return self.grammar_tokenizer().ll.decode_bytes([t])
 
     def set_state(self, state: str) -> None:
         """loading (before the warm-up), ready, draining (shutting down): /health says which, and
@@ -416,22 +449,37 @@ class Server:
         """Parse, check, render and tokenize a chat request (a worker thread)."""
         body = parse_json(raw)
         refuse_unsupported(body, CHAT_UNSUPPORTED)
-        msgs = messages_of(body)
-        opts = max_tokens_of(body), sampling_of(body), stops_of(body), _flag(body, "stream")
-        self.check_length(sum(len(m["content"]) for m in msgs), "messages")
         try:
-            text = self.codec.render(msgs)
+            msgs = tools.chat_messages(body.get("messages"))
+            top = structured.logprobs_asked(body, chat=True)
+            structured_asked = any(body.get(f) not in (None, False, [], "none", {"type": "text"}) for f in STRUCTURED_FIELDS)
+            constraint, plan = (tools.request_constraint(body, self.grammar_tokenizer()) if structured_asked
+                                else (None, None))
+        except structured.BadRequest as e:
+            raise ApiError(400, str(e), param=e.param, code=e.code) from None
+        opts = max_tokens_of(body), sampling_of(body), stops_of(body), _flag(body, "stream")
+        self.check_length(sum(len(m.get("content") or "") for m in msgs), "messages")
+        try:
+            text = tools.render_prompt(self.codec, msgs, plan, self.takes_tools)
         except EdgeKVError as e:
             raise ApiError(400, str(e), param="messages") from None
-        return Ask(encode_unlocked(self.codec, text), *opts, chat=True)
+        return Ask(encode_unlocked(self.codec, text), *opts, chat=True, constraint=constraint, plan=plan,
+                   logprobs=top, include_usage=include_usage_of(body))
 
     def completion_ask(self, raw: bytes) -> Ask:
         body = parse_json(raw)
         refuse_unsupported(body, COMPLETION_UNSUPPORTED)
         prompt = prompt_of(body)
+        try:
+            top = structured.logprobs_asked(body, chat=False)
+        except structured.BadRequest as e:
+            raise ApiError(400, str(e), param=e.param, code=e.code) from None
+        if top is not None:
+            self.grammar_tokenizer()  # its bytes of each token
         opts = max_tokens_of(body), sampling_of(body), stops_of(body), _flag(body, "stream")
         self.check_length(len(prompt), "prompt")
-        return Ask(encode_unlocked(self.codec, prompt), *opts, chat=False)
+        return Ask(encode_unlocked(self.codec, prompt), *opts, chat=False, logprobs=top,
+                   include_usage=include_usage_of(body))
 
     async def serve(self, request: HttpRequest, prepare: Callable[[bytes], Ask]) -> Response:
         if self.state != "ready":
@@ -442,9 +490,9 @@ class Server:
         ask = await asyncio.to_thread(prepare, raw)
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        req = Request(ask.prompt, ask.max_tokens, ask.params, stop_ids=self.codec.stop_ids,
+        req = Request(ask.prompt, ask.max_tokens, ask.params, stop_ids=self.stop_ids(ask.constraint is not None),
                       emit=lambda event: loop.call_soon_threadsafe(queue.put_nowait, event),
-                      tenant=request.state.tenant)
+                      tenant=request.state.tenant, constraint=ask.constraint, logprobs=ask.logprobs)
         try:
             self.batcher.submit(req)
         except ContextOverflow as e:
@@ -455,7 +503,7 @@ class Server:
                            headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except EdgeKVError as e:
             raise ApiError(400, str(e)) from None
-        reply = Reply(self, req, queue, StopWatch(self.codec, ask.stops), ask.chat, request.scope)
+        reply = Reply(self, req, queue, StopWatch(self.codec, ask.stops), ask, request.scope)
         if ask.stream:
             return StreamingResponse(reply.sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -469,10 +517,14 @@ class Reply:
     """One request's answer, whole or as server-sent events; the batcher's request is cancelled
     whenever the answer ends early (a stop sequence, a client gone)."""
 
-    def __init__(self, server: Server, req: Request, queue: asyncio.Queue, watch: StopWatch, chat: bool, scope: dict):
-        self.server, self.req, self.queue, self.watch, self.chat = server, req, queue, watch, chat
+    def __init__(self, server: Server, req: Request, queue: asyncio.Queue, watch: StopWatch, ask: Ask, scope: dict):
+        self.server, self.req, self.queue, self.watch, self.chat = server, req, queue, watch, ask.chat
+        self.ask = ask
+        self.calls = ask.plan is not None and ask.plan.calls_possible  # the reply may hold tool calls
+        self.entries: list = []  # sampling.TokenLogprob of each token, when logprobs were asked
+        self.sent = 0  # entries already sent in a chunk
         self.model = server.model  # never the client's 'model' echoed back
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.completion_tokens = 0
         self.cached_tokens = 0  # of the prompt (the first token's event or the Done says)
@@ -489,6 +541,8 @@ class Reply:
                         self.server.metrics.first_token(event.ttft_s)
                         self.cached_tokens = event.cached_tokens
                     self.completion_tokens += 1
+                    if event.logprob is not None:
+                        self.entries.append(event.logprob)
                     text = self.watch.push(event.id)
                     if self.watch.stopped:
                         self.server.batcher.cancel(self.req)
@@ -534,38 +588,79 @@ class Reply:
             watcher.cancel()
         text = "".join(parts)
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                      "logprobs": None}
+            msg = {"role": "assistant", "content": text}
+            if self.calls:
+                msg, _ = tools.parse_reply(text)
+                finish = tools.finish_reason(finish, msg)
+            choice = {"index": 0, "message": msg, "finish_reason": finish, "logprobs": self.logprobs(self.entries)}
         else:
-            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": self.logprobs(self.entries)}
         return JSONResponse({"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                              "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage()})
 
-    def chunk(self, text: str | None, finish: str | None, role: bool = False) -> str:
+    def logprobs(self, entries: list) -> dict | None:
+        """OpenAI's logprobs of these tokens (None when not asked)."""
+        if self.ask.logprobs is None:
+            return None
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
-            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            return structured.chat_logprobs(entries, self.server.token_bytes)
+        return structured.completion_logprobs(entries, self.server.token_bytes)
+
+    def chunk(self, text: str | None, finish: str | None, role: bool = False, delta: dict | None = None) -> str:
+        """One SSE chunk: text (or a tool-call delta), with the logprobs of the tokens received since the last."""
+        lp = self.logprobs(self.entries[self.sent:])
+        self.sent = len(self.entries)
+        if self.chat:
+            if delta is None:
+                delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text else {})
+            choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": lp}
         else:
-            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": lp}
         out = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                "created": self.created, "model": self.model, "choices": [choice]}
         if finish:
             out["usage"] = self.usage()
         return f"data: {json.dumps(out)}\n\n"
 
+    def usage_chunk(self) -> str:
+        """stream_options.include_usage: OpenAI's last chunk, no choices and the usage."""
+        out = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": [], "usage": self.usage()}
+        return f"data: {json.dumps(out)}\n\n"
+
     async def sse(self):
         if self.chat:
             yield self.chunk(None, None, role=True)
+        pieces = self.tool_sse() if self.calls else self.text_sse()
         try:
-            async for text, fin in self.events():
-                if text and fin:
-                    yield self.chunk(text, None)
-                    yield self.chunk(None, fin)
-                else:
-                    yield self.chunk(text, fin)
+            async for chunk in pieces:
+                yield chunk
+            if self.ask.include_usage:
+                yield self.usage_chunk()
         except ApiError as e:
             yield f"data: {json.dumps({'error': {'message': str(e), 'type': e.kind}})}\n\n"
         yield "data: [DONE]\n\n"
+
+    async def text_sse(self):
+        async for text, fin in self.events():
+            if text and fin:
+                yield self.chunk(text, None)
+                yield self.chunk(None, fin)
+            else:
+                yield self.chunk(text, fin)
+
+    async def tool_sse(self):
+        """The text through a ToolStream: each delta a chunk; finish_reason tool_calls when the
+        reply stopped after its calls."""
+        ts = tools.ToolStream()
+        finish = "stop"
+        async for text, fin in self.events():
+            for d in ts.feed(text) if text else []:
+                yield self.chunk(None, None, delta=d)
+            finish = fin or finish
+        for d in ts.finish():
+            yield self.chunk(None, None, delta=d)
+        yield self.chunk(None, "tool_calls" if finish == "stop" and ts.n_calls else finish)
 
 
 def host_of(headers: list) -> str | None:

@@ -1,0 +1,224 @@
+"""`edgekv serve` with issue 26's pieces wired in: response_format (json_object, json_schema, the
+openai client's parse), tools (required / named tool_choice, streamed deltas, a tool message
+round trip), logprobs against a log-softmax of the plain generator's logits, 400s for what cannot
+be enforced, and a constrained request batched with a free one answering as each alone."""
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import contextmanager
+from typing import Literal
+
+import numpy as np
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("llguidance")
+jsonschema = pytest.importorskip("jsonschema")
+import httpx  # noqa: E402
+import pydantic  # noqa: E402
+
+from edgekv.runtime.assemble import open_runtime  # noqa: E402
+from edgekv.serve.app import Server  # noqa: E402
+from edgekv.serve.server import BackgroundServer  # noqa: E402
+from tests.conftest import ROOT  # noqa: E402
+
+REAL = ROOT / "models" / "bundles" / "smollm2-135m-instruct-int8-wint4"
+
+MSGS = [{"role": "user", "content": "Tell me about robots and trains."}]
+SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "kind": {"enum": ["robot", "train"]}},
+          "required": ["ok", "kind"], "additionalProperties": False}
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "days": {"type": "boolean"}},
+        "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "weather", "description": "the weather in a city",
+                                           "parameters": CITY}},
+         {"type": "function", "function": {"name": "time", "parameters": {"type": "object", "properties": {},
+                                                                   "additionalProperties": False}}}]
+GREEDY = {"temperature": 0, "max_tokens": 120}
+
+
+@pytest.fixture(scope="module")
+def rt(tiny_bundle_int8):
+    r = open_runtime(tiny_bundle_int8, ctx=256, backend="ort-cpu", threads=1)
+    yield r
+    r.close()
+
+
+@pytest.fixture(scope="module")
+def real_url():
+    """The default model: a tools prompt does not fit the tiny bundles' 256 tokens."""
+    if not REAL.exists():
+        pytest.skip("the real default-model bundle is not here")
+    with open_runtime(REAL, ctx=1024, backend="ort-cpu", threads=2) as r, serving(r, capacity=1024) as u:
+        yield u
+
+
+@contextmanager
+def serving(rt, with_bundle=True, capacity=256):
+    engine = rt.batcher(capacity=capacity, parallel=4, max_queue=64, prefill_chunk=32).start()
+    server = Server(engine, rt.codec, "m", bundle=rt.bundle if with_bundle else None)
+    srv = BackgroundServer(server.app())
+    try:
+        yield srv.url
+    finally:
+        srv.close()
+        engine.stop()
+
+
+@pytest.fixture(scope="module")
+def url(rt):
+    with serving(rt) as u:
+        yield u
+
+
+def post(url, body, path="/v1/chat/completions"):
+    return httpx.post(url + path, json=body, timeout=120)
+
+
+def stream_chunks(url, body, path="/v1/chat/completions"):
+    with httpx.stream("POST", url + path, json={**body, "stream": True}, timeout=120) as s:
+        return [json.loads(x[6:]) for x in s.iter_lines() if x.startswith("data: {")]
+
+
+def streamed_text(chunks):
+    return "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+
+
+@pytest.mark.parametrize("rf,schema", [
+    ({"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA}}, SCHEMA),
+    ({"type": "json_object"}, {"type": "object"}),
+])
+def test_response_format_replies_validate_whole_and_streamed(url, rf, schema):
+    body = {"messages": MSGS, "response_format": rf, "temperature": 1, "seed": 5, "max_tokens": 200}
+    r = post(url, body)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+    chunks = stream_chunks(url, body)
+    jsonschema.validate(json.loads(streamed_text(chunks)), schema)
+    assert streamed_text(chunks) == choice["message"]["content"]  # same seed, same reply
+
+
+def test_openai_client_parse_with_a_pydantic_model(url):
+    class Answer(pydantic.BaseModel):
+        ok: bool
+        kind: Literal["robot", "train"]
+
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+    done = client.beta.chat.completions.parse(model="m", messages=MSGS, response_format=Answer, max_tokens=200,
+                                              temperature=0)
+    parsed = done.choices[0].message.parsed
+    assert isinstance(parsed, Answer) and parsed.kind in ("robot", "train")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("choice,name", [("required", None), ({"type": "function", "function": {"name": "weather"}},
+                                                               "weather")])
+def test_tool_calls_validate_and_stream_to_the_same_reply(real_url, choice, name):
+    url = real_url
+    body = {"messages": MSGS, "tools": TOOLS, "tool_choice": choice, "parallel_tool_calls": False, **GREEDY}
+    r = post(url, body)
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    assert c["finish_reason"] == "tool_calls"
+    calls = c["message"]["tool_calls"]
+    assert len(calls) == 1 and (name is None or calls[0]["function"]["name"] == name)
+    fn = calls[0]["function"]
+    params = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}[fn["name"]]
+    jsonschema.validate(json.loads(fn["arguments"]), params)
+    # the streamed deltas reassemble to the same call
+    chunks = stream_chunks(url, body)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    got: dict = {}
+    for ch in chunks:
+        for d in ch["choices"][0]["delta"].get("tool_calls") or []:
+            slot = got.setdefault(d["index"], {"name": "", "arguments": ""})
+            slot["name"] += d.get("function", {}).get("name") or ""
+            slot["arguments"] += d.get("function", {}).get("arguments") or ""
+    assert [got[i] for i in sorted(got)] == [{"name": fn["name"], "arguments": fn["arguments"]}]
+
+
+@pytest.mark.slow
+def test_a_tool_result_round_trip_is_accepted(real_url):
+    url = real_url
+    msgs = MSGS + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    r = post(url, {"messages": msgs, "tools": TOOLS, "max_tokens": 5, "temperature": 0})
+    assert r.status_code == 200, r.text
+    r = post(url, {"messages": MSGS + [{"role": "tool", "tool_call_id": "nope", "content": "x"}], "max_tokens": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def log_softmax(x):
+    x = np.asarray(x, np.float64)
+    m = x.max()
+    return x - m - np.log(np.exp(x - m).sum())
+
+
+def test_logprobs_are_the_log_softmax_of_the_plain_generators_logits(rt, url):
+    n = 6
+    r = post(url, {"messages": MSGS, "logprobs": True, "top_logprobs": 3, "temperature": 0, "max_tokens": n})
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    g = rt.generator(capacity=256)
+    logits = g.prefill(rt.codec.chat_ids(MSGS))
+    for entry in content:
+        lp = log_softmax(logits)
+        t = int(np.argmax(lp))
+        assert entry["top_logprobs"][0]["bytes"] == entry["bytes"]  # greedy: the most likely token
+        assert entry["logprob"] == pytest.approx(lp[t], abs=2e-3)
+        want = np.argsort(-lp, kind="stable")[:3]
+        assert [e["logprob"] for e in entry["top_logprobs"]] == pytest.approx(lp[want].tolist(), abs=2e-3)
+        logits = g.decode_step(t)
+    assert len(content) >= 1
+    r = post(url, {"prompt": "robots", "logprobs": 2, "temperature": 0, "max_tokens": 3}, "/v1/completions")
+    lp = r.json()["choices"][0]["logprobs"]
+    assert r.status_code == 200 and len(lp["token_logprobs"]) == len(lp["tokens"]) == 3
+    assert all(len(t) == 2 for t in lp["top_logprobs"])
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {
+        "type": "string", "format": "uri-reference"}}}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": {
+        "enum": ["x" * 1000 + str(i) for i in range(40)]}}}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"n": 2}, "n"),
+])
+def test_what_cannot_be_enforced_is_a_400(url, body, param):
+    r = post(url, {"messages": MSGS, "max_tokens": 2, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_without_the_bundle_structured_fields_are_a_400_and_plain_chat_works(rt):
+    with serving(rt, with_bundle=False) as u:
+        r = post(u, {"messages": MSGS, "max_tokens": 2, "response_format": {"type": "json_object"}})
+        assert r.status_code == 400 and "bundle" in r.json()["error"]["message"]
+        assert post(u, {"messages": MSGS, "max_tokens": 2}).status_code == 200
+
+
+def test_include_usage_sends_a_last_chunk_with_the_usage(url):
+    chunks = stream_chunks(url, {"messages": MSGS, "max_tokens": 4, "temperature": 0,
+                                 "stream_options": {"include_usage": True}})
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] >= 1
+
+
+def test_a_constrained_request_batched_with_a_free_one_answers_as_each_alone(url):
+    free = {"messages": MSGS, **GREEDY, "max_tokens": 40}
+    shaped = {"messages": MSGS, **GREEDY, "response_format": {"type": "json_schema",
+                                                             "json_schema": {"name": "r", "schema": SCHEMA}}}
+    alone = [post(url, free).json(), post(url, shaped).json()]
+
+    async def together():
+        async with httpx.AsyncClient(timeout=120) as c:
+            return await asyncio.gather(*(c.post(url + "/v1/chat/completions", json=b) for b in (free, shaped)))
+
+    both = [r.json() for r in asyncio.run(together())]
+    for a, b in zip(alone, both):
+        assert a["choices"][0]["message"] == b["choices"][0]["message"]
+        assert a["usage"]["completion_tokens"] == b["usage"]["completion_tokens"]
