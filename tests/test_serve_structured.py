@@ -222,3 +222,19 @@ def test_a_constrained_request_batched_with_a_free_one_answers_as_each_alone(url
     for a, b in zip(alone, both):
         assert a["choices"][0]["message"] == b["choices"][0]["message"]
         assert a["usage"]["completion_tokens"] == b["usage"]["completion_tokens"]
+
+
+def test_constrained_logprobs_are_of_the_masked_distribution(rt, url):
+    """A json_object reply's first token: the grammar forbids most of the vocabulary, so its
+    logprob under the masked distribution is above its log-softmax over all the logits (the
+    plain generator's), and no alternative is one the grammar forbids (all finite)."""
+    r = post(url, {"messages": MSGS, "response_format": {"type": "json_object"}, "logprobs": True,
+                   "top_logprobs": 5, "temperature": 0, "max_tokens": 3})
+    first = r.json()["choices"][0]["logprobs"]["content"][0]
+    g = rt.generator(capacity=256)
+    lp = log_softmax(g.prefill(rt.codec.chat_ids(MSGS)))
+    from edgekv.runtime import grammar
+    ll = grammar.tokenizer_for(rt.bundle).ll
+    ids = [i for i in range(lp.shape[0]) if list(ll.decode_bytes([i])) == first["bytes"]]
+    assert ids and first["logprob"] > max(lp[i] for i in ids) + 1e-3
+    assert len(first["top_logprobs"]) >= 1 and all(np.isfinite(e["logprob"]) for e in first["top_logprobs"])
