@@ -135,14 +135,14 @@ def compare_backends(bundle, ctx: int, steps: int = 32) -> tuple[list[dict], boo
     return rows, ok
 
 
-def decode_rate(engine, reqs) -> float:
+def decode_rate(batcher, reqs) -> float:
     """Aggregate decode tokens/s of `reqs` run together, from the step at which every one has its
     first token (its prompt prefilled) to the last."""
     for r in reqs:
-        engine.submit(r)
+        batcher.submit(r)
     t1 = n1 = None
     while not all(r.finish_reason for r in reqs):
-        engine.step()
+        batcher.step()
         if t1 is None and all(r.ttft_s is not None for r in reqs):
             t1, n1 = time.perf_counter(), sum(len(r.out) for r in reqs)
     dt = time.perf_counter() - t1
@@ -150,10 +150,10 @@ def decode_rate(engine, reqs) -> float:
 
 
 def serve_check(bundle, ctx: int, backend: str = "trt") -> tuple[dict, bool]:
-    """`edgekv serve`'s engine on `backend`: four chat prompts joining a batch two steps apart give
+    """`edgekv serve`'s batcher on `backend`: four chat prompts joining a batch two steps apart give
     the greedy tokens each gives alone on the same backend (a divergence only at a near-tie of the
     lone run's logits); then the aggregate decode rate of four sequences against one."""
-    from edgekv.runtime.engine import Request
+    from edgekv.runtime.batching import Request
 
     codec = TextCodec(bundle)
     prompts = [codec.chat_ids([{"role": "user", "content": q}]) for q in QUESTIONS]
@@ -163,13 +163,13 @@ def serve_check(bundle, ctx: int, backend: str = "trt") -> tuple[dict, bool]:
     tol = bundle.logits_tolerance()
     with open_runtime(bundle, ctx, backend, log=None) as rt:
         alone = [greedy_run(rt, p, new) for p in prompts]
-        engine = rt.engine(capacity=ctx, parallel=len(prompts))
+        batcher = rt.batcher(capacity=ctx, parallel=len(prompts))
         reqs = [Request(p, new) for p in prompts]
         for r in reqs:  # each joins two steps after the previous one, mid-prefill or mid-decode of the others
-            engine.submit(r)
-            engine.step(), engine.step()
+            batcher.submit(r)
+            batcher.step(), batcher.step()
         while not all(r.finish_reason for r in reqs):
-            engine.step()
+            batcher.step()
         rows, ok = [], True
         for r, (logits, want) in zip(reqs, alone):
             first = next((i for i, (a, b) in enumerate(zip(r.out, want)) if a != b), None)
@@ -177,9 +177,9 @@ def serve_check(bundle, ctx: int, backend: str = "trt") -> tuple[dict, bool]:
             ok &= first is None or tie
             rows.append({"identical": sum(a == b for a, b in zip(r.out, want)), "steps": new, "first_divergence": first})
         n = 64 if ctx >= len(prompts) * (max(map(len, prompts)) + 65) else new
-        one = decode_rate(engine, [Request(prompts[0], n)])
-        four = decode_rate(engine, [Request(p, n) for p in prompts])
-        moved, secs = engine.counters["moved_cells"], engine.counters["compaction_seconds"]
+        one = decode_rate(batcher, [Request(prompts[0], n)])
+        four = decode_rate(batcher, [Request(p, n) for p in prompts])
+        moved, secs = batcher.counters["moved_cells"], batcher.counters["compaction_seconds"]
     res = {"backend": backend, "status": "pass" if ok else "fail", "sequences": rows, "decode_tps_1": one,
            "decode_tps_4": four, "ratio_4_vs_1": four / one if one > 0 else None,
            "compaction_moved_cells": moved, "compaction_ms": secs * 1e3}

@@ -41,7 +41,7 @@ def read_line(prompt=""):
 # a shell starts background jobs with SIGINT ignored, and Python keeps an ignored SIGINT ignored:
 # take Ctrl-C as KeyboardInterrupt whatever the test runner was started from
 signal.signal(signal.SIGINT, signal.default_int_handler)
-assemble.Runtime.batcher = assemble.Runtime.engine = batcher  # (chat/terminal.py calls the old name)
+assemble.Runtime.batcher = batcher
 OrtBackend.run_cells = run
 import builtins  # noqa: E402
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import edgekv.chat.session as session
-import edgekv.runtime.engine as engine
+import edgekv.runtime.batching.request as request
 import edgekv.runtime.generate as generate
 import edgekv.tools.bench as bench
 from edgekv.format.bundle import load_bundle
@@ -82,7 +82,7 @@ class ScriptedBackend:
 @pytest.fixture
 def clock(monkeypatch):
     c = Clock()
-    for mod in (generate, bench, engine, session):
+    for mod in (generate, bench, request, session):  # request: now(), the batcher's only clock
         monkeypatch.setattr(mod, "time", types.SimpleNamespace(perf_counter=c.perf_counter))
     return c
 
@@ -140,7 +140,7 @@ def test_chat_turn_rates_from_the_engine(tiny_bundle_float, clock, script, shown
     # stop: 7 from the prefill, decode calls -> 8, 9, STOP; max-tokens (4): 5 from the prefill, three decode calls
     assert st.ttft_s == pytest.approx(PREFILL_S) and st.new_tokens == shown and st.decode_steps == 3
     assert st.decode_s == pytest.approx(3 * DECODE_S) and st.decode_tps == pytest.approx(1 / DECODE_S)
-    assert s.engine.backend.calls == 1 + 3 + 1  # the prefill, the decode steps, the last token's feed
+    assert s.batcher.backend.calls == 1 + 3 + 1  # the prefill, the decode steps, the last token's feed
     assert s.ids[-1] == (STOP if script else 5)  # the cache holds the whole turn
 
 

@@ -37,7 +37,7 @@ def state(s: ChatSession):
     """Everything a turn may change: the sequence, its cells' bytes, the pool, the messages."""
     seq = s.seq
     cells = {k: v.tobytes() for k, v in s.cache.read_cells(seq.cells).items()}
-    return (seq.cells, seq.ids, seq.sinks), cells, s.engine.pool.refs.tobytes(), json.dumps(s.messages), \
+    return (seq.cells, seq.ids, seq.sinks), cells, s.batcher.pool.refs.tobytes(), json.dumps(s.messages), \
         s.dropped_turns
 
 
@@ -167,7 +167,7 @@ def test_interrupted_decode_and_prefill_leave_the_conversation_exactly_as_before
 
     text, st = s.reply("Tell me about robots and trains.", stop_after(3))
     assert st.stop_reason == "interrupted" and text == "" and state(s) == before
-    run, calls = s.engine.backend.run_cells, []
+    run, calls = s.batcher.backend.run_cells, []
 
     def interrupt_third_chunk(*a):
         calls.append(a[3].shape[1])
@@ -175,9 +175,9 @@ def test_interrupted_decode_and_prefill_leave_the_conversation_exactly_as_before
             raise KeyboardInterrupt
         return run(*a)
 
-    s.engine.backend.run_cells = interrupt_third_chunk
+    s.batcher.backend.run_cells = interrupt_third_chunk
     text, st = s.reply("Tell me about robots, trains and tea. " * 4)
-    s.engine.backend.run_cells = run
+    s.batcher.backend.run_cells = run
     assert calls[:2] == [8, 8] and st.stop_reason == "interrupted" and state(s) == before
     # and the next turn is the one a session that never saw the interrupted turns gives
     t = session(tiny_bundle_int8, max_new=40, chunk=8)
@@ -194,7 +194,7 @@ def test_interrupted_turn_in_a_wrapped_ring_puts_the_overwritten_cells_back(tiny
     while not s.seq.wrapped:
         s.reply("Tell me about trains.")
     before = state(s)
-    run, calls = s.engine.backend.run_cells, []
+    run, calls = s.batcher.backend.run_cells, []
 
     def interrupt_late(*a):
         calls.append(1)
@@ -202,9 +202,9 @@ def test_interrupted_turn_in_a_wrapped_ring_puts_the_overwritten_cells_back(tiny
             raise KeyboardInterrupt
         return run(*a)
 
-    s.engine.backend.run_cells = interrupt_late
+    s.batcher.backend.run_cells = interrupt_late
     s.reply("What is the capital of France? Tell me about robots.")
-    s.engine.backend.run_cells = run
+    s.batcher.backend.run_cells = run
     assert state(s) == before
 
 

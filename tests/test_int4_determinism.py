@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from edgekv.runtime.assemble import open_runtime
-from edgekv.runtime.engine import Request
+from edgekv.runtime.batching import Request
 from tests.test_serve_engine import alone, batch_schedule, run_until_done
 
 QUESTIONS = ["What is the capital of France?", "Name three colours.", "What is 2 + 2?", "Say hello in German."]
@@ -33,7 +33,7 @@ def test_the_tiny_bundles_attention_is_rewritten_exact(rt_int8, rt_float):
 def test_tiny_int8_batched_equals_alone_bit_for_bit(rt_int8):
     """The serving engine's schedule (joining, mixed prefill and decode, leaving): every logit
     equals the lone decode's exactly, not within a tolerance."""
-    engine = rt_int8.engine(capacity=256, parallel=4, prefill_chunk=8)
+    engine = rt_int8.batcher(capacity=256, parallel=4, prefill_chunk=8)
     spec, reqs, _ = batch_schedule(engine)
     for k, (prompt, n) in spec.items():
         want_toks, want_rows = alone(rt_int8, prompt, n)
@@ -92,7 +92,7 @@ def chat_prompts(rt, questions, system=None):
 def test_int4_two_identical_requests_in_one_step_decode_identically(rt4):
     """Four pairs of identical requests, all eight in flight together: each pair's two rows (other
     cells, other rows of every call) give the same tokens and logits, and so does the prompt alone."""
-    engine = rt4.engine(capacity=512, parallel=8, prefill_chunk=16)
+    engine = rt4.batcher(capacity=512, parallel=8, prefill_chunk=16)
     pairs = [(Request(p, STEPS, record_logits=True), Request(p, STEPS, record_logits=True)) for p in chat_prompts(rt4, QUESTIONS)]
     for a, b in pairs:
         engine.submit(a), engine.submit(b)
@@ -106,7 +106,7 @@ def test_int4_two_identical_requests_in_one_step_decode_identically(rt4):
 def test_int4_batched_equals_alone(rt4):
     """Four chat prompts joining two steps apart (mid-prefill or mid-decode of the others) give
     what each gives decoded alone."""
-    engine = rt4.engine(capacity=512, parallel=4, prefill_chunk=16)
+    engine = rt4.batcher(capacity=512, parallel=4, prefill_chunk=16)
     reqs = [Request(p, STEPS, record_logits=True) for p in chat_prompts(rt4, QUESTIONS)]
     for r in reqs:
         engine.submit(r)
@@ -123,7 +123,7 @@ def test_int4_cached_prefix_equals_a_fresh_prefill(rt4):
     system = "You are a helpful assistant who answers briefly and precisely, in plain English."
     prompts = chat_prompts(rt4, QUESTIONS, system)
     shared = next(i for i, (x, y) in enumerate(zip(prompts[0], prompts[1])) if x != y)
-    engine = rt4.engine(capacity=512, parallel=4, prefill_chunk=16)
+    engine = rt4.batcher(capacity=512, parallel=4, prefill_chunk=16)
     first = Request(prompts[0], 4)
     engine.submit(first)
     run_until_done(engine, [first])

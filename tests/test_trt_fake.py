@@ -105,7 +105,7 @@ def test_trt_runs_a_wrapped_ring_through_staging(bundle_copy, monkeypatch):
     # row copies (CudaMemory reads row ranges), cells, ids and KV bytes as before the turn
     from tests.test_chat_engine import state
     s = sessions[0]
-    assert s.engine.cache.reads_rows
+    assert s.batcher.cache.reads_rows
     before, calls, run = state(s), [0], be.run_cells
 
     def interrupted(*a):
@@ -134,7 +134,7 @@ def serve_on_trt_and_ort(bundle_copy, monkeypatch, schedule, max_steps, **engine
     for name, be in (("trt", make_backend("trt", b, ctx=64, max_logits_rows=16)),
                      ("ort", OrtBackend(b, threads=1, max_logits_rows=16, past_bucket=1, exact=False))):
         be.max_tokens_per_call = 16  # the engine's profile: the same calls on both (trt: already)
-        engine = Runtime(b, be, 64).engine(capacity=64, **engine_kw)
+        engine = Runtime(b, be, 64).batcher(capacity=64, **engine_kw)
         reqs = schedule(engine)
         for _ in range(max_steps):
             if all(r.finish_reason for r in reqs):
@@ -155,7 +155,7 @@ def test_trt_serves_a_churning_pool_exactly_as_ort_cpu(bundle_copy, monkeypatch)
     """The serving engine on trt (run_cells): many short requests in a small pool, so the pool is
     compacted (cells moved through the device memory's own move); tokens and logits equal the
     engine on ort-cpu bit for bit."""
-    from edgekv.runtime.engine import Request
+    from edgekv.runtime.batching import Request
 
     def schedule(engine):
         reqs = [Request(ids(4 + (i * 5) % 11, 50 + i), 2 + (i * 3) % 7, record_logits=True) for i in range(12)]
@@ -242,7 +242,7 @@ def test_device_memory_copies_row_ranges_and_refuses_rows_outside(monkeypatch):
 def test_trt_serving_with_prefix_reuse_and_compaction_equals_ort_cpu(bundle_copy, monkeypatch):
     """Conversations cached, moved to the top, reused (moved down), cancelled mid-prefill and
     mid-decode: trt (stand-in) gives ort-cpu's tokens and logits bit for bit."""
-    from edgekv.runtime.engine import Request
+    from edgekv.runtime.batching import Request
 
     def schedule(engine):
         rng = np.random.default_rng(3)

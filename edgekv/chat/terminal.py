@@ -43,10 +43,10 @@ def cmd_chat(args, explain=EdgeKVError.explain) -> int:
 
 def chat_loop(args, rt, explain) -> int:
     # one conversation: a pool of --ctx cells, no prefix cache (the conversation's cells are its own)
-    engine = rt.engine(parallel=1, max_queue=1, max_prefixes=0)
+    batcher = rt.batcher(parallel=1, max_queue=1, max_prefixes=0)
     thinking = getattr(args, "thinking", "show")
     codec = rt.codec.with_thinking(False) if thinking == "off" else rt.codec
-    session = ChatSession(rt.bundle, codec, engine, sampling_from(args), args.system, args.max_new_tokens,
+    session = ChatSession(rt.bundle, codec, batcher, sampling_from(args), args.system, args.max_new_tokens,
                           args.context)
     interactive = sys.stdin.isatty() and not args.json
     if args.system or args.prompt_cache:
@@ -59,7 +59,7 @@ def chat_loop(args, rt, explain) -> int:
         except ImportError:
             pass
         print(f"edgekv chat — {rt.bundle.manifest.get('name', rt.bundle.path.name)}, KV {rt.bundle.scheme.name}, "
-              f"ctx {engine.capacity}. /help for commands, Ctrl-D to quit.", file=sys.stderr)
+              f"ctx {batcher.capacity}. /help for commands, Ctrl-D to quit.", file=sys.stderr)
     dim = ("\033[2m", "\033[0m") if sys.stderr.isatty() else ("", "")
     # bytes that are not UTF-8 come through as surrogates: such a line is refused, not fatal
     if hasattr(sys.stdin, "reconfigure"):

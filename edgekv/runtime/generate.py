@@ -1,7 +1,7 @@
 """Generation: chunked prefill, decode steps and the decode loop over one Sequence (generate,
 eval, bench: one stream, every logits row it asks for), and the per-turn stats (one line for the
-terminal, one record for --json) that generate and chat share. Chat and serve run on the Engine
-(engine.py)."""
+terminal, one record for --json) that generate and chat share. Chat and serve run on the Batcher
+(batching/)."""
 from __future__ import annotations
 
 import time
@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from edgekv.errors import EdgeKVError
+from edgekv.errors import EdgeKVError, NonFinite
 from edgekv.runtime.backends.base import PREFILL_CHUNK, Backend
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.constraint import Constraint, constrain
@@ -18,7 +18,7 @@ from edgekv.runtime.sampling import SamplingParams, sample
 from edgekv.runtime.sequence import Sequence
 
 if TYPE_CHECKING:
-    from edgekv.runtime.engine import Held
+    from edgekv.runtime.batching import PoolSequence
 
 
 @dataclass
@@ -40,22 +40,22 @@ class Stats:
         return self.decode_steps / self.decode_s if self.decode_s > 0 else 0.0
 
 
-def kv_line(cache: KVCache, seq: "Sequence | Held") -> str:
+def kv_line(cache: KVCache, seq: "Sequence | PoolSequence") -> str:
     """What the cache holds: slots and bytes used / allocated."""
     mib = 2 ** 20
     return f"KV {seq.n}/{cache.capacity} slots, {cache.used_bytes(seq.n) / mib:.2f} / {cache.nbytes / mib:.2f} MiB"
 
 
-def ring_note(seq: "Sequence | Held") -> str:
+def ring_note(seq: "Sequence | PoolSequence") -> str:
     return " | ring: oldest tokens overwritten" if seq.wrapped else ""
 
 
-def stats_line(st: Stats, cache: KVCache, seq: "Sequence | Held") -> str:
+def stats_line(st: Stats, cache: KVCache, seq: "Sequence | PoolSequence") -> str:
     return (f"TTFT {st.ttft_s * 1000:.0f} ms | prefill {st.prompt_tokens} tok @ {st.prefill_tps:.1f} tok/s | "
             f"decode {st.new_tokens} tok @ {st.decode_tps:.1f} tok/s | {kv_line(cache, seq)}" + ring_note(seq))
 
 
-def stats_record(st: Stats, cache: KVCache, seq: "Sequence | Held") -> dict:
+def stats_record(st: Stats, cache: KVCache, seq: "Sequence | PoolSequence") -> dict:
     """The stats of one reply as JSON fields."""
     return {**asdict(st), "prefill_tps": st.prefill_tps, "decode_tps": st.decode_tps, "kv_slots": seq.n,
             "kv_capacity": cache.capacity, "kv_bytes_used": cache.used_bytes(seq.n),
@@ -95,8 +95,7 @@ class Generator:
         self.seq.check_write(ids.shape[1])
         logits = self.backend.run(self.cache, self.seq, ids, logits_index)
         if not np.isfinite(logits).all():  # damaged weights or an overflow: never sample from it
-            raise EdgeKVError("the model produced non-finite logits (NaN or infinity); the bundle's weights may "
-                              "be damaged: check them with `edgekv verify BUNDLE`")
+            raise EdgeKVError(NonFinite.MESSAGE)
         self.seq.advance(ids[0])
         return logits
 

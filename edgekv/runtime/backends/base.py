@@ -55,7 +55,7 @@ class Backend(Protocol):
 
 @runtime_checkable
 class BatchBackend(Backend, Protocol):
-    """A backend that also runs a pool of cells shared by several sequences (runtime/engine.py)."""
+    """A backend that also runs a pool of cells shared by several sequences (runtime/batching/)."""
 
     def run_cells(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
                   key_mask: np.ndarray, logits_index: np.ndarray) -> np.ndarray:

@@ -89,17 +89,17 @@ class CudaMemory:
     layout = "slots"
 
     def __init__(self):
-        self.rt = cudart()
+        self.cudart = cudart()
         self.buffers: list[CudaBuffer] = []
 
     def free_bytes(self) -> int:
-        free, _total = check(self.rt.cudaMemGetInfo())
+        free, _total = check(self.cudart.cudaMemGetInfo())
         return int(free)
 
     def alloc(self, shape: tuple, dtype) -> CudaBuffer:
         nbytes = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        ptr = check(self.rt.cudaMalloc(max(nbytes, 1)))
-        check(self.rt.cudaMemset(ptr, 0, max(nbytes, 1)))
+        ptr = check(self.cudart.cudaMalloc(max(nbytes, 1)))
+        check(self.cudart.cudaMemset(ptr, 0, max(nbytes, 1)))
         buf = CudaBuffer(ptr, shape, dtype)
         self.buffers.append(buf)
         return buf
@@ -110,8 +110,8 @@ class CudaMemory:
     def read(self, buf: CudaBuffer, n: int) -> np.ndarray:
         host = np.empty((n,) + buf.shape[1:], buf.dtype)
         if host.nbytes:
-            check(self.rt.cudaMemcpy(host.ctypes.data, buf.ptr, host.nbytes,
-                                     self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost))
+            check(self.cudart.cudaMemcpy(host.ctypes.data, buf.ptr, host.nbytes,
+                                     self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost))
         return host
 
     def write(self, buf: CudaBuffer, arr: np.ndarray) -> None:
@@ -119,8 +119,8 @@ class CudaMemory:
         if arr.nbytes > buf.nbytes:
             raise EdgeKVError("write larger than the device buffer")
         if arr.nbytes:
-            check(self.rt.cudaMemcpy(buf.ptr, arr.ctypes.data, arr.nbytes,
-                                     self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice))
+            check(self.cudart.cudaMemcpy(buf.ptr, arr.ctypes.data, arr.nbytes,
+                                     self.cudart.cudaMemcpyKind.cudaMemcpyHostToDevice))
 
     def read_rows(self, buf: CudaBuffer, start: int, stop: int) -> np.ndarray:
         """Rows [start, stop) to the host: a chat turn's undo, /save and /load copy only the
@@ -129,8 +129,8 @@ class CudaMemory:
             raise EdgeKVError(f"rows [{start}, {stop}) outside a buffer of {buf.shape[0]}")
         host = np.empty((stop - start,) + buf.shape[1:], buf.dtype)
         if host.nbytes:
-            check(self.rt.cudaMemcpy(host.ctypes.data, buf.ptr + start * buf.row_bytes, host.nbytes,
-                                     self.rt.cudaMemcpyKind.cudaMemcpyDeviceToHost))
+            check(self.cudart.cudaMemcpy(host.ctypes.data, buf.ptr + start * buf.row_bytes, host.nbytes,
+                                     self.cudart.cudaMemcpyKind.cudaMemcpyDeviceToHost))
         return host
 
     def write_rows(self, buf: CudaBuffer, start: int, arr: np.ndarray) -> None:
@@ -139,8 +139,8 @@ class CudaMemory:
             raise EdgeKVError(f"rows [{start}, {start + len(arr)}) of shape {arr.shape[1:]} do not fit a buffer "
                               f"of {buf.shape}")
         if arr.nbytes:
-            check(self.rt.cudaMemcpy(buf.ptr + start * buf.row_bytes, arr.ctypes.data, arr.nbytes,
-                                     self.rt.cudaMemcpyKind.cudaMemcpyHostToDevice))
+            check(self.cudart.cudaMemcpy(buf.ptr + start * buf.row_bytes, arr.ctypes.data, arr.nbytes,
+                                     self.cudart.cudaMemcpyKind.cudaMemcpyHostToDevice))
 
     def move_rows(self, buf: CudaBuffer, src: np.ndarray, dst: np.ndarray) -> None:
         """Compaction: the span of rows involved to the host and back, one copy each way (the
@@ -154,5 +154,5 @@ class CudaMemory:
     def close(self) -> None:
         """Free every buffer this memory allocated (the trt backend's close calls it)."""
         for buf in self.buffers:
-            self.rt.cudaFree(buf.ptr)
+            self.cudart.cudaFree(buf.ptr)
         self.buffers.clear()

@@ -535,7 +535,7 @@ class OrtBackend:
 
     def run_cells(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
                   key_mask: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
-        """One call over a pool of cells shared by several sequences (edgekv/runtime/engine.py):
+        """One call over a pool of cells shared by several sequences (edgekv/runtime/batching/):
         past = cells [0, past), present written at cells [write, write + S), positions and the
         per-token mask [1, S, past + S] given whole. Cells of the write run that lie inside the
         past are free, hence masked (as a ring's overwritten slots). The same constant-work

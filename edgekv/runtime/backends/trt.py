@@ -47,7 +47,7 @@ class TrtBackend:
     def __init__(self, bundle: Bundle, ctx: int, max_logits_rows: int = 1):
         self.trt = import_tensorrt()
         self.memory = CudaMemory()
-        self.cudart = self.memory.rt
+        self.cudart = self.memory.cudart
         self.stream = None
         self._stage = (None, {})  # (the caches' slot layout, name -> staging buffer of max_tokens_per_call slots)
         try:
