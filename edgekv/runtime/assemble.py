@@ -38,7 +38,6 @@ class Runtime:
         prefill_chunk, max_prefixes): serve's, with its thread started; chat's, run on the caller's."""
         return Batcher(self.backend, self.cache(capacity), **kw)
 
-    engine = batcher  # the old name, until chat/terminal.py and jetson/selftest.py call batcher()
 
     def close(self) -> None:
         self.backend.close()
@@ -52,12 +51,13 @@ class Runtime:
 
 def open_runtime(bundle: str | os.PathLike | Bundle, ctx: int | None = None, backend: str = "auto",
                  threads: int | None = None, max_logits_rows: int = 1, log=note,
-                 matmul_accuracy: int = MATMUL_ACCURACY) -> Runtime:
+                 matmul_accuracy: int = MATMUL_ACCURACY, attention: str | None = None) -> Runtime:
     """Load the bundle (a path, or a Bundle already loaded) and start `backend` for caches of
     `ctx` slots (default: min(2048, the bundle's verified context)). `matmul_accuracy`: the
-    activations of onnxruntime's fused low-bit MatMul (quantized weights; ort backends)."""
+    activations of onnxruntime's fused low-bit MatMul (quantized weights; ort backends); `attention`:
+    ort-cpu's auto|fused|plain (None: EDGEKV_ATTENTION's; serve asks for plain, docs/fused.md)."""
     bundle = bundle if isinstance(bundle, Bundle) else load_bundle(bundle)
     capacity = ctx or default_capacity(bundle)
     be = make_backend(backend, bundle, threads, max_logits_rows, ctx=capacity, log=log,
-                      matmul_accuracy=matmul_accuracy)
+                      matmul_accuracy=matmul_accuracy, attention=attention)
     return Runtime(bundle, be, capacity)

@@ -47,6 +47,13 @@ def _import_serving():
     return uvicorn
 
 
+def open_serve_runtime(bundle, ctx: int | None, backend: str, threads: int | None) -> Runtime:
+    """Serve's runtime: ort-cpu runs the bundle's graph as written (attention "plain"), whatever
+    EDGEKV_ATTENTION says: onnxruntime's fused attention is not bit for bit the same batched as
+    alone (docs/fused.md), and serve promises a request the tokens it would get alone."""
+    return open_runtime(bundle, ctx=ctx, backend=backend, threads=threads, attention="plain")
+
+
 def build_server(rt: Runtime, ctx: int | None = None, parallel: int = 4, max_queue: int = 64,
                  prefill_chunk: int = PREFILL_CHUNK, **server):
     """(batcher, app's Server) over a runtime; the batcher's thread is started. `server`: the
@@ -445,7 +452,7 @@ def cmd_serve(args) -> int:
             print(f"edgekv serve: {url_of(args.host, http.port)}/v1 (loading {args.bundle})", flush=True)
             notify("STATUS=loading")
             t0 = time.perf_counter()
-            rt = open_runtime(bundle, ctx=args.ctx, backend=args.backend, threads=args.threads)
+            rt = open_serve_runtime(bundle, args.ctx, args.backend, args.threads)
             batcher, server = build_server(rt, args.ctx, args.parallel, args.queue, api_keys=keys,
                                           max_body_bytes=args.max_body, bind_host=args.host)
             server.set_state("loading")

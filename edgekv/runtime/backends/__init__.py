@@ -18,14 +18,18 @@ def default_threads() -> int:
 
 
 def make_backend(name: str, bundle: Bundle, threads: int | None = None, max_logits_rows: int = 1,
-                 ctx: int | None = None, log=None, matmul_accuracy: int = MATMUL_ACCURACY) -> Backend:
+                 ctx: int | None = None, log=None, matmul_accuracy: int = MATMUL_ACCURACY,
+                 attention: str | None = None) -> Backend:
     """The backend `name`, or for `auto` the best one that works here: trt when a built engine
     covers `ctx`, else ort-cuda when onnxruntime has CUDA, else ort-cpu. `log` gets one line
-    saying why a better backend was passed over. `matmul_accuracy`: OrtBackend's."""
+    saying why a better backend was passed over. `matmul_accuracy`, `attention`: OrtBackend's
+    (attention None: EDGEKV_ATTENTION's choice)."""
     if name == "ort-cpu":
-        return check_graph(OrtBackend(bundle, threads, max_logits_rows, matmul_accuracy=matmul_accuracy), bundle)
+        return check_graph(OrtBackend(bundle, threads, max_logits_rows, matmul_accuracy=matmul_accuracy,
+                                      attention=attention), bundle)
     if name == "ort-cuda":
-        return check_graph(OrtCudaBackend(bundle, threads, max_logits_rows, matmul_accuracy=matmul_accuracy), bundle)
+        return check_graph(OrtCudaBackend(bundle, threads, max_logits_rows, matmul_accuracy=matmul_accuracy,
+                                      attention=attention), bundle)
     if name == "trt":
         from edgekv.runtime.backends.trt import TrtBackend
         return TrtBackend(bundle, ctx or default_capacity(bundle), max_logits_rows)
@@ -34,13 +38,15 @@ def make_backend(name: str, bundle: Bundle, threads: int | None = None, max_logi
     skipped = []
     for cand in ("trt", "ort-cuda"):
         try:
-            return make_backend(cand, bundle, threads, max_logits_rows, ctx, matmul_accuracy=matmul_accuracy)
+            return make_backend(cand, bundle, threads, max_logits_rows, ctx, matmul_accuracy=matmul_accuracy,
+                                attention=attention)
         except BackendUnavailable as e:
             skipped.append(str(e))
     if log and skipped and _looks_like_gpu_box():
         for why in skipped:
             log(f"auto backend: {why}")
-    return check_graph(OrtBackend(bundle, threads, max_logits_rows, matmul_accuracy=matmul_accuracy), bundle)
+    return check_graph(OrtBackend(bundle, threads, max_logits_rows, matmul_accuracy=matmul_accuracy,
+                                      attention=attention), bundle)
 
 
 # numpy dtype name -> onnxruntime's type string of a graph input
