@@ -238,3 +238,21 @@ def test_constrained_logprobs_are_of_the_masked_distribution(rt, url):
     ids = [i for i in range(lp.shape[0]) if list(ll.decode_bytes([i])) == first["bytes"]]
     assert ids and first["logprob"] > max(lp[i] for i in ids) + 1e-3
     assert len(first["top_logprobs"]) >= 1 and all(np.isfinite(e["logprob"]) for e in first["top_logprobs"])
+
+
+def test_the_server_edgekv_serve_builds_enforces_response_format(rt):
+    """`edgekv serve` builds its Server with build_server: that one must carry the bundle, or every
+    structured request is a 400 in the product while the tests above pass."""
+    from edgekv.serve.server import build
+
+    batcher, app = build(rt, ctx=256, parallel=2, prefill_chunk=32)
+    srv = BackgroundServer(app)
+    try:
+        r = post(srv.url, {"messages": MSGS, **GREEDY, "response_format": {"type": "json_object"}})
+    finally:
+        srv.close()
+        batcher.stop()
+    assert r.status_code == 200, r.text
+    reply = r.json()["choices"][0]
+    assert reply["finish_reason"] == "stop"
+    assert isinstance(json.loads(reply["message"]["content"]), dict)

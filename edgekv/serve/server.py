@@ -61,7 +61,8 @@ def build_server(rt: Runtime, ctx: int | None = None, parallel: int = 4, max_que
     from edgekv.serve.app import Server
 
     batcher = rt.batcher(capacity=ctx, parallel=parallel, max_queue=max_queue, prefill_chunk=prefill_chunk).start()
-    return batcher, Server(batcher, rt.codec, rt.bundle.manifest.get("name", rt.bundle.path.name), **server)
+    return batcher, Server(batcher, rt.codec, rt.bundle.manifest.get("name", rt.bundle.path.name),
+                           bundle=rt.bundle, **server)
 
 
 def build(rt: Runtime, ctx: int | None = None, parallel: int = 4, max_queue: int = 64, api_key: str | None = None,
