@@ -26,14 +26,19 @@ class StepRunner:
         mask = np.zeros((1, s, p + s), np.bool_)
         rows, r = [], 0
         for piece in call.pieces:
-            n = len(piece.tokens)
-            cells = piece.seq.cell_view()
-            ids[0, r: r + n] = piece.tokens
-            pos[0, r: r + n] = piece.seq.pos + np.arange(n)
+            tokens, seq = piece.tokens, piece.seq
+            n = len(tokens)
+            cells = seq.cell_view()
+            ids[0, r: r + n] = tokens
             if cells:
                 mask[0, r: r + n, cells] = True  # its own past, wherever its cells are
-            mask[0, r: r + n, p + r: p + r + n] = np.tri(n, dtype=np.bool_)  # its new tokens, causally
-            k = piece.rows
+            if n == 1:  # a decode token (most pieces): the same as below, without np.arange / np.tri
+                pos[0, r] = seq.pos
+                mask[0, r, p + r] = True
+            else:
+                pos[0, r: r + n] = seq.pos + np.arange(n)
+                mask[0, r: r + n, p + r: p + r + n] = np.tri(n, dtype=np.bool_)  # its new tokens, causally
+            k = max(piece.scored, int(piece.sample))  # Piece.rows, without the property call
             if k:
                 rows.extend(range(r + n - k, r + n))  # its last k tokens' rows
             r += n
