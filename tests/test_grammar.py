@@ -19,9 +19,8 @@ from hypothesis import strategies as st  # noqa: E402
 from edgekv.format.bundle import load_bundle  # noqa: E402
 from edgekv.runtime import grammar as g  # noqa: E402
 from edgekv.runtime.sampling import SamplingParams  # noqa: E402
-from tests.conftest import ROOT, run_edgekv  # noqa: E402
+from tests.conftest import run_edgekv  # noqa: E402
 
-REAL = ROOT / "models" / "bundles" / "smollm2-135m-instruct-int8-wint4"
 
 
 @pytest.fixture(scope="module")
@@ -161,19 +160,19 @@ def test_cut_by_length_says_so(rt, tok):
 
 # -- the mask: what allowed() says, and the constraint's contract ---------------------------------
 
-def real_tok():
-    if not REAL.is_dir():
-        pytest.skip("the real default-model bundle is not here")
-    return g.tokenizer_for(load_bundle(REAL))
+@pytest.fixture(scope="module")
+def real_tok(real_bundle_int4):
+    """SmolLM2's own tokenizer (the bundle conftest exports once per run: CI tests these too)."""
+    return g.tokenizer_for(load_bundle(real_bundle_int4))
 
 
-def test_allowed_is_the_matcher_bitmask_and_both_stop_ids_end_a_reply():
+def test_allowed_is_the_matcher_bitmask_and_both_stop_ids_end_a_reply(real_tok):
     """On SmolLM2's 49,152-token tokenizer: the bool mask is llguidance's own bitmask unpacked
     (its reference numpy helper as the oracle), and at the end both stop ids are allowed."""
     import llguidance
     import llguidance.numpy as lln
 
-    tok = real_tok()
+    tok = real_tok
     assert tok.stop_ids == (0, 2)
     grammar = g.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
     c, ref = g.compile_grammar(tok, grammar), llguidance.LLMatcher(tok.ll, grammar.text, log_level=0)
@@ -188,8 +187,8 @@ def test_allowed_is_the_matcher_bitmask_and_both_stop_ids_end_a_reply():
     assert set(np.flatnonzero(c.allowed()).tolist()) == {0, 2} and c.is_done()
 
 
-def test_accept_refuses_a_token_the_mask_forbids_and_rollback_takes_tokens_back():
-    tok = real_tok()
+def test_accept_refuses_a_token_the_mask_forbids_and_rollback_takes_tokens_back(real_tok):
+    tok = real_tok
     c = g.compile_grammar(tok, g.regex("[0-9]+"))
     ok = c.allowed()
     bad = int(np.flatnonzero(~ok)[0])
@@ -222,19 +221,19 @@ def test_the_tokenizer_is_built_once_per_bundle(tiny_bundle_int8):
     ({"oneOf": [{"type": "integer"}, {"type": "number"}]}, "oneOf"),
     ({"$ref": "http://example.com/schema.json"}, "example.com"),
 ])
-def test_unsupported_schema_features_are_named(schema, named):
+def test_unsupported_schema_features_are_named(schema, named, real_tok):
     with pytest.raises(g.GrammarError, match=re.escape(named)):
-        g.compile_grammar(real_tok(), g.json_schema(schema))
+        g.compile_grammar(real_tok, g.json_schema(schema))
 
 
-def test_annotations_and_pydantic_schemas_compile():
+def test_annotations_and_pydantic_schemas_compile(real_tok):
     """Keywords that constrain nothing (titles, descriptions, $defs, examples) are no error."""
     schema = {"$defs": {"Step": {"properties": {"n": {"title": "N", "type": "integer"}}, "required": ["n"],
                                  "title": "Step", "type": "object", "additionalProperties": False}},
               "properties": {"steps": {"items": {"$ref": "#/$defs/Step"}, "title": "Steps", "type": "array"}},
               "required": ["steps"], "title": "Plan", "type": "object", "additionalProperties": False,
               "description": "d", "examples": [{"steps": []}]}
-    g.compile_grammar(real_tok(), g.json_schema(schema))
+    g.compile_grammar(real_tok, g.json_schema(schema))
 
 
 def test_grammars_past_the_limits_are_refused():
@@ -252,8 +251,8 @@ def test_grammars_past_the_limits_are_refused():
         g.lark("start: " + '"a" ' * g.MAX_GRAMMAR_CHARS)
 
 
-def test_malformed_grammars_are_one_line_errors():
-    tok = real_tok()
+def test_malformed_grammars_are_one_line_errors(real_tok):
+    tok = real_tok
     for grammar, said in ((g.regex("(ab"), "regex"), (g.lark("start: foo"), "foo"), (g.lark("start: ("), "lark")):
         with pytest.raises(g.GrammarError, match=said) as e:
             g.compile_grammar(tok, grammar)
@@ -309,13 +308,11 @@ def test_generate_grammar_errors_are_one_line(tiny_bundle_int8, tmp_path):
 
 
 @pytest.mark.slow
-def test_the_real_models_replies_validate():
+def test_the_real_models_replies_validate(real_bundle_int4):
     """SmolLM2-135M (int4 weights) under three schemas, greedy with generate's repeat guard."""
     from edgekv.runtime.assemble import open_runtime
     from edgekv.runtime.generate import Stats
 
-    if not REAL.is_dir():
-        pytest.skip("the real default-model bundle is not here")
     asks = [("Describe a fictional person as JSON.",
              {"type": "object", "properties": {"name": {"type": "string"},
                                                "age": {"type": "integer", "minimum": 0},
@@ -329,7 +326,7 @@ def test_the_real_models_replies_validate():
             ("When did the Apollo 11 landing happen? Answer as JSON.",
              {"type": "object", "properties": {"date": {"type": "string", "format": "date"}}, "required": ["date"],
               "additionalProperties": False})]
-    with open_runtime(REAL, ctx=512, backend="ort-cpu", threads=2) as rt:
+    with open_runtime(real_bundle_int4, ctx=512, backend="ort-cpu", threads=2) as rt:
         tok = g.tokenizer_for(rt.bundle)
         for prompt, schema in asks:
             st = Stats()
@@ -340,13 +337,13 @@ def test_the_real_models_replies_validate():
             validate(json.loads(rt.codec.decode(ids)), schema)
 
 
-def test_a_schemas_own_lenient_option_is_overridden_and_warnings_are_errors():
+def test_a_schemas_own_lenient_option_is_overridden_and_warnings_are_errors(real_tok):
     """Two guards, each tested alone: json_schema() keeps llguidance strict whatever the schema's
     x-guidance says (llguidance's own validation then reports an error, not a warning), and a
     grammar that compiles only with warnings (something left unenforced) is refused."""
     import llguidance
 
-    tok = real_tok()
+    tok = real_tok
     lenient = {"x-guidance": {"lenient": True}, "type": "array", "uniqueItems": True}
     is_error, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(g.json_schema(lenient).text, tok.ll)
     assert is_error and "uniqueItems" in msgs[0]

@@ -21,9 +21,7 @@ import pydantic  # noqa: E402
 from edgekv.runtime.assemble import open_runtime  # noqa: E402
 from edgekv.serve.app import Server  # noqa: E402
 from edgekv.serve.server import BackgroundServer  # noqa: E402
-from tests.conftest import ROOT  # noqa: E402
 
-REAL = ROOT / "models" / "bundles" / "smollm2-135m-instruct-int8-wint4"
 
 MSGS = [{"role": "user", "content": "Tell me about robots and trains."}]
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "kind": {"enum": ["robot", "train"]}},
@@ -45,11 +43,9 @@ def rt(tiny_bundle_int8):
 
 
 @pytest.fixture(scope="module")
-def real_url():
+def real_url(real_bundle_int4):
     """The default model: a tools prompt does not fit the tiny bundles' 256 tokens."""
-    if not REAL.exists():
-        pytest.skip("the real default-model bundle is not here")
-    with open_runtime(REAL, ctx=1024, backend="ort-cpu", threads=2) as r, serving(r, capacity=1024) as u:
+    with open_runtime(real_bundle_int4, ctx=1024, backend="ort-cpu", threads=2) as r, serving(r, capacity=1024) as u:
         yield u
 
 

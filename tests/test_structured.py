@@ -12,16 +12,13 @@ pytest.importorskip("llguidance", reason="structured output needs llguidance (th
 from edgekv.format.bundle import load_bundle  # noqa: E402
 from edgekv.runtime import grammar as g  # noqa: E402
 from edgekv.serve.structured import BadRequest, compile_for_request, response_format_grammar  # noqa: E402
-from tests.conftest import ROOT  # noqa: E402
 
-REAL = ROOT / "models" / "bundles" / "smollm2-135m-instruct-int8-wint4"
 
 
 @pytest.fixture(scope="module")
-def tok():
-    if not REAL.is_dir():
-        pytest.skip("the real default-model bundle is not here")
-    return g.tokenizer_for(load_bundle(REAL))
+def tok(real_bundle_int4):
+    """SmolLM2's own tokenizer (the bundle conftest exports once per run: CI tests these too)."""
+    return g.tokenizer_for(load_bundle(real_bundle_int4))
 
 
 def admits(tok, grammar, text: str) -> bool:

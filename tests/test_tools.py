@@ -21,9 +21,7 @@ from edgekv.runtime.sampling import SamplingParams  # noqa: E402
 from edgekv.runtime.text import TextCodec, bounded_sandbox  # noqa: E402
 from edgekv.serve import tools as T  # noqa: E402
 from edgekv.serve.structured import BadRequest  # noqa: E402
-from tests.conftest import ROOT  # noqa: E402
 
-REAL = ROOT / "models" / "bundles" / "smollm2-135m-instruct-int8-wint4"
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather in a city",
@@ -44,10 +42,9 @@ def ids(i: int) -> str:
 
 
 @pytest.fixture(scope="module")
-def tok():
-    if not REAL.is_dir():
-        pytest.skip("the real default-model bundle is not here")
-    return g.tokenizer_for(load_bundle(REAL))
+def tok(real_bundle_int4):
+    """SmolLM2's own tokenizer (the bundle conftest exports once per run: CI tests these too)."""
+    return g.tokenizer_for(load_bundle(real_bundle_int4))
 
 
 def plan(**body):
@@ -255,8 +252,8 @@ def test_messages_checked():
         assert e.value.param == "messages"
 
 
-def test_generic_format_on_smollm2s_template():
-    bundle = load_bundle(REAL) if REAL.is_dir() else pytest.skip("the real default-model bundle is not here")
+def test_generic_format_on_smollm2s_template(real_bundle_int4):
+    bundle = load_bundle(real_bundle_int4)
     assert not T.template_takes_tools(bundle.chat_template)
     codec = TextCodec(bundle)
     prompt = T.render_prompt(codec, T.chat_messages(CONVERSATION), plan(tool_choice="required"), takes_tools=False)
