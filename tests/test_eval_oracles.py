@@ -154,24 +154,27 @@ def context_run(tiny_bundle_int8):
     import edgekv.tools.context_eval as ce
 
     passes = []
-    real_score = ce.score
+    real_score, real_ring = ce.score, ce.score_ring
 
-    def recording_score(gen, ids, spans):
-        raws = []
-        real_ls = ce.log_softmax
-        ce.log_softmax = lambda x: (raws.append(np.array(x, np.float64)), real_ls(x))[1]
-        try:
-            lps = real_score(gen, ids, spans)
-        finally:
-            ce.log_softmax = real_ls
-        passes.append({"ids": list(ids), "spans": list(spans), "logits": raws})
-        return lps
+    def recording(real):  # the full and drop-turns passes (score) and the ring's (score_ring, chat's ring)
+        def scored(runner, *args):
+            ids, spans = args[-2], args[-1]
+            raws = []
+            real_ls = ce.log_softmax
+            ce.log_softmax = lambda x: (raws.append(np.array(x, np.float64)), real_ls(x))[1]
+            try:
+                lps = real(runner, *args)
+            finally:
+                ce.log_softmax = real_ls
+            passes.append({"ids": list(ids), "spans": list(spans), "logits": raws})
+            return lps
+        return scored
 
-    ce.score = recording_score
+    ce.score, ce.score_ring = recording(real_score), recording(real_ring)
     try:
         res = ce.evaluate_context(str(tiny_bundle_int8), ctx=96, turns=6, reply_tokens=16, threads=1, out=io.StringIO())
     finally:
-        ce.score = real_score
+        ce.score, ce.score_ring = real_score, real_ring
     return res, passes
 
 
