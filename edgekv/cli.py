@@ -249,6 +249,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--thinking", default="show", choices=("show", "hide", "off"),
                    help="a reply's <think> part (Qwen3, SmolLM3): show = dimmed, hide = not printed (both: the "
                         "template's default mode), off = the template is asked for no thinking (enable_thinking=false)")
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="every reply is JSON that validates against this JSON Schema (llguidance, the serve extra; "
+                        "docs/structured.md)")
     _add_sampling(p, **CHAT_SAMPLING)
     _add_runtime(p)
 
