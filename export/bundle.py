@@ -16,7 +16,7 @@ import torch
 import edgekv
 from edgekv.errors import ExportError, note
 from edgekv.tools.progress import stage
-from edgekv.format.bundle import FORMAT_VERSION, MANIFEST, PARITY_LOGITS, VERIFIED, file_sha256, io_names
+from edgekv.format.bundle import MANIFEST, PARITY_LOGITS, VERIFIED, file_sha256, io_names, manifest_version
 from edgekv.format.files import kind_of, replace_dir, replace_dir_keeping, write_text
 from edgekv.format.kvschemes import INT4_GROUP, INT4_LEVELS, get_scheme, unpack_int4
 from export.loaders import Source, SourceError, gguf_matrix_types, load_gguf, load_hf_folder
@@ -658,13 +658,15 @@ def _write_manifest(folder: Path, manifest: dict) -> None:
 
 
 def build_manifest(src: Source, recipe: dict, kv: str, dtype: str, max_context: int, folder: Path) -> dict:
+    from export.onnx_export import window_fields
+
     cfg = src.config
     scheme = get_scheme(kv)
-    names = io_names(cfg.n_layers, scheme)
+    names = io_names(cfg.n_layers, scheme, bool(cfg.local_layers))
     int4 = {"int4_levels": list(INT4_LEVELS), "int4_group": INT4_GROUP, "rotation": "hadamard" if scheme.rotate else None} \
         if scheme.kind == "packed4" else {}
     return {
-        "format_version": FORMAT_VERSION,
+        "format_version": manifest_version(cfg.local_layers),
         "exporter": {"edgekv_version": edgekv.__version__, "torch": torch.__version__, "onnx": onnx.__version__,
                      "source_key": exporter_source_key(), "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
         "name": recipe["name"],
@@ -673,7 +675,7 @@ def build_manifest(src: Source, recipe: dict, kv: str, dtype: str, max_context: 
                   "intermediate_size": cfg.intermediate_size, "n_layers": cfg.n_layers, "n_heads": cfg.n_heads,
                   "n_kv_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim, "rope_theta": cfg.rope_theta,
                   "rope_scaling": cfg.rope_scaling, "tie_word_embeddings": cfg.tie_word_embeddings,
-                  "n_params": sum(int(np.prod(v.shape)) for v in src.state_dict.values())},
+                  "n_params": sum(int(np.prod(v.shape)) for v in src.state_dict.values()), **window_fields(cfg)},
         "dtype": dtype,
         "max_context": max_context,
         "kv": {"scheme": kv, "description": scheme.description,

@@ -342,8 +342,8 @@ def load_gguf(path: str | Path) -> Source:
     arch = field("general.architecture")
     if arch not in GGUF_ARCHS:
         raise UnsupportedModel(f"unsupported GGUF architecture {arch!r}; supported: {', '.join(GGUF_ARCHS)}"
-                               + (" (Gemma 3's sliding-window layers are not exportable yet from any source: "
-                                  "docs/models.md)" if arch == "gemma3" else ""))
+                               + (" (Gemma 3's GGUF carries a SentencePiece tokenizer, which edgekv does not read: "
+                                  "export its Hugging Face folder)" if arch == "gemma3" else ""))
     tok_model = field("tokenizer.ggml.model")
     if tok_model != "gpt2":
         raise UnsupportedModel(f"GGUF tokenizer {tok_model!r} is not supported (byte-level BPE 'gpt2' is); export the HF folder")

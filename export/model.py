@@ -8,6 +8,9 @@ graph contract of docs/graph.md written as torch:
   forward(input_ids [B,S], position_ids [B,S], key_mask bool [B,S,P+S], logits_index [B,K],
           *past)  ->  (logits [B,K,V], *present)
 
+(a model with sliding-window layers, Gemma 3, also takes local_key_mask bool [B,S,P+S], the mask
+of those layers: LocalMaskGraph makes it the graph's fifth input)
+
 `past`/`present` are per layer the tensors of the KV scheme (see kv_store/kv_load below and
 edgekv/format/kvschemes.py), slot-major [P,B,Hkv,D]. Only the S new tokens' K/V come out. The new
 K/V go through quantize -> dequantize before attention, so a token sees exactly what later
@@ -510,12 +513,14 @@ class Transformer(nn.Module):
             cos, sin = cos * amp, sin * af
         return tuple(t.to(dtype).transpose(0, 1)[:, :, None] for t in (cos, sin))
 
-    def forward(self, input_ids, position_ids, key_mask, logits_index, *past, key_positions=None,
-                local_key_positions=None):
-        """Only for the sliding-window layers, which the graph contract cannot express yet
-        (docs/models.md; torch only): key_positions [B, P+S], the position of each key slot; or
-        local_key_positions [B, P_local+S], those of the local layers' own shorter past (a
-        windowed cache: their past tensors hold P_local slots)."""
+    def forward(self, input_ids, position_ids, key_mask, logits_index, *past, local_key_mask=None,
+                key_positions=None, local_key_positions=None):
+        """The sliding-window layers' mask, first of: local_key_mask [B, S, P+S] given whole (the
+        graph's input, docs/graph.md: the runtime builds it from each key cell's position);
+        local_key_positions [B, P_local+S], the positions of the local layers' own shorter past
+        (a windowed cache, torch only: their past tensors hold P_local slots); key_positions
+        [B, P+S], the position of each key slot, windowed and and-ed with key_mask; by default a
+        linear past: its P slots hold the P positions just before the first new token."""
         n = len(self.scheme.tensors)  # tensors per layer for K, and again for V
         assert len(past) == 2 * n * self.cfg.n_layers, (len(past), n)
         x = self.embed(input_ids)  # [B, S, E]
@@ -527,9 +532,14 @@ class Transformer(nn.Module):
         allowed = {"global": key_mask, None: key_mask}  # [B, S, P+S]
         if self.cfg.local_layers:
             tables["local"] = self.rope_tables(position_ids, self.inv_freq_local, x.dtype)
-            allowed["local"] = (self.window_mask(position_ids, local_key_positions, own=True)
-                                if local_key_positions is not None
-                                else key_mask & self.window_mask(position_ids, key_positions))
+            if local_key_mask is not None:
+                allowed["local"] = local_key_mask
+            elif local_key_positions is not None:
+                allowed["local"] = self.window_mask(position_ids, local_key_positions, own=True)
+            else:
+                if key_positions is None:
+                    key_positions = linear_key_positions(position_ids, key_mask.shape[2])
+                allowed["local"] = key_mask & self.window_mask(position_ids, key_positions)
         rot = self.rot.to(x.dtype)
         presents = []
         for i, layer in enumerate(self.layers):
@@ -547,8 +557,6 @@ class Transformer(nn.Module):
     def window_mask(self, position_ids, key_positions, own: bool = False):
         """[B, S, P+S]: key j within the sliding window of query i (q_pos - k_pos < window);
         own: a windowed cache's slots, which hold nothing later than the query (0 <= q - k)."""
-        if key_positions is None:
-            raise UnsupportedModel(WINDOW_UNSUPPORTED)
         d = position_ids[:, :, None] - key_positions[:, None, :]  # [B, S, T]
         return ((d >= 0) if own else True) & (d < self.cfg.sliding_window)
 
@@ -563,8 +571,25 @@ class Transformer(nn.Module):
         return out
 
 
-WINDOW_UNSUPPORTED = ("sliding-window layers (Gemma 3's local attention) need each key's position, which the graph "
-                      "contract does not carry yet (docs/models.md: the windowed cache); this model cannot be exported")
+def linear_key_positions(position_ids, total: int):
+    """[B, total]: the key positions of a linear past (its total - S slots hold the positions just
+    before the first new token's) followed by the new tokens' own."""
+    s = position_ids.shape[1]
+    past = position_ids[:, :1] - (total - s) + torch.arange(total - s)[None]  # [B, P]
+    return torch.cat([past, position_ids], 1)
+
+
+class LocalMaskGraph(nn.Module):
+    """The graph of a model with local layers: local_key_mask is a fifth input, before the past
+    (docs/graph.md), so that torch.export sees it as a positional argument."""
+
+    def __init__(self, model: Transformer):
+        super().__init__()
+        self.model = model
+        self.cfg, self.scheme = model.cfg, model.scheme
+
+    def forward(self, input_ids, position_ids, key_mask, logits_index, local_key_mask, *past):
+        return self.model(input_ids, position_ids, key_mask, logits_index, *past, local_key_mask=local_key_mask)
 
 
 def causal_mask(p: int, s: int, batch: int = 1) -> torch.Tensor:

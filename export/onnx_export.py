@@ -9,9 +9,8 @@ import onnx
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
-from edgekv.errors import ExportError
 from edgekv.format.bundle import io_names
-from export.model import WINDOW_UNSUPPORTED, Transformer, causal_mask
+from export.model import LocalMaskGraph, Transformer, causal_mask, linear_key_positions
 
 OPSET = 18  # every graph; one with INT4 weights is relabelled 21 (docs/graph.md: why, and why that is safe)
 OPSET_INT4 = 21
@@ -21,26 +20,27 @@ def export_onnx(model: Transformer, weights: dict | None = None) -> onnx.ModelPr
     """Export with every dimension that varies at run time dynamic (B, S, P, K). weights: name ->
     QuantWeight for the weights stored quantized (the model must hold their dequantized values)."""
     cfg = model.cfg
-    if cfg.local_layers:  # the graph's inputs cannot say which keys are in a local layer's window
-        raise ExportError(f"{cfg.arch}: {WINDOW_UNSUPPORTED}")
-    names = io_names(cfg.n_layers, model.scheme)
+    local = bool(cfg.local_layers)  # a second mask input for the sliding-window layers
+    names = io_names(cfg.n_layers, model.scheme, local)
     B, S, P = 2, 3, 5  # example sizes > 1 so that torch.export does not specialize them
     dtype = next(model.parameters()).dtype
-    args = (
-        torch.randint(0, cfg.vocab_size, (B, S)),
-        torch.arange(P, P + S).repeat(B, 1),
-        causal_mask(P, S, B).clone(),
-        torch.tensor([[S - 2, S - 1]] * B),
-        *model.past_like(P, B, dtype),
-    )
+    positions = torch.arange(P, P + S).repeat(B, 1)
+    mask = causal_mask(P, S, B).clone()
+    args = (torch.randint(0, cfg.vocab_size, (B, S)), positions, mask, torch.tensor([[S - 2, S - 1]] * B))
     # Dim.DYNAMIC lets torch.export find the relations itself (key_mask is [B, S, P + S])
     d = torch.export.Dim.DYNAMIC
+    specs = ({0: d, 1: d}, {0: d, 1: d}, {0: d, 1: d, 2: d}, {0: d, 1: d})
+    graph = model
+    if local:  # local_key_mask [B, S, P + S], after logits_index (the window rule, from the runtime)
+        window = positions[:, :, None] - linear_key_positions(positions, P + S)[:, None, :] < cfg.sliding_window
+        args, specs, graph = (*args, mask & window), (*specs, {0: d, 1: d, 2: d}), LocalMaskGraph(model)
+    args = (*args, *model.past_like(P, B, dtype))
     past_specs = tuple({0: d, 1: d} for _ in names["past"])  # one nested tuple for *past
-    dynamic_shapes = ({0: d, 1: d}, {0: d, 1: d}, {0: d, 1: d, 2: d}, {0: d, 1: d}, past_specs)
+    dynamic_shapes = (*specs, past_specs)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         prog = torch.onnx.export(
-            model, args, dynamo=True, opset_version=OPSET, external_data=True,
+            graph, args, dynamo=True, opset_version=OPSET, external_data=True,
             input_names=names["inputs"] + names["past"], output_names=["logits"] + names["present"],
             dynamic_shapes=dynamic_shapes, optimize=False, verbose=False,
         )
@@ -77,6 +77,7 @@ def store_quantized_weights(m: onnx.ModelProto, model: Transformer, weights: dic
 def name_dims(m: onnx.ModelProto, names: dict) -> None:
     """Give the dynamic dimensions the contract's names (torch.export calls them s0, s1, ...)."""
     dims = {"input_ids": ["batch", "seq"], "position_ids": ["batch", "seq"], "key_mask": ["batch", "seq", "total"],
+            "local_key_mask": ["batch", "seq", "total"],
             "logits_index": ["batch", "nlogits"], "logits": ["batch", "nlogits"]}
     for n in names["past"]:
         dims[n] = ["past", "batch"]
@@ -152,3 +153,10 @@ def int8_casts_to_qdq(m: onnx.ModelProto) -> onnx.ModelProto:
     g.initializer.extend(consts.values())
     del g.value_info[:]  # stale after the rewrite; onnx re-infers on demand
     return m
+
+
+def window_fields(cfg) -> dict:
+    """The manifest's model.* fields of the sliding-window layers (none for a model without them)."""
+    if not cfg.local_layers:
+        return {}
+    return {"local_layers": list(cfg.local_layers), "sliding_window": int(cfg.sliding_window)}

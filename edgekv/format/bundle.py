@@ -15,11 +15,22 @@ from edgekv.errors import BundleError
 from edgekv.format.kvschemes import KVScheme, get_scheme
 
 # 2: key_mask is per token, [B, S, P+S], causal rule included (1 had [B, P+S] and the graph added it);
-# the manifest records the stored weight format (weights.format)
-FORMAT_VERSION = 2
+# the manifest records the stored weight format (weights.format);
+# 3: a model with sliding-window (local) layers has a second mask input, local_key_mask [B, S, P+S]
+# (docs/graph.md), and the manifest records them (model.local_layers, model.sliding_window). A
+# version-2 bundle is a version-3 bundle without local layers: both are read, and a model without
+# local layers is still written as 2 (manifest_version), so older runtimes keep reading it.
+FORMAT_VERSION = 3
+READ_VERSIONS = (2, 3)
+
+
+def manifest_version(local_layers) -> int:
+    """The format_version a bundle is written with: 3 only where the graph has local_key_mask."""
+    return FORMAT_VERSION if local_layers else 2
 WEIGHT_FORMATS = ("float", "int8", "int4")
 MANIFEST = "edgekv.json"
 INPUTS = ["input_ids", "position_ids", "key_mask", "logits_index"]
+LOCAL_MASK = "local_key_mask"  # the local layers' mask input, only in graphs that have local layers
 DTYPES = ("float32", "float16")  # a bundle's weights and compute dtype
 # the manifest's parity row (parity.outputs) whose tolerance other backends are held to: decode
 # logits, set by the exporter from the scheme's measured quantization noise
@@ -29,10 +40,12 @@ RACY_NS = 2 * 10**9  # a file modified less than this long ago is hashed again n
 VERIFIED = ".edgekv-verified.json"  # `edgekv verify`'s memory of the files it hashed (not part of the bundle)
 
 
-def io_names(n_layers: int, scheme: KVScheme) -> dict[str, list[str]]:
+def io_names(n_layers: int, scheme: KVScheme, local: bool = False) -> dict[str, list[str]]:
+    """The graph's I/O names; `local`: the model has sliding-window layers (local_key_mask)."""
     past = [n for i in range(n_layers) for n in scheme.names(i, "past")]
     present = [n for i in range(n_layers) for n in scheme.names(i, "present")]
-    return {"inputs": list(INPUTS), "past": past, "present": present, "outputs": ["logits"] + present}
+    inputs = list(INPUTS) + ([LOCAL_MASK] if local else [])
+    return {"inputs": inputs, "past": past, "present": present, "outputs": ["logits"] + present}
 
 
 @dataclass
@@ -76,6 +89,12 @@ class Bundle:
     @property
     def chat_template(self) -> str | None:
         return self.manifest.get("chat_template")
+
+    @property
+    def window(self) -> int | None:
+        """The local layers' sliding window (a key is seen while q_pos - k_pos < window), or None
+        when the model has no local layers."""
+        return int(self.model["sliding_window"]) if self.model.get("local_layers") else None
 
     def graph_bytes(self) -> int:
         """model.onnx and its external weights: what a decode step reads."""
@@ -124,6 +143,8 @@ SCHEMA = (
     Field("model.n_kv_heads", (int,), lo=1, hi=LIMITS["n_heads"]),
     Field("model.head_dim", (int,), lo=1, hi=LIMITS["head_dim"]),
     Field("model.rope_theta", _NUM, required=False, lo=0),
+    Field("model.local_layers", (list,), required=False, item=int),  # Gemma 3's sliding-window layers
+    Field("model.sliding_window", (int, type(None)), required=False, lo=1, hi=LIMITS["max_context"]),
     Field("dtype", (str,), choices=DTYPES),
     Field("max_context", (int,), lo=1, hi=LIMITS["max_context"]),
     Field("kv", (dict,)),
@@ -199,7 +220,14 @@ def check_consistency(man: dict) -> str | None:
         scheme = get_scheme(man["kv"]["scheme"])
     except ValueError as e:
         return str(e)
-    if man["io"] != io_names(m["n_layers"], scheme):
+    local = m.get("local_layers") or []
+    if any(not 0 <= i < m["n_layers"] for i in local) or len(set(local)) != len(local):
+        return "model.local_layers holds a layer index twice or outside model.n_layers"
+    if local and not m.get("sliding_window"):
+        return "model.local_layers without a model.sliding_window"
+    if local and man["format_version"] < 3:
+        return "model.local_layers in a version-2 bundle (version 3 has their mask input)"
+    if man["io"] != io_names(m["n_layers"], scheme, bool(local)):
         return "io does not match the model's layers and KV scheme"
     vocab = m["vocab_size"]
     if any(not 0 <= t < vocab for t in man["special"].get("stop_token_ids") or []):
@@ -259,9 +287,10 @@ def load_bundle(path: str | os.PathLike) -> Bundle:
         raise BundleError(f"{mpath}: corrupt manifest ({str(e)[:120]})") from None
     if not isinstance(man, dict) or "format_version" not in man:
         raise BundleError(f"{mpath}: not an edgekv manifest (no format_version)")
-    if man["format_version"] != FORMAT_VERSION:
+    if isinstance(man["format_version"], bool) or man["format_version"] not in READ_VERSIONS:
         raise BundleError(f"{mpath}: bundle format_version {repr(man['format_version'])[:20]} is not supported by "
-                          f"this edgekv (reads version {FORMAT_VERSION}); re-export the model with this version (edgekv export)")
+                          f"this edgekv (reads versions {', '.join(map(str, READ_VERSIONS))}); re-export the model "
+                          f"with this version (edgekv export)")
     problem = check_schema(man) or check_consistency(man)
     if problem:
         raise BundleError(f"{mpath}: corrupt manifest ({problem})")
