@@ -30,10 +30,9 @@ WEIGHT_DEFAULT = "auto"  # `edgekv export --weights`: keep what the source holds
 WEIGHT_CHOICES = (WEIGHT_DEFAULT, *WEIGHT_FORMATS)
 
 
-# what decides a bundle's contents: the exporter, the format and scheme definitions, the parser
-# rules it must pass, the recipes (and, below, the torch and onnx versions)
-_SOURCE_GLOBS = ("export/*.py", "edgekv/format/*.py", "edgekv/tools/trt_check.py", "edgekv/data/*.json",
-                 "models/*.json")
+# what decides a bundle's contents: the exporter, the format, scheme and TensorRT parser-rule
+# definitions (edgekv/format/trt_rules.py), the recipes (and, below, the torch and onnx versions)
+_SOURCE_GLOBS = ("export/*.py", "edgekv/format/*.py", "edgekv/data/*.json", "models/*.json")
 
 
 def exporter_source_key(root: Path | None = None) -> str:
@@ -338,9 +337,10 @@ def export_bundle(model_arg: str | None, kv: str = "int8", out: str | None = Non
             store_identical_once(tmp / "model.onnx")
         with stage("checking the graph", " (onnx.checker full, TensorRT parser rules)"):
             onnx.checker.check_model(str(tmp / "model.onnx"), full_check=True)
-            from edgekv.tools.trt_check import check_for_engine
+            from edgekv.format.trt_rules import check_as_built
+            from edgekv.runtime.backends.engines import tensorrt_graph
 
-            violations, converted = check_for_engine(tmp / "model.onnx", TRT_TARGET)
+            violations, converted = check_as_built(tmp / "model.onnx", TRT_TARGET, tensorrt_graph)
         if violations:
             for v in violations[:10]:
                 note(f"  ✗ TensorRT {TRT_TARGET}: {v}")

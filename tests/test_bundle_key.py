@@ -25,7 +25,7 @@ def test_the_key_follows_the_exporter_sources(tmp_path):
     (tmp_path / "edgekv" / "chat" / "session.py").write_text("# the runtime does not change a bundle\n")
     key = exporter_source_key(tmp_path)
     assert key == exporter_source_key(ROOT)
-    for rel in ("export/calibrate.py", "edgekv/format/kvschemes.py", "edgekv/tools/trt_check.py", "models/smollm2-135m-instruct.json"):
+    for rel in ("export/calibrate.py", "edgekv/format/kvschemes.py", "edgekv/format/trt_rules.py", "models/smollm2-135m-instruct.json"):
         f = tmp_path / rel
         orig = f.read_bytes()
         f.write_bytes(orig + b"\n")

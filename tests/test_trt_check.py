@@ -5,7 +5,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from edgekv.format.bundle import load_bundle
-from edgekv.tools.trt_check import check_model
+from edgekv.format.trt_rules import check_model
 from tests.conftest import cli
 
 
@@ -127,7 +127,7 @@ def test_jetson_env_check_runs_anywhere():
     assert "CPUExecutionProvider" in d["onnxruntime_providers"] and d["mem_total_mib"] > 0
 
 
-# -- one planted violation per rule of edgekv/trt_check.py: each test names the rule's own message,
+# -- one planted violation per rule of edgekv/format/trt_rules.py: each test names the rule's own message,
 # so it fails when that rule alone is switched off, even where another rule also fires
 
 def rules(violations, node):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from edgekv.tools.trt_check import check_model
+from edgekv.format.trt_rules import check_model
 
 K, N = 64, 32
 

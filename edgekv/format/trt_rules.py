@@ -1,0 +1,294 @@
+"""Static check of an ONNX graph against TensorRT's ONNX parser rules, for a TensorRT version.
+The format layer's: the exporter holds every graph it writes to them and `edgekv check-trt`
+(edgekv/tools/trt_check.py) holds any bundle or .onnx file to them.
+
+No machine here can install TensorRT, so compatibility is checked from the parser's documented
+rules (edgekv/data/trt_onnx_ops.json, transcribed from onnx-tensorrt's operator table):
+supported ops and data types, inputs that must be build-time constants, INT8 only through Q/DQ
+(never Cast), Q/DQ scales constant where the version requires it, per-channel Q/DQ only on
+constant weights, UINT8 only at network I/O, default ONNX domain only, the opset range."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DATA = Path(__file__).parent.parent / "data" / "trt_onnx_ops.json"
+
+# onnx TensorProto element types -> the table's names
+_TYPES = {1: "FP32", 2: "UINT8", 3: "INT8", 6: "INT32", 7: "INT64", 9: "BOOL", 10: "FP16", 11: "DOUBLE", 16: "BF16",
+          17: "FP8", 21: "UINT4", 22: "INT4", 23: "FP4"}
+_QUANTIZED = {"INT8", "INT4", "FP8", "FP4"}
+# ops whose data input is not input 0, or whose input types are not what the table lists
+_DATA_INPUT = {"Where": 1}
+_SKIP_TYPES = {"Constant", "ConstantOfShape", "QuantizeLinear", "DequantizeLinear", "Cast", "CastLike", "Shape", "Size"}
+
+
+@dataclass
+class Violation:
+    node: str
+    op: str
+    rule: str
+
+    def __str__(self) -> str:
+        return f"{self.node} ({self.op}): {self.rule}"
+
+
+def load_table() -> dict:
+    return json.loads(DATA.read_text())
+
+
+def block_size(node) -> int:
+    """A Q/DQ node's block_size attribute (0: not block-wise)."""
+    return next((a.i for a in node.attribute if a.name == "block_size"), 0)
+
+
+@dataclass
+class GraphFacts:
+    """What the rules look up about a graph's tensors: element types, build-time constants
+    (initializers and Constant outputs) with their shapes, the network's I/O, who makes and who
+    reads each tensor."""
+    types: dict[str, str] = field(default_factory=dict)
+    constants: set[str] = field(default_factory=set)
+    shapes: dict[str, list[int]] = field(default_factory=dict)
+    graph_inputs: set[str] = field(default_factory=set)
+    graph_io: set[str] = field(default_factory=set)
+    consumers: dict[str, list] = field(default_factory=dict)
+    producers: dict[str, object] = field(default_factory=dict)
+
+
+def graph_facts(g) -> GraphFacts:
+    f = GraphFacts()
+    for v in [*g.input, *g.value_info, *g.output]:
+        f.types[v.name] = _TYPES.get(v.type.tensor_type.elem_type, str(v.type.tensor_type.elem_type))
+    for init in g.initializer:
+        f.types[init.name] = _TYPES.get(init.data_type, str(init.data_type))
+        f.shapes[init.name] = list(init.dims)
+        f.constants.add(init.name)
+    for n in g.node:
+        if n.op_type == "Constant":
+            f.constants.update(n.output)
+            for a in n.attribute:
+                if a.name == "value":
+                    f.types[n.output[0]] = _TYPES.get(a.t.data_type, str(a.t.data_type))
+                    f.shapes[n.output[0]] = list(a.t.dims)
+    f.graph_inputs = {i.name for i in g.input}
+    f.graph_io = f.graph_inputs | {o.name for o in g.output}
+    for n in g.node:
+        for i in n.input:
+            f.consumers.setdefault(i, []).append(n)
+        for o in n.output:
+            f.producers[o] = n
+    return f
+
+
+def check_model(model, trt: str = "10.3") -> list[Violation]:
+    """`model`: an onnx.ModelProto or a path (weights are not loaded)."""
+    import onnx
+
+    table = load_table()
+    if trt not in table["versions"]:
+        raise ValueError(f"unknown TensorRT version {trt!r}; known: {', '.join(table['versions'])}")
+    ver = table["versions"][trt]
+    if not isinstance(model, onnx.ModelProto):
+        model = onnx.load(str(model), load_external_data=False)
+    try:
+        model = onnx.shape_inference.infer_shapes(model)
+    except Exception:  # type inference is a help, not a requirement
+        pass
+    opset, out = _check_opsets(model, ver, trt)
+    facts = graph_facts(model.graph)
+    for idx, n in enumerate(model.graph.node):
+        out.extend(_check_node(n, n.name or f"node#{idx}", facts, table, ver, trt, opset))
+    return out + _check_quantized_tensors(facts)
+
+
+def _check_opsets(model, ver: dict, trt: str) -> tuple[int, list[Violation]]:
+    """The default domain's opset (returned) within the version's range; no other domain imported."""
+    out = []
+    opset = 0
+    int4 = any(i.data_type == 22 for i in model.graph.initializer)
+    # INT4 block quantization exists from opset 21, which the docs' range stops short of (the json's note)
+    max_opset = max(ver["max_opset"], ver["int4_opset"]) if int4 else ver["max_opset"]
+    for o in model.opset_import:
+        if o.domain in ("", "ai.onnx"):
+            opset = o.version
+            if not ver["min_opset"] <= o.version <= max_opset:
+                out.append(Violation("<model>", "opset", f"opset {o.version} outside TensorRT {trt}'s "
+                                                          f"{ver['min_opset']}..{max_opset}"
+                                                          + ("" if int4 else " (21 only for INT4 weights)")))
+        else:
+            out.append(Violation("<model>", "opset", f"non-standard domain {o.domain!r} imported"))
+    return opset, out
+
+
+def _check_node(n, name: str, f: GraphFacts, table: dict, ver: dict, trt: str, opset: int) -> list[Violation]:
+    """One node: its domain, its op in the version's table, constant inputs, and its input types."""
+    op = n.op_type
+    if n.domain not in ("", "ai.onnx"):
+        return [Violation(name, op, f"custom/contrib op from domain {n.domain!r} (TensorRT parses only the "
+                                    "default ONNX domain without plugins)")]
+    sup, unsup, not_yet = table["supported"], set(table["unsupported"]), set(ver["not_yet"])
+    if op in unsup or op not in sup or op in not_yet:
+        why = "not supported by TensorRT's ONNX parser" if op not in not_yet else f"not in TensorRT {trt}'s parser"
+        return [Violation(name, op, why)]
+    rule, constants = sup[op], f.constants
+    out = []
+    for k in rule.get("constant_inputs", []):
+        if k < len(n.input) and n.input[k] and n.input[k] not in constants:
+            out.append(Violation(name, op, f"input {k} ({n.input[k]}) must be a build-time constant"))
+    if op == "Cast":
+        return out + _check_cast(n, name, f.types, rule)
+    if op in ("QuantizeLinear", "DequantizeLinear"):
+        return out + _check_qdq(n, name, op, f.types, f.constants, f.shapes, ver, trt, opset)
+    if op == "Gather" and f.types.get(n.input[0]) == "INT8":
+        return out + _check_int8_gather(n, name, f.constants, f.consumers)
+    if op in _SKIP_TYPES:
+        return out
+    k = _DATA_INPUT.get(op, 0)
+    t = f.types.get(n.input[k]) if k < len(n.input) else None
+    if t and t not in rule["types"]:
+        out.append(Violation(name, op, f"input type {t} not supported (TensorRT takes {', '.join(rule['types'])})"))
+    return out
+
+
+def _check_cast(n, name: str, types: dict, rule: dict) -> list[Violation]:
+    to = next((a.i for a in n.attribute if a.name == "to"), None)
+    src = types.get(n.input[0])
+    if _TYPES.get(to) in _QUANTIZED or src in _QUANTIZED:
+        return [Violation(name, "Cast", f"Cast {src} -> {_TYPES.get(to, to)}: TensorRT reaches quantized "
+                                        "types only through QuantizeLinear/DequantizeLinear")]
+    elif src and src not in rule["types"]:
+        return [Violation(name, "Cast", f"Cast from {src} is not supported")]
+    return []
+
+
+def _check_quantized_tensors(f: GraphFacts) -> list[Violation]:
+    """Quantized tensors exist only between Q and DQ; UINT8 only at the network's edge."""
+    out, graph_io, constants = [], f.graph_io, f.constants
+    for tname, t in f.types.items():
+        prod = f.producers.get(tname)
+        where = (prod.name, prod.op_type) if prod else (tname, "tensor")
+        if t == "UINT4":
+            out.append(Violation(*where, f"UINT4 tensor {tname}: TensorRT takes only signed INT4"))
+        if t == "INT8":
+            out.extend(_check_int8_tensor(tname, prod, where, f))
+        if t == "UINT8" and tname not in graph_io and tname not in constants:
+            out.append(Violation(*where, f"UINT8 tensor {tname} inside the network (TensorRT allows UINT8 only as network I/O)"))
+    return out
+
+
+def _check_int8_tensor(tname: str, prod, where: tuple[str, str], f: GraphFacts) -> list[Violation]:
+    constants, consumers = f.constants, f.consumers
+    # a Gather's INT8 rows are checked by _check_int8_gather (its table constant, its rows to DQ only)
+    ok_src = (tname in f.graph_inputs or tname in constants or (prod is not None and prod.op_type == "QuantizeLinear")
+              or (prod is not None and prod.op_type == "Gather" and prod.input[0] in constants))
+    bad_use = [c for c in consumers.get(tname, []) if c.op_type != "DequantizeLinear"
+               and not (c.op_type == "QuantizeLinear" and tname in c.input[2:] and tname in constants)
+               and not (c.op_type == "Gather" and c.input[0] == tname and tname in constants)]
+    out = []
+    if not ok_src:
+        out.append(Violation(*where, f"produces INT8 tensor {tname} other than by QuantizeLinear"))
+    for c in bad_use:
+        out.append(Violation(c.name, c.op_type, f"consumes INT8 tensor {tname}; only DequantizeLinear may"))
+    return out
+
+
+def _check_int8_gather(n, name, constants, consumers) -> list[Violation]:
+    """TensorRT's IGatherLayer takes INT8 data (its operator reference); the ONNX parser is only
+    trusted with it for a constant table whose gathered rows go straight to DequantizeLinear."""
+    out = []
+    if n.input[0] not in constants:
+        out.append(Violation(name, "Gather", f"INT8 Gather on {n.input[0]}, which is not a constant table"))
+    for c in consumers.get(n.output[0], []):
+        if c.op_type != "DequantizeLinear":
+            out.append(Violation(c.name, c.op_type, f"consumes the INT8 rows {n.output[0]}; only DequantizeLinear may"))
+    return out
+
+
+def _check_blocked_dq(n, name, op, types, constants, shapes, ver, trt, opset) -> list[Violation]:
+    """Block-wise DequantizeLinear: TensorRT takes it only for INT4, on a 2-D constant, from opset 21."""
+    out = []
+    src = types.get(n.input[0])
+    if op == "QuantizeLinear":
+        return [Violation(name, op, "block-wise QuantizeLinear: TensorRT quantizes block-wise only weights (DQ)")]
+    if src != "INT4":
+        out.append(Violation(name, op, f"block-wise DequantizeLinear of {src}: TensorRT takes block quantization "
+                                       "only for INT4"))
+    if n.input[0] not in constants:
+        out.append(Violation(name, op, "block-wise DequantizeLinear is allowed only on constant weights"))
+    elif len(shapes.get(n.input[0], [])) != 2:
+        out.append(Violation(name, op, f"block-wise DequantizeLinear on a {len(shapes.get(n.input[0], []))}-D "
+                                       "tensor: TensorRT takes only 2-D weights"))
+    if opset < ver["int4_opset"]:
+        out.append(Violation(name, op, f"block-wise DequantizeLinear needs opset {ver['int4_opset']} "
+                                       f"(the graph imports {opset})"))
+    return out
+
+
+def _check_qdq(n, name, op, types, constants, shapes, ver, trt, opset=0) -> list[Violation]:
+    out = []
+    src = types.get(n.input[0])
+    if src == "INT4" and opset < ver["int4_opset"]:
+        out.append(Violation(name, op, f"INT4 needs opset {ver['int4_opset']} (the graph imports {opset})"))
+    if block_size(n) > 0:
+        out.extend(_check_blocked_dq(n, name, op, types, constants, shapes, ver, trt, opset))
+    scale = n.input[1] if len(n.input) > 1 else ""
+    zp = n.input[2] if len(n.input) > 2 else ""
+    if ver["qdq_scale_must_be_constant"] and scale not in constants:
+        out.append(Violation(name, op, f"scale {scale} is computed at run time; TensorRT {trt} needs a build-time "
+                                       "constant (runtime scales arrive in 10.13)"))
+    if zp and zp not in constants:
+        out.append(Violation(name, op, f"zero point {zp} must be a build-time constant"))
+    per_channel = scale in shapes and len(shapes[scale]) > 0 and int(_prod(shapes[scale])) > 1 and not block_size(n)
+    if per_channel and op == "DequantizeLinear" and n.input[0] not in constants:
+        out.append(Violation(name, op, "per-channel DequantizeLinear is allowed only on constant weights"))
+    if per_channel and op == "QuantizeLinear" and n.input[0] not in constants:
+        out.append(Violation(name, op, "per-channel QuantizeLinear is allowed only on constant weights"))
+    if op == "DequantizeLinear" and src and src not in _QUANTIZED:
+        out.append(Violation(name, op, f"input type {src}: TensorRT dequantizes only quantized types"))
+    if op == "QuantizeLinear" and src and src not in ("FP32", "FP16", "BF16"):
+        out.append(Violation(name, op, f"input type {src} not supported"))
+    return out
+
+
+def _prod(xs):
+    p = 1
+    for x in xs:
+        p *= x
+    return p
+
+
+def read_onnx(path: Path):
+    """The graph at `path` (weights not loaded); an EdgeKVError for anything that is not one. An
+    empty file parses as an empty ModelProto, which would otherwise pass every rule."""
+    import onnx
+    from google.protobuf.message import DecodeError
+
+    from edgekv.errors import EdgeKVError
+
+    if not path.is_file():
+        raise EdgeKVError(f"{path}: no such ONNX file")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except (DecodeError, ValueError, OSError, RuntimeError) as e:
+        raise EdgeKVError(f"{path}: not an ONNX model ({type(e).__name__})") from None
+    if not model.graph.node or not model.opset_import:
+        raise EdgeKVError(f"{path}: not an ONNX model (no graph nodes or no opset)")
+    return model
+
+
+def check_as_built(path: Path, trt: str, rewrite) -> tuple[list[Violation], list[str]]:
+    """Check the graph at `path` as the engine build hands it to TensorRT: `rewrite(model, folder)`
+    (edgekv/runtime/backends/engines.py's tensorrt_graph: 8-bit block-wise weights requantized per
+    channel) changes it in place and returns the converted weights' names. Returns the violations
+    and those names. The rewrite is passed in: it is the runtime's, a layer above this one."""
+    from edgekv.errors import EdgeKVError
+
+    model = read_onnx(path)
+    try:
+        converted = rewrite(model, path.parent)
+    except (OSError, ValueError, RuntimeError) as e:  # the weights beside the graph missing or unreadable
+        raise EdgeKVError(f"{path}: cannot read its weights to check them as the engine build would "
+                          f"({type(e).__name__}: {e})") from None
+    return check_model(model, trt), converted
