@@ -3,7 +3,7 @@ test made it (tests/conftest.py real_bundle)."""
 import shutil
 
 from edgekv.format.bundle import load_bundle
-from export.bundle import _SOURCE_GLOBS, exporter_source_key
+from export.manifest import SOURCE_GLOBS, exporter_source_key
 from tests.conftest import ROOT, made_by_this_exporter
 
 
@@ -16,7 +16,7 @@ def test_bundles_record_the_key_of_the_exporter_that_made_them(tiny_bundle_int8)
 
 
 def test_the_key_follows_the_exporter_sources(tmp_path):
-    for g in _SOURCE_GLOBS:
+    for g in SOURCE_GLOBS:
         for f in ROOT.glob(g):
             dst = tmp_path / f.relative_to(ROOT)
             dst.parent.mkdir(parents=True, exist_ok=True)

@@ -111,7 +111,7 @@ def test_replace_keeping_leaves_a_clashing_name_and_a_symlink_aside(tmp_path):
 
 
 def test_a_manifest_cannot_name_files_outside_its_folder(tmp_path):
-    from export.bundle import bundle_files
+    from export.destination import bundle_files
 
     b = tmp_path / "B"
     b.mkdir()
@@ -145,13 +145,14 @@ def test_default_out_refused_without_loading_the_model(tiny_llama, tmp_path, mon
     """No --out: the default name needs the weights format (auto: from the source's header), and
     the refusal still comes before the model's load."""
     import export.bundle as eb
+    from export import recipes
     from edgekv.errors import ExportError
 
     def no_load(path):
         raise AssertionError(f"the model was loaded: {path}")
 
     monkeypatch.setattr(eb, "load_source", no_load)
-    monkeypatch.setattr(eb, "MODELS_DIR", tmp_path)
+    monkeypatch.setattr(recipes, "MODELS_DIR", tmp_path)
     taken = tmp_path / "bundles" / f"{tiny_llama.name}-int8"  # an HF folder: float weights, no -w suffix
     taken.mkdir(parents=True)
     (taken / "notes.txt").write_text("keep")
@@ -200,7 +201,7 @@ def test_auto_keeps_what_the_source_holds(ggufs):
     """4-bit blocks -> int4, Q8_0 -> int8, float -> float, an HF folder -> float; a fused matrix
     whose parts differ (Q4_0 q|k with a Q8_0 v) meets in one carrier that keeps each part exactly,
     so auto keeps the file's 4-bit blocks then too."""
-    from export.bundle import source_weights
+    from export.recipes import source_weights
 
     folder, g = ggufs
     assert source_weights(g["q4"], "auto")[0] == "int4"
@@ -214,7 +215,7 @@ def test_auto_keeps_what_the_source_holds(ggufs):
 def test_auto_agrees_with_the_blocks_the_loader_keeps(ggufs):
     """The header-only decision = the same rule on what the full load keeps (src.blocks, fused
     matrices included): auto never picks a format under which the loader would requantize."""
-    from export.bundle import source_weights
+    from export.recipes import source_weights
     from export.loaders import load_gguf
     from export.weights import auto_format
 
@@ -235,9 +236,10 @@ def test_cli_export_defaults_to_auto():
 def test_auto_export_of_a_4bit_gguf_is_int4_named_so_and_says_what_its_kld_is_against(ggufs, tmp_path, monkeypatch,
                                                                                         capfd):
     import export.bundle as eb
+    from export import recipes
 
     _, g = ggufs
-    monkeypatch.setattr(eb, "MODELS_DIR", tmp_path)
+    monkeypatch.setattr(recipes, "MODELS_DIR", tmp_path)
     out = eb.export_bundle(str(g["q4"]), kv="int8", weights="auto", max_context=64, steps=2)
     assert out == tmp_path / "bundles" / "tiny-q4-int8-wint4"
     b = load_bundle(out)
