@@ -190,8 +190,8 @@ def test_graph_format_opset_and_trt_rules(arch, fmt, weight_bundles):
     assert opset() == (21 if fmt == "int4" else 20)
 
 
-def optimized_ops(bundle, monkeypatch, tmp_path) -> collections.Counter:
-    """The op types of the graph onnxruntime really runs, as the runtime's own backend builds it."""
+def optimized_graph(bundle, monkeypatch, tmp_path, attention: str | None = None) -> onnx.GraphProto:
+    """The graph onnxruntime really runs, as the runtime's own backend builds it."""
     import onnxruntime as ort
 
     real = ort.SessionOptions
@@ -203,9 +203,14 @@ def optimized_ops(bundle, monkeypatch, tmp_path) -> collections.Counter:
         return o
 
     monkeypatch.setattr(ort, "SessionOptions", options)
-    open_runtime(bundle, None, "ort-cpu", threads=1, log=None).close()
+    open_runtime(bundle, None, "ort-cpu", threads=1, log=None, attention=attention).close()
     monkeypatch.setattr(ort, "SessionOptions", real)
-    g = onnx.load(str(path), load_external_data=False).graph
+    return onnx.load(str(path), load_external_data=False).graph
+
+
+def optimized_ops(bundle, monkeypatch, tmp_path) -> collections.Counter:
+    """The op types of the graph onnxruntime really runs, as the runtime's own backend builds it."""
+    g = optimized_graph(bundle, monkeypatch, tmp_path)
     ops = collections.Counter(n.op_type for n in g.node)
     # a float copy of the embedding table (DequantizeLinear folded at load) would show up here
     ops["float tables"] = sum(i.data_type == TensorProto.FLOAT and np.prod(i.dims) >= 384 * 64 for i in g.initializer)
@@ -339,6 +344,52 @@ def test_gguf_int4_bundle_matches_torch_and_fuses(gguf_bundle, monkeypatch, tmp_
     assert man["parity"]["passed"] and man["parity"]["outputs"]["logits (decode)"]["max_abs_diff"] < 1e-3
     ops = optimized_ops(bundle, monkeypatch, tmp_path)
     assert ops["MatMulNBits"] == 2 * 4 + 1
+
+
+def greedy_logits(bundle, attention: str, accuracy: int = 0, steps: int = 6) -> tuple[np.ndarray, list[int]]:
+    """Logits of a prompt's every row and of `steps` greedy decode steps after it, and the tokens."""
+    ids = [5, 17, 99, 3, 250, 42, 7, 300]
+    with open_runtime(bundle, 64, "ort-cpu", threads=1, max_logits_rows=len(ids), log=None,
+                      matmul_accuracy=accuracy, attention=attention) as rt:
+        gen = rt.generator(prefill_chunk=len(ids))
+        rows = [np.atleast_2d(gen.prefill(ids, all_logits=True).copy())]
+        tokens = [int(rows[0][-1].argmax())]
+        for _ in range(steps):
+            rows.append(np.atleast_2d(gen.decode_step(tokens[-1]).copy()))
+            tokens.append(int(rows[-1][-1].argmax()))
+    return np.concatenate([r.reshape(-1, r.shape[-1]) for r in rows]), tokens
+
+
+@pytest.mark.parametrize("attention", ["plain", "fused"])
+def test_gguf_minimums_run_as_matmulnbits_zero_points(attention, gguf_bundle, monkeypatch, tmp_path):
+    """At load each Q4_1 matrix (DQ -> MatMul + its minimum term) becomes one MatMulNBits whose zero
+    points carry the minimum (edgekv/runtime/backends/nbits.py), in the graph as written and in the
+    fused one: the session onnxruntime runs holds a MatMulNBits with uint8 zero points per Q4_1
+    matrix and only the remainder's [K/32, N] MatMul beside it (a silent fallback keeps the old
+    [2K/32, N] term and fails); with float activations the logits are the graph as written's to float
+    tolerance and the greedy tokens the same."""
+    from edgekv.runtime.backends.ort import OrtBackend
+
+    path, bundle = gguf_bundle
+    b = load_bundle(bundle)
+    q41 = [n for n, v in b.manifest["weights"]["matrices"].items() if v["source"] == "Q4_1"]
+    with open_runtime(bundle, 64, "ort-cpu", threads=1, log=None, attention=attention) as rt:
+        assert rt.backend.minimums.folded == len(q41) == 2 * 2 and not rt.backend.minimums.kept
+    g = optimized_graph(bundle, monkeypatch, tmp_path, attention)
+    inits = {t.name: t for t in g.initializer}
+    nbits = [n for n in g.node if n.op_type == "MatMulNBits"]
+    with_zp = [n for n in nbits if len(n.input) > 3 and n.input[3]]
+    assert len(nbits) == 2 * 4 + 1 and len(with_zp) == len(q41)
+    assert all(inits[n.input[3]].data_type == TensorProto.UINT8 for n in with_zp)
+    sums = {n.output[0] for n in g.node if n.op_type == "ReduceSum"}  # blocksum(x): what a minimum term multiplies
+    terms = [list(inits[n.input[1]].dims) for n in g.node if n.op_type == "MatMul" and n.input[0] in sums]
+    e, f = b.model["hidden_size"], b.model["intermediate_size"]
+    assert sorted(terms) == sorted([[e // 32, 2 * f], [f // 32, e]] * 2)  # gate|up and down: K/32 rows each
+    new, new_tokens = greedy_logits(bundle, attention)
+    monkeypatch.setattr(OrtBackend, "fold_minimums", False)
+    old, old_tokens = greedy_logits(bundle, attention)
+    np.testing.assert_allclose(new, old, rtol=0, atol=1e-4)
+    assert new_tokens == old_tokens
 
 
 def test_bad_weight_flags_refused(tiny_sources):

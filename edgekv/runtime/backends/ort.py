@@ -17,6 +17,7 @@ from edgekv.errors import BackendUnavailable, BundleError, EdgeKVError, note
 from edgekv.format.bundle import Bundle
 from edgekv.runtime.backends.base import PREFILL_CHUNK, UNLIMITED, bound_past
 from edgekv.runtime.backends.fused import BIAS, MIN_ORT, SEQLENS, TOTAL, NotFusable, fuse_bundle, ort_version_ok
+from edgekv.runtime.backends.nbits import fold_graph
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.memory import HeadMajorMemory, HostMemory, KVMemory
 from edgekv.runtime.sequence import Sequence
@@ -408,6 +409,8 @@ class OrtBackend:
     stage_present = True  # a one-token call writes present.* to staging buffers, copied to the cache after
     exact_attention = True  # ExactAttention's integer products are CPU kernels (MatMulInteger u8 x s8)
     fuses = True  # the fused graph (GroupQueryAttention's int8-cache CPU kernel) runs here
+    # a GGUF minimum term becomes MatMulNBits' zero points (nbits.py: its rounded activations, one kernel)
+    fold_minimums = True
 
     def __init__(self, bundle: Bundle, threads: int | None = None, max_logits_rows: int = 1,
                  past_bucket: int = PAST_BUCKET, matmul_accuracy: int = MATMUL_ACCURACY,
@@ -432,6 +435,9 @@ class OrtBackend:
                 # row-independent attention (default: EDGEKV_EXACT, on); self.exact: whether it runs
                 want = self.exact_attention and (exact_default() if exact is None else exact)
                 graph, self.exact = exact_graph(graph, bundle.max_context) if want else (graph, False)
+            self.minimums = None  # what the fold did (None: not tried), derived here, nothing written
+            if self.fold_minimums:
+                graph, self.minimums = fold_graph(graph, str(bundle.onnx_path.parent), matmul_accuracy)
             # the rewritten graph comes as bytes: its weights are still found beside model.onnx
             opts.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                           str(bundle.onnx_path.parent))
@@ -647,6 +653,7 @@ class OrtCudaBackend(OrtBackend):
     # CUDA's GroupQueryAttention runs float16/bfloat16 graphs and the rewrite handles float32 ones
     # (docs/fused.md, "ort-cuda"): the graph as written
     fuses = False
+    fold_minimums = False  # the graph as written (CUDA's MatMulNBits with zero points is not tested)
 
     def check_available(self, ort) -> None:
         have = ort.get_available_providers()

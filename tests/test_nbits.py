@@ -1,0 +1,164 @@
+"""A GGUF minimum folded into MatMulNBits' zero points at load (edgekv/runtime/backends/nbits.py,
+docs/weights.md). Oracles: the exact float64 product with the block values W = s*(c + shift) + m;
+a numpy model of MatMulNBits' int8 activations (per block of 32, absmax / 127, round half to even)
+applied as llama.cpp's Q4_1 x Q8_1 dot applies them, to the codes and the minimum alike; the graph
+as the exporter writes it (export.weights._quantized_matmul) run by onnxruntime."""
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from edgekv.runtime.backends.nbits import FoldReport, fold_minimums, fold_weights
+from export.weights import QuantWeight, _quantized_matmul
+
+B = 32
+
+
+def q41_like(n: int, k: int, rng, bits: int = 4) -> QuantWeight:
+    """Blocks W = s*(c + shift) + m as the exporter holds Q4_1 (4 bits, c = q - 8, shift 8) or Q5_1
+    (8 bits, c = q in 0..31), quantized as llama.cpp does from weights centred on 0 with heavy tails
+    (m = the block's min, s = its range / levels, fp16), so a block's midpoint is off 0 as on the
+    real model; and a few odd blocks: s == 0 (the block is m), m > 0 (not spanning 0), m far below
+    (the zero point clipped)."""
+    nb, top = k // B, (15 if bits == 4 else 31)
+    w = rng.standard_t(3, (n, nb, B)) * 0.02
+    m = w.min(-1).astype(np.float16).astype(np.float32)
+    s = ((w.max(-1) - m) / top).astype(np.float16).astype(np.float32)
+    s[0, :3] = 0.0  # s == 0: the whole block is m
+    m[1, 0] = np.float16(0.01)  # above 0
+    m[2, 0] = np.float16(-s[2, 0] * 300)  # far below: z clipped
+    q = np.clip(np.rint((w - m[..., None]) / np.where(s > 0, s, 1)[..., None]), 0, top).reshape(n, k)
+    shift = 8 if bits == 4 else 0
+    return QuantWeight(bits, (q - shift).astype(np.int8), s, B, "test", m, shift, "Q4_1" if bits == 4 else "Q5_1")
+
+
+def exact_w(q: QuantWeight) -> np.ndarray:
+    """W [N, K] in float64, every term exact."""
+    n, k = q.codes.shape
+    w = (q.codes.astype(np.float64) + q.shift).reshape(n, k // B, B) * q.scales.astype(np.float64)[..., None]
+    return (w + q.mins.astype(np.float64)[..., None]).reshape(n, k)
+
+
+def matrix_graph(q: QuantWeight) -> onnx.ModelProto:
+    """One projection y = x W^T written as the exporter writes it (DQ -> MatMul + minimum term)."""
+    n, k = q.codes.shape
+    inits: list = []
+    node = helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")
+    nodes = _quantized_matmul(node, "layers.0.mlp.up.weight", q, np.float32, inits)
+    g = helper.make_graph(nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "s", k])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "s", n])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+
+
+def run(model: onnx.ModelProto, x: np.ndarray, accuracy: int) -> np.ndarray:
+    o = ort.SessionOptions()
+    o.intra_op_num_threads = 1
+    o.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(accuracy))
+    s = ort.InferenceSession(model.SerializeToString(), o, providers=["CPUExecutionProvider"])
+    return s.run(None, {"x": x})[0].astype(np.float64)
+
+
+def folded(q: QuantWeight, accuracy: int) -> tuple[onnx.ModelProto, FoldReport]:
+    m = matrix_graph(q)
+    return m, fold_minimums(m, ".", accuracy)
+
+
+def int8_activations(x: np.ndarray) -> np.ndarray:
+    """MatMulNBits' int8 activations (and llama.cpp's Q8): per block of 32 along K, scale absmax / 127,
+    codes rounded half to even; the values they stand for."""
+    xb = x.astype(np.float32).reshape(*x.shape[:-1], -1, B)
+    scale = np.abs(xb).max(-1, keepdims=True) / np.float32(127)
+    codes = np.rint(np.where(scale > 0, xb / np.where(scale > 0, scale, 1), 0))
+    return (codes * scale).astype(np.float64).reshape(x.shape)
+
+
+def activations(rng, k: int, rows: int = 3) -> np.ndarray:
+    x = rng.standard_normal((1, rows, k)) * (1 + 6 * (rng.random(k) < 0.03))  # a few large channels
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_fold_weights_are_the_blocks_exactly(bits):
+    """s*(u - z) + r is the block's value exactly (float64, every term exact), z an integer in the
+    codes' range, |r| <= |s|/2 wherever the block spans 0, r = m where s == 0."""
+    q = q41_like(24, 128, np.random.default_rng(1), bits)
+    u, z, r = fold_weights(q.codes.T, q.scales.T, q.mins.T, float(q.shift), bits)
+    assert u.dtype == np.uint8 and u.max() <= 2 ** bits - 1 and z.max() <= 2 ** bits - 1
+    n, k = q.codes.shape
+    s64 = np.repeat(q.scales.astype(np.float64), B, axis=1)
+    w = s64 * (u.astype(np.float64) - np.repeat(z, B, axis=1)) + np.repeat(r.T.astype(np.float64), B, axis=1)
+    np.testing.assert_array_equal(w, exact_w(q))
+    spans = (q.scales > 0) & (q.mins <= 0) & (q.mins >= -(2 ** bits - 1 - (8 - q.shift if bits == 4 else 0)) * q.scales)
+    assert np.all(np.abs(r.T[spans]) <= q.scales[spans] / 2)
+    np.testing.assert_array_equal(r.T[0, :3], q.mins[0, :3])  # s == 0
+    np.testing.assert_array_equal(z[0, :3], 0)
+
+
+def test_a_remainder_that_is_not_a_float32_keeps_the_term():
+    """m + s*z not representable in float32: fold_weights refuses, the graph keeps that matrix as
+    written, and the result is still the exact product."""
+    q = q41_like(8, 64, np.random.default_rng(2))
+    q.scales[3, 1] = np.float32(1 + 2 ** -23)
+    q.mins[3, 1] = np.float32(-3 * 2 ** 20)
+    assert fold_weights(q.codes.T, q.scales.T, q.mins.T, 8.0, 4) is None
+    m, report = folded(q, 0)
+    assert report.folded == 0 and list(report.kept.values()) == ["a remainder m + s*z that is not a float32"]
+    assert "MatMulNBits" not in {n.op_type for n in m.graph.node}
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_folded_matrix_is_one_matmulnbits_with_zero_points(bits):
+    """The folded graph: one MatMulNBits with uint8 zero points, the remainder's MatMul over the
+    blocksums (K/B rows, not the old term's 2K/B), no DequantizeLinear, Concat or Mul left."""
+    q = q41_like(48, 128, np.random.default_rng(3), bits)
+    m, report = folded(q, 4)
+    assert report.folded == 1 and not report.kept
+    ops = [n.op_type for n in m.graph.node]
+    assert sorted(ops) == ["Add", "MatMul", "MatMulNBits", "ReduceSum", "Reshape"]
+    nb = next(n for n in m.graph.node if n.op_type == "MatMulNBits")
+    attrs = {a.name: helper.get_attribute_value(a) for a in nb.attribute}
+    assert attrs["bits"] == bits and attrs["block_size"] == B and attrs["accuracy_level"] == 4
+    inits = {t.name: t for t in m.graph.initializer}
+    assert inits[nb.input[3]].data_type == TensorProto.UINT8  # integer zero points: the prepacked int8 path
+    mm = next(n for n in m.graph.node if n.op_type == "MatMul")
+    assert list(inits[mm.input[1]].dims) == [128 // B, 48]
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_folded_matrix_equals_the_exact_product_with_float_activations(bits):
+    """Accuracy level 0 (float activations): the folded matrix and the graph as written both give
+    the exact product, s == 0 blocks and clipped zero points included."""
+    rng = np.random.default_rng(4)
+    q = q41_like(64, 256, rng, bits)
+    x = activations(rng, 256)
+    ref = x.astype(np.float64) @ exact_w(q).T
+    m, _ = folded(q, 0)
+    for got in (run(m, x, 0), run(matrix_graph(q), x, 0)):
+        np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
+
+
+def test_folded_matrix_rounds_the_activations_for_the_minimum_too():
+    """Accuracy level 4: the folded matrix = W applied to the int8-rounded x, the minimum's term
+    included, as llama.cpp's Q4_1 x Q8_1 dot (up to the remainder r, |r| <= s/2, on the exact x);
+    the graph as written rounds x only for the codes. So its error against the exact product is
+    the smaller one."""
+    rng = np.random.default_rng(5)
+    q = q41_like(96, 512, rng)
+    x = activations(rng, 512, rows=4)
+    w = exact_w(q)
+    ref = x.astype(np.float64) @ w.T
+    xq = int8_activations(x)
+    u, z, r = fold_weights(q.codes.T, q.scales.T, q.mins.T, 8.0, 4)
+    w_zp = w - np.repeat(r.T.astype(np.float64), B, axis=1)  # s*(u - z): what the kernel multiplies
+    blocksums = x.astype(np.float64).reshape(1, 4, -1, B).sum(-1)
+    model = xq @ w_zp.T + blocksums @ r.astype(np.float64)
+    m, _ = folded(q, 4)
+    got = run(m, x, 4)
+    np.testing.assert_allclose(got, model, rtol=0, atol=1e-5 * np.abs(ref).max())
+    err = lambda y: np.sqrt(((y - ref) ** 2).mean())  # noqa: E731
+    as_written = run(matrix_graph(q), x, 4)
+    assert err(got) < 0.9 * err(as_written)
+    assert err(got) < 1.05 * err(xq @ w.T)  # llama.cpp's: every term on the rounded x
