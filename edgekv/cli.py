@@ -326,6 +326,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pid", type=int_range(1, 2**31 - 1), default=None, help="with --url: the server's process id, for its RSS")
     p.add_argument("--soak", type=int_range(0, 1 << 20), default=200, help="short requests sent at the end while watching RSS")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON here")
+    p.add_argument("--json-schema", default=None, metavar="FILE",
+                   help="instead: each level's requests with response_format this JSON Schema and the same requests "
+                        "free, taking turns for --rounds rounds: decode tok/s of both, mask time per token "
+                        "(docs/structured.md)")
+    p.add_argument("--rounds", type=int_range(1, 100), default=3, help="with --json-schema: rounds of the two")
     _add_runtime(p)
 
     p = sub.add_parser("verify", formatter_class=Formatter, help="check every file of a bundle against its sha256",
