@@ -208,9 +208,9 @@ MUTATIONS = [
     M("check-trt: build-time constant inputs", "check-trt", "edgekv/format/trt_rules.py",
       "if k < len(n.input) and n.input[k] and n.input[k] not in constants:", "if False:", TRT),
     M("check-trt: Cast from a quantized type", "check-trt", "edgekv/format/trt_rules.py",
-      "if _TYPES.get(to) in _QUANTIZED or src in _QUANTIZED:", "if _TYPES.get(to) in _QUANTIZED:", TRT),
+      "if TYPES.get(to) in _QUANTIZED or src in _QUANTIZED:", "if TYPES.get(to) in _QUANTIZED:", TRT),
     M("check-trt: Cast to a quantized type", "check-trt", "edgekv/format/trt_rules.py",
-      "if _TYPES.get(to) in _QUANTIZED or src in _QUANTIZED:", "if src in _QUANTIZED:", TRT),
+      "if TYPES.get(to) in _QUANTIZED or src in _QUANTIZED:", "if src in _QUANTIZED:", TRT),
     M("check-trt: Cast source types", "check-trt", "edgekv/format/trt_rules.py",
       'elif src and src not in rule["types"]:', "elif False:", TRT),
     M("check-trt: Q/DQ scales constant", "check-trt", "edgekv/format/trt_rules.py",
@@ -223,7 +223,7 @@ MUTATIONS = [
       'if op == "QuantizeLinear" and src and src not in ("FP32", "FP16", "BF16"):', "if False:", TRT),
     M("check-trt: UINT8 inside the network", "check-trt", "edgekv/format/trt_rules.py",
       'if t == "UINT8" and tname not in graph_io and tname not in constants:', "if False:", TRT),
-    M("check-trt: an empty .onnx passes", "check-trt", "edgekv/format/trt_rules.py",
+    M("check-trt: an empty .onnx passes", "check-trt", "edgekv/format/trt_graph.py",
       "if not model.graph.node or not model.opset_import:", "if False:", TRT_CLI),
     # -- chat (a held sequence of the engine: its cells, ids and sinks change only through the
     # engine, so the bugs of a separate id list are bugs of those methods)

@@ -10,76 +10,20 @@ constant weights, UINT8 only at network I/O, default ONNX domain only, the opset
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
+
+from edgekv.format.trt_graph import TYPES, GraphFacts, Violation, block_size, graph_facts, read_onnx
 
 DATA = Path(__file__).parent.parent / "data" / "trt_onnx_ops.json"
 
-# onnx TensorProto element types -> the table's names
-_TYPES = {1: "FP32", 2: "UINT8", 3: "INT8", 6: "INT32", 7: "INT64", 9: "BOOL", 10: "FP16", 11: "DOUBLE", 16: "BF16",
-          17: "FP8", 21: "UINT4", 22: "INT4", 23: "FP4"}
 _QUANTIZED = {"INT8", "INT4", "FP8", "FP4"}
 # ops whose data input is not input 0, or whose input types are not what the table lists
 _DATA_INPUT = {"Where": 1}
 _SKIP_TYPES = {"Constant", "ConstantOfShape", "QuantizeLinear", "DequantizeLinear", "Cast", "CastLike", "Shape", "Size"}
 
 
-@dataclass
-class Violation:
-    node: str
-    op: str
-    rule: str
-
-    def __str__(self) -> str:
-        return f"{self.node} ({self.op}): {self.rule}"
-
-
 def load_table() -> dict:
     return json.loads(DATA.read_text())
-
-
-def block_size(node) -> int:
-    """A Q/DQ node's block_size attribute (0: not block-wise)."""
-    return next((a.i for a in node.attribute if a.name == "block_size"), 0)
-
-
-@dataclass
-class GraphFacts:
-    """What the rules look up about a graph's tensors: element types, build-time constants
-    (initializers and Constant outputs) with their shapes, the network's I/O, who makes and who
-    reads each tensor."""
-    types: dict[str, str] = field(default_factory=dict)
-    constants: set[str] = field(default_factory=set)
-    shapes: dict[str, list[int]] = field(default_factory=dict)
-    graph_inputs: set[str] = field(default_factory=set)
-    graph_io: set[str] = field(default_factory=set)
-    consumers: dict[str, list] = field(default_factory=dict)
-    producers: dict[str, object] = field(default_factory=dict)
-
-
-def graph_facts(g) -> GraphFacts:
-    f = GraphFacts()
-    for v in [*g.input, *g.value_info, *g.output]:
-        f.types[v.name] = _TYPES.get(v.type.tensor_type.elem_type, str(v.type.tensor_type.elem_type))
-    for init in g.initializer:
-        f.types[init.name] = _TYPES.get(init.data_type, str(init.data_type))
-        f.shapes[init.name] = list(init.dims)
-        f.constants.add(init.name)
-    for n in g.node:
-        if n.op_type == "Constant":
-            f.constants.update(n.output)
-            for a in n.attribute:
-                if a.name == "value":
-                    f.types[n.output[0]] = _TYPES.get(a.t.data_type, str(a.t.data_type))
-                    f.shapes[n.output[0]] = list(a.t.dims)
-    f.graph_inputs = {i.name for i in g.input}
-    f.graph_io = f.graph_inputs | {o.name for o in g.output}
-    for n in g.node:
-        for i in n.input:
-            f.consumers.setdefault(i, []).append(n)
-        for o in n.output:
-            f.producers[o] = n
-    return f
 
 
 def check_model(model, trt: str = "10.3") -> list[Violation]:
@@ -155,8 +99,8 @@ def _check_node(n, name: str, f: GraphFacts, table: dict, ver: dict, trt: str, o
 def _check_cast(n, name: str, types: dict, rule: dict) -> list[Violation]:
     to = next((a.i for a in n.attribute if a.name == "to"), None)
     src = types.get(n.input[0])
-    if _TYPES.get(to) in _QUANTIZED or src in _QUANTIZED:
-        return [Violation(name, "Cast", f"Cast {src} -> {_TYPES.get(to, to)}: TensorRT reaches quantized "
+    if TYPES.get(to) in _QUANTIZED or src in _QUANTIZED:
+        return [Violation(name, "Cast", f"Cast {src} -> {TYPES.get(to, to)}: TensorRT reaches quantized "
                                         "types only through QuantizeLinear/DequantizeLinear")]
     elif src and src not in rule["types"]:
         return [Violation(name, "Cast", f"Cast from {src} is not supported")]
@@ -257,25 +201,6 @@ def _prod(xs):
     for x in xs:
         p *= x
     return p
-
-
-def read_onnx(path: Path):
-    """The graph at `path` (weights not loaded); an EdgeKVError for anything that is not one. An
-    empty file parses as an empty ModelProto, which would otherwise pass every rule."""
-    import onnx
-    from google.protobuf.message import DecodeError
-
-    from edgekv.errors import EdgeKVError
-
-    if not path.is_file():
-        raise EdgeKVError(f"{path}: no such ONNX file")
-    try:
-        model = onnx.load(str(path), load_external_data=False)
-    except (DecodeError, ValueError, OSError, RuntimeError) as e:
-        raise EdgeKVError(f"{path}: not an ONNX model ({type(e).__name__})") from None
-    if not model.graph.node or not model.opset_import:
-        raise EdgeKVError(f"{path}: not an ONNX model (no graph nodes or no opset)")
-    return model
 
 
 def check_as_built(path: Path, trt: str, rewrite) -> tuple[list[Violation], list[str]]:

@@ -1,13 +1,14 @@
 """`edgekv check-trt`: a bundle's graph (as the engine build hands it to TensorRT) or a bare .onnx
 file held against TensorRT's ONNX parser rules. The rules are the format layer's
-(edgekv/format/trt_rules.py), which the exporter holds every graph to as well."""
+(edgekv/format/trt_rules.py, on edgekv/format/trt_graph.py's view of a graph), which the exporter holds every graph to as well."""
 from __future__ import annotations
 
 from pathlib import Path
 
 from edgekv.errors import EdgeKVError
 from edgekv.format.bundle import load_bundle
-from edgekv.format.trt_rules import check_as_built, check_model, read_onnx
+from edgekv.format.trt_graph import read_onnx
+from edgekv.format.trt_rules import check_as_built, check_model
 from edgekv.runtime.backends.engines import tensorrt_graph
 
 

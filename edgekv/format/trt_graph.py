@@ -1,0 +1,83 @@
+"""What TensorRT's parser rules (edgekv/format/trt_rules.py) see of an ONNX graph: its tensors'
+element types, build-time constants and their shapes, who makes and who reads each tensor; the
+graph read from a file without its weights."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+# onnx TensorProto element types -> the table's names
+TYPES = {1: "FP32", 2: "UINT8", 3: "INT8", 6: "INT32", 7: "INT64", 9: "BOOL", 10: "FP16", 11: "DOUBLE", 16: "BF16",
+          17: "FP8", 21: "UINT4", 22: "INT4", 23: "FP4"}
+
+@dataclass
+class Violation:
+    node: str
+    op: str
+    rule: str
+
+    def __str__(self) -> str:
+        return f"{self.node} ({self.op}): {self.rule}"
+
+
+def block_size(node) -> int:
+    """A Q/DQ node's block_size attribute (0: not block-wise)."""
+    return next((a.i for a in node.attribute if a.name == "block_size"), 0)
+
+
+@dataclass
+class GraphFacts:
+    """What the rules look up about a graph's tensors: element types, build-time constants
+    (initializers and Constant outputs) with their shapes, the network's I/O, who makes and who
+    reads each tensor."""
+    types: dict[str, str] = field(default_factory=dict)
+    constants: set[str] = field(default_factory=set)
+    shapes: dict[str, list[int]] = field(default_factory=dict)
+    graph_inputs: set[str] = field(default_factory=set)
+    graph_io: set[str] = field(default_factory=set)
+    consumers: dict[str, list] = field(default_factory=dict)
+    producers: dict[str, object] = field(default_factory=dict)
+
+
+def graph_facts(g) -> GraphFacts:
+    f = GraphFacts()
+    for v in [*g.input, *g.value_info, *g.output]:
+        f.types[v.name] = TYPES.get(v.type.tensor_type.elem_type, str(v.type.tensor_type.elem_type))
+    for init in g.initializer:
+        f.types[init.name] = TYPES.get(init.data_type, str(init.data_type))
+        f.shapes[init.name] = list(init.dims)
+        f.constants.add(init.name)
+    for n in g.node:
+        if n.op_type == "Constant":
+            f.constants.update(n.output)
+            for a in n.attribute:
+                if a.name == "value":
+                    f.types[n.output[0]] = TYPES.get(a.t.data_type, str(a.t.data_type))
+                    f.shapes[n.output[0]] = list(a.t.dims)
+    f.graph_inputs = {i.name for i in g.input}
+    f.graph_io = f.graph_inputs | {o.name for o in g.output}
+    for n in g.node:
+        for i in n.input:
+            f.consumers.setdefault(i, []).append(n)
+        for o in n.output:
+            f.producers[o] = n
+    return f
+
+
+def read_onnx(path: Path):
+    """The graph at `path` (weights not loaded); an EdgeKVError for anything that is not one. An
+    empty file parses as an empty ModelProto, which would otherwise pass every rule."""
+    import onnx
+    from google.protobuf.message import DecodeError
+
+    from edgekv.errors import EdgeKVError
+
+    if not path.is_file():
+        raise EdgeKVError(f"{path}: no such ONNX file")
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except (DecodeError, ValueError, OSError, RuntimeError) as e:
+        raise EdgeKVError(f"{path}: not an ONNX model ({type(e).__name__})") from None
+    if not model.graph.node or not model.opset_import:
+        raise EdgeKVError(f"{path}: not an ONNX model (no graph nodes or no opset)")
+    return model
