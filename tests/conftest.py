@@ -28,6 +28,33 @@ def pytest_xdist_auto_num_workers(config):
     return None
 
 
+# Files xdist hands out test by test instead of whole (pyproject: --dist loadfile): each alone
+# ran long enough to decide the wall time of a run on two workers (minutes: an export per
+# architecture; Ctrl-C at every line of a turn, twice), and what their tests share is cheap to
+# make in both workers or made per test (each architecture's bundle is exported by its own test).
+SPLIT_FILES = frozenset({"test_architectures.py", "test_chat_engine.py"})
+
+
+def work_unit(nodeid: str) -> str:
+    """The unit xdist gives one worker: the test's file, or the test itself in SPLIT_FILES."""
+    file = nodeid.split("::", 1)[0]
+    return nodeid if Path(file).name in SPLIT_FILES else file
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile with SPLIT_FILES split (work_unit); other modes as xdist has them."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class SplitLongFiles(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return work_unit(nodeid)
+
+    return SplitLongFiles(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
     """The order whole files go to xdist's workers (pyproject: --no-loadscope-reorder): files with
     slow tests first, so that their real-model exports overlap the rest of the run instead of
@@ -208,6 +235,10 @@ def made_by_this_exporter(path: Path, key: str) -> bool:
 
 
 INT4_NAME = "smollm2-135m-instruct-int8-wint4"  # what models/quickstart.sh exports
+# decode steps of the exporter's parity check in the real exports here (the command's default is
+# 32): the export still refuses a graph that is not torch's, and the real-model tests check the
+# bundle's own decode at length (32 greedy steps cached = uncached, batched = alone over 16)
+REAL_PARITY_STEPS = 8
 
 
 def real_export(tmp_path_factory, name: str, weights: str) -> Path:
@@ -219,7 +250,7 @@ def real_export(tmp_path_factory, name: str, weights: str) -> Path:
     from export.bundle import export_bundle, exporter_source_key
 
     def export(path: Path) -> None:
-        export_bundle(None, kv="int8", weights=weights, out=str(path))
+        export_bundle(None, kv="int8", weights=weights, out=str(path), steps=REAL_PARITY_STEPS)
 
     if os.environ.get("CI"):  # a clean run: always export
         return made_once(run_dir(tmp_path_factory) / name, export)

