@@ -196,3 +196,73 @@ def test_prompt_cache_never_overwrites_a_file_that_is_not_one(tiny_bundle_int8, 
     with pytest.raises(EdgeKVError, match="symbolic link"):
         session(tiny_bundle_int8).warm_system(str(link))
     assert link.is_symlink() and notes.read_text() == "Hi\n"
+
+
+# -- chat --json-schema (issue 26 item 4) --------------------------------------------------------
+
+REPLY_SCHEMA = {"type": "object", "properties": {"mood": {"enum": ["happy", "sad", "calm"]},
+                                                 "short": {"type": "boolean"}},
+                "required": ["mood", "short"], "additionalProperties": False}
+
+
+def test_every_turn_of_a_session_follows_the_reply_grammar(tiny_bundle_int8):
+    """Three sampled turns on the tiny model, each reply validating (jsonschema the oracle): a
+    session that kept the constraint for turn 1 only (or reused its spent matcher) fails on turn 2."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    from edgekv.runtime import grammar as g
+
+    b = load_bundle(tiny_bundle_int8)
+    compiled = g.compile_grammar(g.tokenizer_for(b), g.json_schema(REPLY_SCHEMA))
+    s = ChatSession(b, TextCodec(b), chat_engine(OrtBackend(b, threads=1), b, 256), SamplingParams(temperature=1.0,
+                    seed=4), "You are terse.", 60, reply_grammar=compiled)
+    for q in ("hello", "the capital of France?", "trains and tea"):
+        text, st = s.reply(q)
+        assert st.stop_reason == "stop", text
+        jsonschema.validate(json.loads(text), REPLY_SCHEMA)
+    assert compiled.masks == 0  # the compiled one is only ever copied
+
+
+@pytest.mark.slow
+def test_piped_chat_json_schema_on_the_real_model(real_bundle_int4, tmp_path):
+    """`edgekv chat --json-schema` piped, --json and plain: every reply of a 3-turn conversation
+    validates, /save and /load in between keep working."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("llguidance")
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps(REPLY_SCHEMA))
+    chat = tmp_path / "c.npz"
+    talk = f"Tell me a joke.\n/save {chat}\nWhat is the capital of France?\n/load {chat}\nWrite a haiku about tea.\n"
+    common = ("chat", real_bundle_int4, "--json-schema", schema, "--max-new-tokens", "60", "--threads", "2")
+    r = run_edgekv(*common, "--json", input=talk)
+    assert r.returncode == 0, r.stderr
+    turns = [json.loads(line) for line in r.stdout.splitlines()]
+    assert len(turns) == 3 and "saved to" in r.stderr and "loaded" in r.stderr, r.stderr
+    for t in turns:
+        assert t["stop_reason"] == "stop"
+        jsonschema.validate(json.loads(t["text"]), REPLY_SCHEMA)
+    r = run_edgekv(*common, "--temperature", "0", input="Tell me a joke.\nAnother one.\nAnd a third.\n")
+    assert r.returncode == 0, r.stderr
+    replies = json.loads("[" + r.stdout.replace("}\n{", "},{") + "]")  # the replies, one after another
+    assert len(replies) == 3
+    for reply in replies:
+        jsonschema.validate(reply, REPLY_SCHEMA)
+
+
+def test_chat_json_schema_errors_are_one_line_at_start_up(tiny_bundle_int8, tmp_path, monkeypatch):
+    from tests.conftest import cli
+
+    pytest.importorskip("llguidance")
+    (tmp_path / "bad.json").write_text("{not json")
+    (tmp_path / "not.json").write_text(json.dumps({"not": {"type": "string"}}))
+    cases = [(tmp_path / "missing.json", "no such file"), (tmp_path / "bad.json", "not JSON"),
+             (tmp_path / "not.json", 'Unimplemented keys: ["not"]'), (tmp_path, "not a regular file")]
+    for path, said in cases:
+        r = cli("chat", tiny_bundle_int8, "--json-schema", path, "--threads", "1", input="hello\n")
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 1 and len(lines) == 1 and said in lines[0] and not r.stdout, (path, r.stderr)
+    (tmp_path / "ok.json").write_text(json.dumps(REPLY_SCHEMA))
+    monkeypatch.setitem(sys.modules, "llguidance", None)  # not installed
+    r = cli("chat", tiny_bundle_int8, "--json-schema", tmp_path / "ok.json", "--threads", "1", input="hello\n")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 1 and len(lines) == 1 and "needs llguidance" in lines[0], r.stderr

@@ -26,7 +26,9 @@ from edgekv.runtime.text import StreamDecoder
 
 class ChatSession:
     def __init__(self, bundle, codec, batcher: Batcher, params: SamplingParams, system: str | None,
-                 max_new_tokens: int, context: str = "drop-turns"):
+                 max_new_tokens: int, context: str = "drop-turns", reply_grammar=None):
+        """reply_grammar: a compiled GrammarConstraint (runtime/grammar.py) every reply follows
+        (chat --json-schema); each turn gets a fresh copy of it (None: free replies)."""
         if context not in CONTEXT_POLICIES:
             raise EdgeKVError(f"unknown context policy {context!r}; choose {' or '.join(CONTEXT_POLICIES)}")
         self.bundle, self.codec, self.batcher = bundle, codec, batcher
@@ -41,6 +43,7 @@ class ChatSession:
         # which conversation this is, in its saved chats: a plain /save replaces only those (/load takes the file's)
         self.conversation_id = uuid.uuid4().hex
         self.last_prompt_ids: list[int] = []
+        self.reply_grammar = reply_grammar
 
     # -- what the session holds
     @property
@@ -130,9 +133,10 @@ class ChatSession:
             with self.batcher.turn():
                 target = self.policy.fit(self.conv, user, self.seq, self.max_new)
                 n = self._common(target)
+                constraint, stop_ids = self._turn_constraint()
                 # the stop token (or the last one) is fed too: the cache holds the turn as the template renders it
-                req = Request(target[n:], self.max_new, self.params, self.codec.stop_ids, emit=emit, seq=self.seq,
-                              feed_last=True, rng=self.rng)
+                req = Request(target[n:], self.max_new, self.params, stop_ids, emit=emit, seq=self.seq,
+                              feed_last=True, rng=self.rng, constraint=constraint)
                 self.batcher.run(req)
                 tail = dec.flush()
                 if tail:
@@ -149,6 +153,13 @@ class ChatSession:
             st.stop_reason = "interrupted"  # self.last stays the last completed turn's
             return "", st
         return text, self.last
+
+    def _turn_constraint(self):
+        """(this turn's constraint, its stop ids): a fresh matcher of the reply grammar, every end
+        it may choose a stop; (None, the codec's stop ids) for free replies."""
+        if self.reply_grammar is None:
+            return None, self.codec.stop_ids
+        return self.reply_grammar.fresh(), set(self.codec.stop_ids) | set(self.reply_grammar.tok.stop_ids)
 
     def _rollback(self, before) -> None:
         self.batcher.rollback()  # the turn's own lines interrupted leave it open: undone here (else nothing)

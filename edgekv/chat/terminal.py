@@ -9,6 +9,7 @@ from edgekv.chat.session import ChatSession
 from edgekv.errors import EdgeKVError
 from edgekv.runtime.assemble import open_runtime
 from edgekv.runtime.generate import kv_line, ring_note, stats_line, stats_record
+from edgekv.runtime.grammar import compile_grammar, grammar_from_args, tokenizer_for
 from edgekv.runtime.reasoning import CLOSE, OPEN, ReasoningSplitter, split_reply
 from edgekv.runtime.sampling import sampling_from
 
@@ -37,17 +38,26 @@ def session_stats(s: ChatSession) -> str:
 
 def cmd_chat(args, explain=EdgeKVError.explain) -> int:
     """`explain` turns a library error into the line to show (the CLI names its flags)."""
+    grammar = grammar_from_args(args)  # a bad --json-schema is refused before the model loads
     with open_runtime(args.bundle, args.ctx, args.backend, args.threads) as rt:
-        return chat_loop(args, rt, explain)
+        return chat_loop(args, rt, explain, compiled_grammar(rt.bundle, grammar))
 
 
-def chat_loop(args, rt, explain) -> int:
+def compiled_grammar(bundle, grammar):
+    """The grammar compiled once against the bundle's tokenizer (an error at start-up, as
+    generate's), or None; each turn takes a fresh copy (ChatSession)."""
+    if grammar is None:
+        return None
+    return compile_grammar(tokenizer_for(bundle), grammar)
+
+
+def chat_loop(args, rt, explain, reply_grammar=None) -> int:
     # one conversation: a pool of --ctx cells, no prefix cache (the conversation's cells are its own)
     batcher = rt.batcher(parallel=1, max_queue=1, max_prefixes=0)
     thinking = getattr(args, "thinking", "show")
     codec = rt.codec.with_thinking(False) if thinking == "off" else rt.codec
     session = ChatSession(rt.bundle, codec, batcher, sampling_from(args), args.system, args.max_new_tokens,
-                          args.context)
+                          args.context, reply_grammar)
     interactive = sys.stdin.isatty() and not args.json
     if args.system or args.prompt_cache:
         note = session.warm_system(args.prompt_cache)
@@ -99,6 +109,9 @@ def chat_loop(args, rt, explain) -> int:
                 out.flush()
             print(f"error: {explain(e)}", file=sys.stderr, flush=True)
             continue
+        if reply_grammar is not None and st.stop_reason not in ("stop", "interrupted"):
+            print(f"error: the reply ended by {st.stop_reason} before its JSON was complete: it is cut short "
+                  "(raise --max-new-tokens or --ctx)", file=sys.stderr, flush=True)
         if args.json:
             part = split_reply(text)
             said = {"text": part.content, "reasoning": part.reasoning} if part.reasoning else {"text": text}

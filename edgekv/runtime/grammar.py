@@ -10,6 +10,8 @@ imported only when a grammar is asked for."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 import threading
 import time
 from dataclasses import dataclass
@@ -260,6 +262,13 @@ class GrammarConstraint:
         self.m.reset()
         self._ok = None
 
+    def fresh(self) -> "GrammarConstraint":
+        """A new constraint for another reply, at the start of the grammar: llguidance's copy of
+        this matcher as it was compiled (no second compile; this one must not have advanced)."""
+        if self.masks or self.m.is_error():
+            raise ValueError("fresh() copies a constraint that has not started its reply")
+        return GrammarConstraint(self.m.deep_copy(), self.tok)
+
     def _raise_if_error(self) -> None:
         if self.m.is_error():  # a limit hit while computing the mask: never go on unconstrained
             raise GrammarError(f"grammar: {_engine_message(self.m.get_error())}")
@@ -274,3 +283,56 @@ def lark_json(schema: dict, what: str = "the JSON schema") -> str:
     own = schema.get("x-guidance") if isinstance(schema.get("x-guidance"), dict) else {}
     options = {"whitespace_pattern": JSON_WHITESPACE, **own, **JSON_OVERRIDES}
     return "%json " + json.dumps({**schema, "x-guidance": options})
+
+
+# -- the command line (generate's and chat's flags) -----------------------------------------------
+
+def grammar_from_args(args) -> Grammar | None:
+    """The Grammar that --json-schema FILE, --grammar FILE.lark or --regex R ask for (None: none);
+    a bad file or grammar is one error naming the flag, before any model loads."""
+    if getattr(args, "json_schema", None):
+        text = read_grammar_file(args.json_schema, "--json-schema")
+        try:
+            schema = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise EdgeKVError(f"--json-schema {args.json_schema}: not JSON ({e.msg} at line {e.lineno} "
+                              f"column {e.colno})") from None
+        return _refused_as("--json-schema", args.json_schema, json_schema, schema)
+    if getattr(args, "grammar", None):
+        return _refused_as("--grammar", args.grammar, lark, read_grammar_file(args.grammar, "--grammar"))
+    if getattr(args, "regex", None) is not None:
+        return _refused_as("--regex", None, regex, args.regex)
+    return None
+
+
+def _refused_as(flag: str, path, make, value):
+    """make(value), a GrammarError saying which flag (and file) it came from."""
+    try:
+        return make(value)
+    except GrammarError as e:
+        raise GrammarError(f"{flag}{' ' + str(path) if path else ''}: {e}") from None
+
+
+def read_grammar_file(path: str, flag: str) -> str:
+    """A grammar file's text: a regular file (not a FIFO or a device: never blocks), UTF-8, at
+    most MAX_GRAMMAR_CHARS characters; any other is one error line naming the flag and the file."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise EdgeKVError(f"{flag} {path}: no such file") from None
+    except OSError as e:
+        raise EdgeKVError(f"{flag} {path}: cannot open it ({e.strerror})") from None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise EdgeKVError(f"{flag} {path}: not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(4 * MAX_GRAMMAR_CHARS + 1)  # UTF-8: at most 4 bytes a character
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise EdgeKVError(f"{flag} {path}: not UTF-8 text") from None
+    if len(text) > MAX_GRAMMAR_CHARS:
+        raise EdgeKVError(f"{flag} {path}: more than {MAX_GRAMMAR_CHARS} characters")
+    if not text.strip():
+        raise EdgeKVError(f"{flag} {path}: the file is empty")
+    return text

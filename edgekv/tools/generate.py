@@ -3,13 +3,12 @@ answer is constrained to it (docs/structured.md)."""
 from __future__ import annotations
 
 import json
-import os
-import stat
 import sys
 
 from edgekv.errors import ContextOverflow, EdgeKVError
 from edgekv.runtime.assemble import open_runtime
 from edgekv.runtime.generate import Stats, stats_line, stats_record
+from edgekv.runtime.grammar import grammar_from_args
 from edgekv.runtime.sampling import sampling_from
 from edgekv.runtime.text import StreamDecoder, system_turn
 
@@ -20,62 +19,6 @@ def cmd_generate(args) -> int:
     grammar = grammar_from_args(args)  # a bad grammar file is refused before the model loads
     with open_runtime(args.bundle, args.ctx, args.backend, args.threads) as rt:
         return generate(args, rt, grammar)
-
-
-def grammar_from_args(args):
-    """The Grammar that --json-schema FILE, --grammar FILE.lark or --regex R ask for (None: none)."""
-    from edgekv.runtime import grammar as g
-
-    if getattr(args, "json_schema", None):
-        text = read_grammar_file(args.json_schema, "--json-schema")
-        try:
-            schema = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise EdgeKVError(f"--json-schema {args.json_schema}: not JSON ({e.msg} at line {e.lineno} "
-                              f"column {e.colno})") from None
-        return _refused_as("--json-schema", args.json_schema, g.json_schema, schema)
-    if getattr(args, "grammar", None):
-        return _refused_as("--grammar", args.grammar, g.lark, read_grammar_file(args.grammar, "--grammar"))
-    if getattr(args, "regex", None) is not None:
-        return _refused_as("--regex", None, g.regex, args.regex)
-    return None
-
-
-def _refused_as(flag: str, path, make, value):
-    """make(value), a GrammarError saying which flag (and file) it came from."""
-    from edgekv.runtime.grammar import GrammarError
-
-    try:
-        return make(value)
-    except GrammarError as e:
-        raise GrammarError(f"{flag}{' ' + str(path) if path else ''}: {e}") from None
-
-
-def read_grammar_file(path: str, flag: str) -> str:
-    """A grammar file's text: a regular file (not a FIFO or a device: never blocks), UTF-8, at
-    most MAX_GRAMMAR_CHARS characters; any other is one error line naming the flag and the file."""
-    from edgekv.runtime.grammar import MAX_GRAMMAR_CHARS
-
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise EdgeKVError(f"{flag} {path}: no such file") from None
-    except OSError as e:
-        raise EdgeKVError(f"{flag} {path}: cannot open it ({e.strerror})") from None
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise EdgeKVError(f"{flag} {path}: not a regular file")
-    with os.fdopen(fd, "rb") as f:
-        data = f.read(4 * MAX_GRAMMAR_CHARS + 1)  # UTF-8: at most 4 bytes a character
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise EdgeKVError(f"{flag} {path}: not UTF-8 text") from None
-    if len(text) > MAX_GRAMMAR_CHARS:
-        raise EdgeKVError(f"{flag} {path}: more than {MAX_GRAMMAR_CHARS} characters")
-    if not text.strip():
-        raise EdgeKVError(f"{flag} {path}: the file is empty")
-    return text
 
 
 def generate(args, rt, grammar=None) -> int:
