@@ -350,3 +350,59 @@ def test_a_schemas_own_lenient_option_is_overridden_and_warnings_are_errors(real
     warned = g.Grammar("json_schema", llguidance.LLMatcher.grammar_from_json_schema(lenient))
     with pytest.raises(g.GrammarError, match="uniqueItems"):
         g.compile_grammar(tok, warned)
+
+
+# -- the masks off the critical path (issue 26 item 5) --------------------------------------------
+
+class Watched:
+    """A constraint that records on which threads its masks were made."""
+
+    def __init__(self, inner):
+        self.inner, self.threads = inner, set()
+
+    def allowed(self):
+        import threading
+
+        if self.inner._ok is None:  # a mask made now (else the one of this state, made before)
+            self.threads.add(threading.current_thread().name)
+        return self.inner.allowed()
+
+    def accept(self, token):
+        self.inner.accept(token)
+
+    def is_done(self):
+        return self.inner.is_done()
+
+
+def batched_replies(rt, tok, overlap: bool, grammars, seeds):
+    """Replies of requests decoded together (grammar None: free), with the masks made ahead (on
+    the mask worker, while the graph runs) or when each row is sampled; the watched constraints."""
+    from edgekv.runtime.batching import Request
+
+    bt = rt.batcher(capacity=256, parallel=4, max_queue=8, prefill_chunk=32)
+    bt.post.overlap_masks = overlap
+    watched = [None if gr is None else Watched(g.compile_grammar(tok, gr)) for gr in grammars]
+    reqs = [Request(rt.codec.encode("Answer:"), 40, SamplingParams(temperature=1.0, seed=s),
+                    rt.codec.stop_ids | set(tok.stop_ids), constraint=w) for w, s in zip(watched, seeds)]
+    for r in reqs:
+        bt.submit(r)
+    while bt.step():
+        pass
+    bt.post.close()
+    return [r.out for r in reqs], watched
+
+
+def test_masks_are_made_ahead_on_the_worker_and_change_no_token(rt, tok):
+    """Four constrained requests and a free one (five: one waits for a slot): with the masks made
+    ahead, every mask is made on the mask worker (the stepping thread makes none: it only joins);
+    the tokens equal those of masks made when each row is sampled, and each request's alone."""
+    grammars = [g.json_schema(SCHEMA), g.regex("(red|blue) [a-z]{3,9}"), None, g.json_object(),
+                g.json_schema({"type": "array", "items": {"type": "boolean"}, "maxItems": 4})]
+    seeds = [1, 2, 3, 4, 5]
+    ahead, watched = batched_replies(rt, tok, True, grammars, seeds)
+    assert all(w.threads == {"edgekv-masks_0"} for w in watched if w), [w and w.threads for w in watched]
+    when_sampled, watched = batched_replies(rt, tok, False, grammars, seeds)
+    assert all(w.threads == {"MainThread"} for w in watched if w)
+    assert ahead == when_sampled and all(ahead)
+    for i in range(len(grammars)):
+        assert batched_replies(rt, tok, True, grammars[i:i + 1], seeds[i:i + 1])[0][0] == ahead[i]

@@ -103,6 +103,7 @@ class Batcher:
         self.kv.tidy(sum(len(p.tokens) for p in plan))
         for call in self.kv.place(plan):
             self.kv.turns.protect(call.write, call.size)
+            self.post.masks_ahead(call)  # computed while the graph runs, joined before sampling
             rows = self.runner.run(call)
             self.kv.commit(call)
             self.scheduler.wrote(call, now())
@@ -122,6 +123,7 @@ class Batcher:
             self.cond.notify()
         if self._thread:
             self._thread.join(timeout=30)
+        self.post.close()
 
     def pause(self, paused: bool = True) -> None:
         """Hold the stepping thread between steps (requests still queue), or let it go on."""

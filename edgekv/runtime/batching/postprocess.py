@@ -1,8 +1,16 @@
 """Post-processing: the one place a returned logits row becomes a request's token. Per row: the
 constraint's mask, sampling, the constraint's accept, stop tokens, the token event, the end at
 max_tokens (or when the constraint is done), and the finish that frees the cells. One request's
-error ends only it (a kept sequence's — chat — is raised: its turn rolls back)."""
+error ends only it (a kept sequence's — chat — is raised: its turn rolls back).
+
+The constraints' masks are computed off the critical path (vLLM overlaps them with the step):
+a constrained sequence's state for this step is known once the last step's token was accepted,
+so `masks_ahead(call)` computes them on a worker thread while the backend runs the call's graph
+(onnxruntime and llguidance's mask fill release the GIL), and `process` joins it before it
+samples. The masks are the same either way (each constraint caches the mask of its state)."""
 from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
@@ -46,12 +54,39 @@ class Health:
 
 
 class PostProcess:
-    def __init__(self, scheduler: Scheduler, health: Health):
+    def __init__(self, scheduler: Scheduler, health: Health, overlap_masks: bool = True):
         self.scheduler, self.health = scheduler, health
         self.generated_tokens = 0
+        self.overlap_masks = overlap_masks  # False: each mask computed when its row is sampled
+        self._masker: ThreadPoolExecutor | None = None  # started by the first constrained call
+        self._ahead: Future | None = None  # the masks being computed for the call under way
+
+    def masks_ahead(self, call: Call) -> None:
+        """Start computing the masks of the call's constrained rows (before the backend runs it)."""
+        self._join()
+        todo = [p.req.ask.constraint for p in call.pieces if p.sample and p.req.ask.constraint is not None
+                and not (p.req.cancelled or p.req.closing)]  # (a closing one only feeds its last token)
+        if not todo or not self.overlap_masks:
+            return
+        if self._masker is None:
+            self._masker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edgekv-masks")
+        self._ahead = self._masker.submit(_fill, todo)
+
+    def _join(self) -> None:
+        """Wait for the masks started ahead: no constraint is touched while the worker has it."""
+        if self._ahead is not None:
+            self._ahead.result()
+            self._ahead = None
+
+    def close(self) -> None:
+        self._join()
+        if self._masker is not None:
+            self._masker.shutdown()
+            self._masker = None
 
     def process(self, call: Call, logits: np.ndarray) -> None:
         """logits [K, V]: the rows of the call's returned pieces, in order."""
+        self._join()
         j = 0
         for piece, k in call.returned:
             req = piece.req
@@ -125,3 +160,13 @@ class PostProcess:
             req.goes_on(tok, reason)  # fed at the next step, then it ends
         else:
             self.scheduler.finish(req, reason)
+
+
+def _fill(constraints) -> None:
+    """Each constraint's mask of its current state, computed and kept by the constraint itself.
+    An error is left for the row's own `allowed()` to raise again (it ends that request alone)."""
+    for c in constraints:
+        try:
+            c.allowed()
+        except Exception:  # noqa: BLE001 (raised again where the row is sampled)
+            pass
