@@ -115,8 +115,8 @@ def _add_sampling(p, temperature: float, top_p: float, top_k: int, repeat_penalt
     p.add_argument("--seed", type=int_range(0, 2**63 - 1), default=None, help="sampling seed (default: random each run)")
 
 
-def _add_runtime(p):
-    p.add_argument("--ctx", type=CTX, default=None, help="KV cache capacity in tokens (default: min(2048, bundle max))")
+def _add_runtime(p, ctx_help: str = "KV cache capacity in tokens (default: min(2048, bundle max))"):
+    p.add_argument("--ctx", type=CTX, default=None, help=ctx_help)
     p.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="auto = trt if an engine is built, else ort-cuda if onnxruntime has CUDA, else ort-cpu (ort-cpu runs a static int8 cache through onnxruntime's fused GroupQueryAttention, EDGEKV_ATTENTION=plain: the graph as written; the graph as written sums attention in exact fixed point so that temperature 0 does not depend on batching or the prefix cache; EDGEKV_EXACT=0 runs it as written: faster prefill, less memory; README)")
     p.add_argument("--threads", type=THREADS, default=None, help="CPU threads (default: all available)")
@@ -135,7 +135,12 @@ def build_parser() -> argparse.ArgumentParser:
                                  description="Small chat LLMs with an INT8 KV cache, from workstation export to Jetson.")
     ap.add_argument("--version", action="version", version=f"edgekv {_version()}")
     sub = ap.add_subparsers(dest="cmd", required=True, metavar="COMMAND")
+    for add in COMMAND_PARSERS:
+        add(sub)
+    return ap
 
+
+def _export_parser(sub) -> None:
     p = sub.add_parser("export", formatter_class=Formatter, help="checkpoint -> verified bundle (needs torch)",
                        description="Export a model to a bundle: ONNX graph with an explicit KV cache, tokenizer, "
                                    "manifest. ONNX is checked against PyTorch before anything is written.")
@@ -167,6 +172,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int_range(1, 4096), default=32, help="decode steps in the parity check")
     p.add_argument("--threads", type=THREADS, default=None, help="CPU threads for the check")
 
+
+def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", formatter_class=Formatter, help="answer one prompt, streaming",
                        description="Stream the answer to one prompt, then print time to first token, decode tokens/s "
                                    "and KV cache bytes.")
@@ -184,6 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(p, **GENERATE_SAMPLING)
     _add_runtime(p)
 
+
+def _eval_parser(sub) -> None:
     p = sub.add_parser("eval", formatter_class=Formatter, help="perplexity, KLD and top-1 vs the float cache, per KV scheme",
                        description="Accuracy against KV memory: run the same text through each bundle's quantized cache; "
                                    "PPL, ΔPPL, KL divergence and top-1 agreement against the float bundle; a table and a plot.")
@@ -203,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, metavar="OUT", help="write OUT (.json) plus .csv and .md beside it")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="write the accuracy-vs-memory plot")
 
+
+def _eval_context_parser(sub) -> None:
     p = sub.add_parser("eval-context", formatter_class=Formatter, help="ring vs drop-turns when a chat outgrows the cache",
                        description="Generate a long greedy conversation with the whole history in the cache, then score its "
                                    "replies under each context-full policy at --ctx: KL divergence and top-1 agreement "
@@ -216,12 +227,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=THREADS, default=None, help="CPU threads (default: all available)")
     p.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
 
+
+def _check_trt_parser(sub) -> None:
     p = sub.add_parser("check-trt", formatter_class=Formatter, help="hold a graph against TensorRT's ONNX parser rules",
                        description="Check every node of a bundle's graph (or an .onnx file) against the ONNX parser "
                                    "rules of a TensorRT version: ops, types, build-time constants, Q/DQ, UINT8, opset.")
     p.add_argument("bundle", help="bundle folder or .onnx file")
     p.add_argument("--trt", default="10.3", help="TensorRT version whose rules apply (10.3 = JetPack 6; 10.15)")
 
+
+def _build_engine_parser(sub) -> None:
     p = sub.add_parser("build-engine", formatter_class=Formatter, help="build the TensorRT engine (on the device)",
                        description="Build a bundle's TensorRT engine on this GPU (strongly typed; decode and prefill "
                                    "profiles with the past from 0 to --ctx), cached under BUNDLE/engines/ and rebuilt "
@@ -232,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workspace-mib", type=int_range(1, 1 << 20), default=1024, help="TensorRT tactic workspace limit")
     p.add_argument("--force", action="store_true", help="rebuild even if a fresh engine is cached")
 
+
+def _chat_parser(sub) -> None:
     p = sub.add_parser("chat", formatter_class=Formatter, help="streaming multi-turn chat in the terminal",
                        description="Multi-turn chat that keeps its KV cache between turns. With stdin not a terminal, "
                                    "each input line is one user turn (answers on stdout, stats on stderr).\n\n"
@@ -255,6 +272,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling(p, **CHAT_SAMPLING)
     _add_runtime(p)
 
+
+def _bench_parser(sub) -> None:
     p = sub.add_parser("bench", formatter_class=Formatter, help="time to first token, decode tokens/s, memory",
                        description="Benchmark a bundle: TTFT and decode tokens/s at batch 1 for several prompt lengths "
                                    "and capacities, KV memory, peak RSS. Medians of --repeat runs. Several bundles: "
@@ -284,6 +303,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "-DGGML_AVX_VNNI=ON\") on GGUF (default: the default model's SmolLM2-135M-Instruct.Q4_1.gguf) with the same "
                         "prompts, fills and threads, in a subprocess (a crash of it is one line), and print the ratios")
 
+
+def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", formatter_class=Formatter, help="OpenAI-compatible HTTP server (the serve extra)",
                        description="Serve a bundle over HTTP: /v1/chat/completions, /v1/completions, /v1/models, "
                                    "/health, /metrics. Requests are decoded together over one shared KV pool of "
@@ -309,11 +330,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM or SIGINT: answer new requests 503, let running ones finish for at most this "
                         "long, then exit 0; a second signal stops at once")
     p.add_argument("--quiet", action="store_true", help="no access log (one line per request on stderr)")
-    _add_runtime(p)
-    for a in p._actions:
-        if a.dest == "ctx":
-            a.help = "KV cells shared by all requests (default: min(2048, bundle max))"
+    _add_runtime(p, ctx_help="KV cells shared by all requests (default: min(2048, bundle max))")
 
+
+def _bench_serve_parser(sub) -> None:
     p = sub.add_parser("bench-serve", formatter_class=Formatter, help="concurrent streaming clients against serve",
                        description="Start the server in-process and stream from 1, 2, 4, 8 concurrent clients: "
                                    "aggregate and per-client tokens/s, TTFT p50/p95, peak RSS, KV cells; and the "
@@ -333,13 +353,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int_range(1, 100), default=3, help="with --json-schema: rounds of the two")
     _add_runtime(p)
 
+
+def _verify_parser(sub) -> None:
     p = sub.add_parser("verify", formatter_class=Formatter, help="check every file of a bundle against its sha256",
                        description="Hash every file of a bundle and compare it with the sha256 the export recorded in "
                                    "the manifest (load checks only sizes). Files unchanged since the last successful "
                                    "verify (same size, mtime, ctime and inode) are not hashed again unless --full.")
     p.add_argument("bundle", help="bundle folder written by `edgekv export`")
     p.add_argument("--full", action="store_true", help="hash every file, also those verified before")
-    return ap
+
+
+# the commands' parsers, in the order `edgekv --help` lists them
+COMMAND_PARSERS = (_export_parser, _generate_parser, _eval_parser, _eval_context_parser,
+                   _check_trt_parser, _build_engine_parser, _chat_parser, _bench_parser,
+                   _serve_parser, _bench_serve_parser, _verify_parser)
 
 
 # command -> (module, function), imported only when run: `edgekv chat` never loads the exporter.

@@ -146,3 +146,57 @@ def test_the_checks_catch_an_upward_import_and_a_cycle():
     assert upward({"edgekv.tools.bench": {"export.bench_transformers"}}) != []
     planted = {"edgekv.runtime.cache": {"edgekv.runtime.sequence"}, "edgekv.runtime.sequence": {"edgekv.runtime.cache"}}
     assert cycles(planted) == [["edgekv.runtime.cache", "edgekv.runtime.sequence"]]
+
+
+# -- where a piece lives ------------------------------------------------------------------------
+# The TensorRT parser rules are the format layer's: the exporter and `edgekv check-trt` both import
+# them. A command module of tools/ holds its command only, and the exporter imports no command.
+RULES = ("edgekv.format.trt_rules", "edgekv.format.trt_graph")  # the rules, what they see of a graph
+COMMAND_ONLY = {"edgekv.tools.trt_check"}
+EXPORT_MAY_USE_FROM_TOOLS = {"edgekv.tools.progress"}  # the stage lines on stderr, not a command
+
+
+def top_level_names(source: str) -> set[str]:
+    return {n.name for n in ast.parse(source).body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+
+
+def misplaced(sources: dict[str, str], graph: dict[str, set[str]]) -> list[str]:
+    rules = set().union(*(top_level_names(sources[m]) for m in RULES))
+    out = []
+    for mod, src in sorted(sources.items()):
+        names = top_level_names(src)
+        if mod.startswith("edgekv.tools") and names & rules:
+            out.append(f"{mod} defines {', '.join(sorted(names & rules))}, which the format layer's rule checker defines")
+        if mod in COMMAND_ONLY and (extra := sorted(n for n in names if not n.startswith("cmd_"))):
+            out.append(f"{mod} is a command module but defines {', '.join(extra)}")
+    for mod, deps in sorted(graph.items()):
+        bad = sorted(d for d in deps if d.startswith("edgekv.tools") and d not in EXPORT_MAY_USE_FROM_TOOLS)
+        if mod.split(".")[0] == "export" and bad:
+            out.append(f"{mod} imports the command module(s) {', '.join(bad)}")
+    return out
+
+
+def test_the_trt_rules_live_in_the_format_layer():
+    sources = {m: p.read_text() for m, p in project_files().items()}
+    assert {"check_model", "check_as_built"} <= top_level_names(sources[RULES[0]])
+    assert {"Violation", "GraphFacts", "read_onnx"} <= top_level_names(sources[RULES[1]])
+    assert misplaced(sources, import_graph()) == []
+
+
+def test_the_placement_check_catches_the_rules_back_in_tools():
+    sources = {m: p.read_text() for m, p in project_files().items()}
+    planted = dict(sources)
+    planted["edgekv.tools.trt_check"] = sources["edgekv.tools.trt_check"] + "\n\ndef check_model(m):\n    return []\n"
+    assert any("defines check_model" in x for x in misplaced(planted, import_graph()))
+    planted = dict(sources, **{"edgekv.tools.trt_check": "def helper():\n    pass\n"})
+    assert any("command module but defines helper" in x for x in misplaced(planted, import_graph()))
+    graph = dict(import_graph(), **{"export.graph_file": {"edgekv.tools.trt_check"}})
+    assert any("export.graph_file imports the command" in x for x in misplaced(sources, graph))
+
+
+def test_the_cli_does_not_touch_argparse_internals():
+    """One small function per command builds its parser; none reaches into argparse's private
+    `_actions` to change an option after it was added."""
+    tree = ast.parse((ROOT / "edgekv" / "cli.py").read_text())
+    private = {n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr.startswith("_actions")}
+    assert private == set()
