@@ -496,7 +496,7 @@ MUTATIONS = [
       '    return "int4" if 4 in bits else "int8"', '    return "int4"', EXPORT_H + ("-k", "auto_keeps")),
     M("weights auto ignores blocks it cannot keep", "export", "export/weights.py",
       '    if not bits or None in bits:', '    if not bits:', EXPORT_H + ("-k", "auto_keeps")),
-    M("export --weights defaults to float", "export", "edgekv/cli.py",
+    M("export --weights defaults to float", "export", "edgekv/cli/parsers.py",
       '    p.add_argument("--weights", default="auto",', '    p.add_argument("--weights", default="float",',
       EXPORT_H + ("-k", "defaults_to_auto")),
     M("progress stages never beat", "export", "edgekv/tools/progress.py",
@@ -522,9 +522,9 @@ MUTATIONS = [
     M("bench prints no round lines", "bench", "edgekv/tools/bench.py",
       '            round_done(r)', '            pass', ("tests/test_bench.py", "-k", "reports_all")),
     # the CLI
-    M("text arguments not checked for UTF-8", "guards", "edgekv/cli.py",
+    M("text arguments not checked for UTF-8", "guards", "edgekv/cli/__init__.py",
       "    if bad := undecodable(args):", "    if bad := None:", ("tests/test_cli_errors.py", "-k", "utf8")),
-    M("generate without the repeat guard", "guards", "edgekv/cli.py",
+    M("generate without the repeat guard", "guards", "edgekv/cli/args.py",
       "GENERATE_SAMPLING = dict(temperature=0.0, top_p=1.0, top_k=0, repeat_penalty=1.1)",
       "GENERATE_SAMPLING = dict(temperature=0.0, top_p=1.0, top_k=0, repeat_penalty=1.0)", ("tests/test_cli_errors.py", "-k", "defaults")),
     # exact attention (temperature 0 a function of the prompt)
