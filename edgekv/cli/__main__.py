@@ -1,0 +1,5 @@
+import sys
+
+from edgekv.cli import main
+
+sys.exit(main())
