@@ -1,5 +1,5 @@
-"""A GGUF minimum folded into onnxruntime's MatMulNBits at load (docs/weights.md, "The minimum in
-the kernel").
+"""A GGUF minimum folded into onnxruntime's MatMulNBits zero points at load (docs/weights.md, "The
+minimum in the kernel").
 
 The bundle carries a Q4_1/Q4_K (or Q5_1/Q5_K) matrix as W = s*(c + shift) + m per block of B along
 K: a block-wise DequantizeLinear of the codes c -> MatMul, plus a "minimum term"
@@ -14,17 +14,16 @@ and adds sum(x_q)*that). Its zero points must be integers for that path: float z
 onnxruntime skip prepacking and dequantize the whole matrix on every call (matmul_nbits.cc:
 has_unquantized_zero_point_ -> ComputeBUnpacked; measured ~30x slower). So, per block,
 
-    W = s*u + m'              u = c + o unsigned codes (o = 8 for 4 bits), m' = m + s*(shift - o)
-      = s*(u - z) + r         z = clip(round(-m'/s), 0, 2**bits - 1), r = m' + s*z
+    W = s*c + m''             m'' = m + s*shift
+      = s*(c - zp) + r        zp = clip(round(-m''/s)) in the codes' signed range, r = m'' + s*zp
 
-MatMulNBits(x; u, s, z) carries all of the minimum but the remainder r (|r| <= |s|/2 where the
-block spans 0; r = m where s == 0), which stays a MatMul blocksum(x) @ r, half the rows of the old
-[shift*blocksum, blocksum] @ [s; m]. Every value is exact: z is an integer, s*z has at most 23
-significant bits, and r is checked to be exactly m' + s*z in float32 (a matrix where it is not keeps
-its old term). A matrix whose r is all zero needs no term at all.
-
-The derived tensors (packed unsigned codes [N, K/B, B*bits/8], scales [N, K/B], zero points, r) are
-built from the bundle's own initializers into the graph handed to onnxruntime; nothing is written.
+The DequantizeLinear gets zp as its zero point (an INT4/INT8 initializer like the codes), which
+onnxruntime's own DQ -> MatMul fusion carries into MatMulNBits' uint8 zero points; only the remainder
+r (|r| <= |s|/2 where the block spans 0; r = m where s == 0) stays a MatMul blocksum(x) @ r, half the
+rows of the old [shift*blocksum, blocksum] @ [s; m]. Every value is exact: zp is an integer, s*zp
+has at most 23 significant bits, and r is checked to be exactly m'' + s*zp in float32 (a matrix where
+it is not keeps its old term). The codes stay the bundle's own initializer (onnxruntime packs them as
+before); the derived zero points ([K/B, N] at the codes' width) and r are small and built at load.
 """
 from __future__ import annotations
 
@@ -32,21 +31,23 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgekv.runtime.backends.fused import MS, _Graph
+from edgekv.runtime.backends.fused import _Graph
+
+# the remainders are handed to onnxruntime as OrtValues over our own arrays (add_external_initializers):
+# in the serialized graph they are placeholders at this "location", never read from a file
+HANDED = "edgekv:handed-at-load"
 
 
 @dataclass
 class MinTerm:
     """One matrix's DQ -> MatMul + minimum term, as found in the graph."""
-    x: str          # the activation [.., K]
-    xs: str         # blocksum(x) [.., K/B] (the term's ReduceSum output)
-    out: str        # the Add's output: W x
-    codes: str      # INT4/INT8 initializer [K, N]
-    scale: str      # float32 [K/B, N], the DequantizeLinear's
+    dq: object      # DequantizeLinear(codes [K, N], scale [K/B, N]), block-wise along K
+    mm: object      # MatMul(x, dq)
+    term: object    # MatMul(blocksum(x) or [shift*blocksum(x), blocksum(x)], m or [s; m])
+    add: object     # mm + term: W x
+    xs: str         # blocksum(x) [.., K/B]
     mins: str       # float32 [K/B, N]
     shift: float    # the codes are c and the weight s*(c + shift) + m
-    block: int
-    gone: list = field(default_factory=list)  # the nodes the fold replaces
 
 
 @dataclass
@@ -54,6 +55,16 @@ class FoldReport:
     folded: int = 0          # matrices now one MatMulNBits with zero points
     exact_zero: int = 0      # ... of which need no remainder term
     kept: dict = field(default_factory=dict)  # codes initializer -> why its old term stays
+    # the remainders (name, array): handed to the session by reference, not copied into the graph
+    # (measured: a copy in the serialized graph cost more resident memory than the old term)
+    buffers: list = field(default_factory=list, repr=False)
+
+    def hand_to(self, ort, opts) -> list:
+        """Give the session options the remainders; returns the OrtValues, to be kept as long as the session."""
+        values = [ort.OrtValue.ortvalue_from_numpy(a) for _, a in self.buffers]
+        if values:
+            opts.add_external_initializers([n for n, _ in self.buffers], values)
+        return values
 
     def line(self) -> str:
         kept = f"; {len(self.kept)} kept as written ({next(iter(self.kept.values()))})" if self.kept else ""
@@ -94,7 +105,6 @@ def _match(g: _Graph, add) -> MinTerm | None:
         if not (_only_reader(g, dq.output[0], mm) and _only_reader(g, mm.output[0], add)
                 and _only_reader(g, mt.output[0], add)):
             continue
-        gone = [dq, mm, mt, add]
         if mt.input[1] in g.inits:  # blocksum(x) @ m
             xs, mins, shift = mt.input[0], mt.input[1], 0.0
         else:  # [shift * blocksum(x), blocksum(x)] @ [s; m]
@@ -107,13 +117,11 @@ def _match(g: _Graph, add) -> MinTerm | None:
             shift = next((_scalar(g, i) for i in mul.input if i != xs), None)
             if xs not in mul.input or shift is None:
                 continue
-            if not (_only_reader(g, cx.output[0], mt) and _only_reader(g, cw.output[0], mt)
-                    and _only_reader(g, mul.output[0], cx)):
+            if not (_only_reader(g, cx.output[0], mt) and _only_reader(g, cw.output[0], mt)):
                 continue
-            gone += [cx, cw, mul]
         if not _blocksum(g, xs, x, block):
             continue
-        return MinTerm(x, xs, add.output[0], dq.input[0], dq.input[1], mins, shift, block, gone)
+        return MinTerm(dq, mm, mt, add, xs, mins, shift)
     return None
 
 
@@ -121,84 +129,74 @@ def find_min_terms(g: _Graph) -> list[MinTerm]:
     return [t for n in list(g.g.node) if n.op_type == "Add" and (t := _match(g, n)) is not None]
 
 
-def fold_weights(codes: np.ndarray, s: np.ndarray, m: np.ndarray, shift: float, bits: int):
-    """codes [K, N] (signed INT4, or INT8), s and m [K/B, N] float32, W = s*(codes + shift) + m per
-    block: (u [N, K] unsigned codes, z [N, K/B] integer zero points, r [K/B, N] float32 remainder)
-    with W = s*(u - z) + r exactly, or None where r is not a float32."""
-    top = 2 ** bits - 1
-    o = 8 if bits == 4 else (0 if codes.min() >= 0 else 128)  # unsigned codes: 4-bit c in -8..7 -> 0..15
-    u = (codes.astype(np.int16) + o).astype(np.uint8).T
-    s64, m64 = s.astype(np.float64), m.astype(np.float64) + s.astype(np.float64) * (shift - o)  # W = s*u + m'
+def fold_weights(s: np.ndarray, m: np.ndarray, shift: float, bits: int):
+    """s and m [K/B, N] float32 of signed `bits`-bit codes c with W = s*(c + shift) + m per block:
+    (zp [K/B, N] integer zero points in the codes' signed range, r [K/B, N] float32) with
+    W = s*(c - zp) + r exactly, or None where r is not a float32."""
+    lo, hi = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    s64 = s.astype(np.float64)
+    m64 = m.astype(np.float64) + s64 * shift  # W = s*c + m'' (s*shift: at most 23 bits, exact)
     with np.errstate(divide="ignore", invalid="ignore"):
-        z = np.where(s64 != 0, np.clip(np.rint(-m64 / s64), 0, top), 0.0)
-    r = m64 + s64 * z  # each term exact in float64 (s: <= 19 bits, z: <= 8)
+        zp = np.where(s64 != 0, np.clip(np.rint(-m64 / s64), lo, hi), 0.0)
+    r = m64 + s64 * zp  # exact in float64 (two terms of at most 24 significant bits)
     r32 = r.astype(np.float32)
     if not np.array_equal(r32.astype(np.float64), r):
         return None
-    return u, z.T.astype(np.uint8), r32
+    return zp.astype(np.int8), r32
 
 
-def _pack(u: np.ndarray, bits: int, block: int) -> np.ndarray:
-    """[N, K] unsigned codes -> MatMulNBits' B [N, K/B, B*bits/8] (4 bits: the first in the low nibble)."""
-    n, k = u.shape
-    u = u.reshape(n, k // block, block)
-    return np.ascontiguousarray(u if bits == 8 else u[..., 0::2] | (u[..., 1::2] << 4))
-
-
-def _pack_zero_points(z: np.ndarray, bits: int) -> np.ndarray:
-    """[N, K/B] -> [N, ceil(K/B * bits / 8)] uint8 (4 bits: two blocks a byte, the first low)."""
+def _int_initializer(helper, TP, name: str, values: np.ndarray, bits: int):
+    """An INT4 (packed, the first in the low nibble) or INT8 initializer, as the codes are stored."""
     if bits == 8:
-        return np.ascontiguousarray(z)
-    if z.shape[1] % 2:
-        z = np.concatenate([z, np.zeros((z.shape[0], 1), np.uint8)], axis=1)
-    return np.ascontiguousarray(z[:, 0::2] | (z[:, 1::2] << 4))
+        return helper.make_tensor(name, TP.INT8, list(values.shape), values.astype(np.int8).tobytes(), raw=True)
+    flat = (values.astype(np.int8).reshape(-1) & 0x0F).astype(np.uint8)
+    if flat.size % 2:
+        flat = np.append(flat, np.uint8(0))
+    return helper.make_tensor(name, TP.INT4, list(values.shape), (flat[0::2] | (flat[1::2] << 4)).tobytes(), raw=True)
 
 
-def fold_minimums(model, base_dir: str, accuracy: int) -> FoldReport:
-    """Rewrite `model` (an onnx ModelProto, in place) so that every DQ -> MatMul + minimum term is one
-    com.microsoft MatMulNBits with the minimum as integer zero points (+ the remainder's MatMul)."""
+def _handed(TP, name: str, a: np.ndarray):
+    """A float32 initializer whose data comes with the session options (FoldReport.hand_to)."""
+    t = TP(name=name, data_type=TP.FLOAT, dims=list(a.shape), data_location=TP.EXTERNAL)
+    for k, v in (("location", HANDED), ("offset", "0"), ("length", str(a.nbytes))):
+        e = t.external_data.add()
+        e.key, e.value = k, v
+    return t
+
+
+def fold_minimums(model, base_dir: str) -> FoldReport:
+    """Rewrite `model` (an onnx ModelProto, in place): every DQ -> MatMul + minimum term gets the
+    minimum's integer part as the DequantizeLinear's zero point (onnxruntime fuses it into
+    MatMulNBits' zero points) and keeps only the remainder's MatMul, or none where r is all 0."""
     g = _Graph(model, base_dir)
     report = FoldReport()
     TP, nh, helper = g.onnx.TensorProto, g.nh, g.onnx.helper
-    new_nodes: dict[int, list] = {}  # id(the Add) -> what replaces it
-    drop: set[int] = set()
     for t in find_min_terms(g):
-        init = g.inits[t.codes]
-        bits = {TP.INT4: 4, TP.INT8: 8}.get(init.data_type)
-        k, n = (int(d) for d in init.dims)
-        if bits is None or k % t.block:
-            report.kept[t.codes] = "codes neither INT4 nor INT8 in whole blocks"
+        codes = t.dq.input[0]
+        bits = {TP.INT4: 4, TP.INT8: 8}.get(g.inits[codes].data_type)
+        if bits is None:
+            report.kept[codes] = "codes neither INT4 nor INT8"
             continue
-        folded = fold_weights(g.const(t.codes), g.const(t.scale), g.const(t.mins), t.shift, bits)
+        folded = fold_weights(g.const(t.dq.input[1]), g.const(t.mins), t.shift, bits)  # the codes are not read
         if folded is None:
-            report.kept[t.codes] = "a remainder m + s*z that is not a float32"
+            report.kept[codes] = "a remainder m + s*z that is not a float32"
             continue
-        u, z, r = folded
-        base = t.codes + "/nbits"
-        s = np.ascontiguousarray(g.const(t.scale).astype(np.float32).T)  # [N, K/B]
-        model.graph.initializer.extend([nh.from_array(_pack(u, bits, t.block), base + "_B"),
-                                        nh.from_array(s, base + "_scales"),
-                                        nh.from_array(_pack_zero_points(z, bits), base + "_zp")])
-        exact = not r.any()
-        y = t.out if exact else base + "_y"
-        nodes = [helper.make_node("MatMulNBits", [t.x, base + "_B", base + "_scales", base + "_zp"], [y],
-                                  name=base, domain=MS, K=k, N=n, bits=bits, block_size=t.block,
-                                  accuracy_level=accuracy)]
-        if not exact:  # the remainder on blocksum(x): |r| <= |s|/2 where a block spans 0
-            model.graph.initializer.append(nh.from_array(r, base + "_r"))
-            nodes += [helper.make_node("MatMul", [t.xs, base + "_r"], [base + "_rx"], name=base + "_rx"),
-                      helper.make_node("Add", [y, base + "_rx"], [t.out], name=base + "_add")]
-        new_nodes[id(t.gone[3])] = nodes
-        drop.update(id(x) for x in t.gone)
+        zp, r = folded
+        base = codes + "/fold"
+        model.graph.initializer.append(_int_initializer(helper, TP, base + "_zp", zp, bits))
+        t.dq.input.append(base + "_zp")
+        if r.any():  # the remainder on blocksum(x): |r| <= |s|/2 where a block spans 0
+            model.graph.initializer.append(_handed(TP, base + "_r", r))
+            report.buffers.append((base + "_r", r))
+            t.term.input[0], t.term.input[1] = t.xs, base + "_r"
+        else:  # the zero points carry all of it: W x is the MatMul's output
+            t.mm.output[0] = t.add.output[0]
+            model.graph.node.remove(t.add)
+            model.graph.node.remove(t.term)
+            report.exact_zero += 1
         report.folded += 1
-        report.exact_zero += exact
     if report.folded:
-        nodes = [m for x in model.graph.node for m in (new_nodes.get(id(x)) or ([] if id(x) in drop else [x]))]
-        del model.graph.node[:]
-        model.graph.node.extend(nodes)
         _prune_dead(model)
-        if not any(o.domain == MS for o in model.opset_import):
-            model.opset_import.append(helper.make_opsetid(MS, 1))
     return report
 
 
@@ -217,10 +215,10 @@ def _prune_dead(model) -> None:
     model.graph.initializer.extend(inits)
 
 
-def fold_graph(graph: bytes, base_dir: str, accuracy: int) -> tuple[bytes, FoldReport]:
+def fold_graph(graph: bytes, base_dir: str) -> tuple[bytes, FoldReport]:
     """The serialized graph with its minimums folded (as given when there is none)."""
     import onnx
 
     model = onnx.load_from_string(graph)
-    report = fold_minimums(model, base_dir, accuracy)
+    report = fold_minimums(model, base_dir)
     return (model.SerializeToString() if report.folded else graph), report

@@ -409,7 +409,7 @@ class OrtBackend:
     stage_present = True  # a one-token call writes present.* to staging buffers, copied to the cache after
     exact_attention = True  # ExactAttention's integer products are CPU kernels (MatMulInteger u8 x s8)
     fuses = True  # the fused graph (GroupQueryAttention's int8-cache CPU kernel) runs here
-    # a GGUF minimum term becomes MatMulNBits' zero points (nbits.py: its rounded activations, one kernel)
+    # a GGUF minimum term's integer part becomes MatMulNBits' zero points (nbits.py: on its rounded activations)
     fold_minimums = True
 
     def __init__(self, bundle: Bundle, threads: int | None = None, max_logits_rows: int = 1,
@@ -437,7 +437,8 @@ class OrtBackend:
                 graph, self.exact = exact_graph(graph, bundle.max_context) if want else (graph, False)
             self.minimums = None  # what the fold did (None: not tried), derived here, nothing written
             if self.fold_minimums:
-                graph, self.minimums = fold_graph(graph, str(bundle.onnx_path.parent), matmul_accuracy)
+                graph, self.minimums = fold_graph(graph, str(bundle.onnx_path.parent))
+                self._handed = self.minimums.hand_to(ort, opts)  # the remainders, by reference
             # the rewritten graph comes as bytes: its weights are still found beside model.onnx
             opts.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                           str(bundle.onnx_path.parent))
