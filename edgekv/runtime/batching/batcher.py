@@ -39,7 +39,9 @@ class Batcher:
         self.scheduler = Scheduler(self.kv, min(parallel, per_call), max_queue, min(prefill_chunk, per_call), per_call)
         self.runner = StepRunner(backend, cache)
         self.health = Health()
-        self.post = PostProcess(self.scheduler, self.health)
+        # masks made while the graph runs pay where the run leaves the CPU free (a GPU); on the
+        # CPU the backend's threads hold the cores and the worker only waits (docs/structured.md)
+        self.post = PostProcess(self.scheduler, self.health, overlap_masks=getattr(backend, "device", "cpu") != "cpu")
         self.steps = 0
         self._thread: threading.Thread | None = None
         self._stop = self._paused = False

@@ -7,7 +7,9 @@ The constraints' masks are computed off the critical path (vLLM overlaps them wi
 a constrained sequence's state for this step is known once the last step's token was accepted,
 so `masks_ahead(call)` computes them on a worker thread while the backend runs the call's graph
 (onnxruntime and llguidance's mask fill release the GIL), and `process` joins it before it
-samples. The masks are the same either way (each constraint caches the mask of its state)."""
+samples. The masks are the same either way (each constraint caches the mask of its state). The
+batcher turns it on for device backends, whose run leaves the CPU free (measured on ort-cpu it
+only waited: docs/structured.md)."""
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -54,7 +56,7 @@ class Health:
 
 
 class PostProcess:
-    def __init__(self, scheduler: Scheduler, health: Health, overlap_masks: bool = True):
+    def __init__(self, scheduler: Scheduler, health: Health, overlap_masks: bool = False):
         self.scheduler, self.health = scheduler, health
         self.generated_tokens = 0
         self.overlap_masks = overlap_masks  # False: each mask computed when its row is sampled
