@@ -17,7 +17,7 @@ from edgekv.errors import BundleError
 from edgekv.format.bundle import load_bundle
 from edgekv.runtime.assemble import open_runtime
 from edgekv.runtime.backends.engines import tensorrt_graph
-from edgekv.tools.trt_check import check_model
+from edgekv.format.trt_rules import check_model
 from tests.conftest import make_hf_folder
 
 CASES = [("llama", "int8"), ("llama", "int4"), ("qwen2", "int8"), ("qwen2", "int4")]
