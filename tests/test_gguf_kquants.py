@@ -216,7 +216,7 @@ def test_mixed_file_fuses_and_passes_tensorrt_rules(mixed_bundle, monkeypatch, t
 
     from edgekv.format.bundle import load_bundle
     from edgekv.runtime.backends.engines import tensorrt_graph
-    from edgekv.tools.trt_check import check_model
+    from edgekv.format.trt_rules import check_model
     from tests.test_weights import optimized_ops
 
     ops = optimized_ops(mixed_bundle[1], monkeypatch, tmp_path)
