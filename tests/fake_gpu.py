@@ -197,7 +197,7 @@ class FakeTensorRT(types.ModuleType):
             def parse_from_file(self, path):
                 """Refuses what check-trt refuses, as the real parser would (the rules' own tests
                 hold check-trt to the parser's documents)."""
-                from edgekv.tools.trt_check import check_model
+                from edgekv.format.trt_rules import check_model
 
                 self.errors = [str(v) for v in check_model(path, trt.__version__[:4])]
                 self.num_errors = len(self.errors)
