@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from edgekv.format.bundle import MANIFEST, Bundle
+from edgekv.format.trt_graph import block_size
 
 DECODE, PREFILL = 0, 1
 PLAN, META = "model.plan", "engine.json"
@@ -106,11 +107,6 @@ def find_engine(bundle: Bundle, gpu: str, trt_version: str, ctx: int) -> tuple[P
 # -- the graph as TensorRT gets it ---------------------------------------------------------------
 
 OPSET_WITHOUT_INT4 = 20  # the highest opset TensorRT 10.3's documents name (docs/tensorrt.md)
-
-
-def block_size(node) -> int:
-    """A Q/DQ node's block_size attribute (0: not block-wise)."""
-    return next((a.i for a in node.attribute if a.name == "block_size"), 0)
 
 
 def tensorrt_graph(model, folder: Path) -> list[str]:
