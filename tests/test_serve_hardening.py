@@ -10,8 +10,6 @@ import logging
 import socket
 import threading
 import time
-from contextlib import contextmanager
-
 import pytest
 
 for _m in ("starlette", "uvicorn", "prometheus_client"):
@@ -23,7 +21,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 from edgekv.runtime.assemble import open_runtime  # noqa: E402
 from edgekv.serve.app import STATES, Server, StopText, encode_unlocked, max_token_chars  # noqa: E402
-from edgekv.serve.server import BackgroundServer  # noqa: E402
+from tests import serving as served_by  # noqa: E402
 
 MSGS = [{"role": "system", "content": "The capital of France is Paris."},
         {"role": "user", "content": "Tell me about robots and trains."}]
@@ -37,17 +35,10 @@ def rt(tiny_bundle_int8):
     r.close()
 
 
-@contextmanager
 def serving(rt, codec=None, parallel=4, max_queue=64, **server_kw):
-    """A Server over a fresh engine (256 cells), served on 127.0.0.1: (server, engine, url)."""
-    engine = rt.batcher(capacity=256, parallel=parallel, max_queue=max_queue, prefill_chunk=32).start()
-    server = Server(engine, codec or rt.codec, rt.bundle.manifest["name"], **server_kw)
-    srv = BackgroundServer(server.app())
-    try:
-        yield server, engine, srv.url
-    finally:
-        srv.close()
-        engine.stop()
+    """A Server without the bundle over a fresh engine (256 cells), served on 127.0.0.1:
+    (server, engine, url)."""
+    return served_by.serving(rt, codec, with_bundle=False, parallel=parallel, max_queue=max_queue, **server_kw)
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
 from edgekv.runtime.assemble import open_runtime  # noqa: E402
-from edgekv.serve.server import BackgroundServer, build  # noqa: E402
 from tests.conftest import ROOT, run_edgekv  # noqa: E402
+from tests.serving import built  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -31,11 +31,8 @@ def rt(tiny_bundle_int8):
 
 @pytest.fixture(scope="module")
 def served(rt):
-    engine, app = build(rt, ctx=256, parallel=4, max_queue=64, prefill_chunk=32)
-    srv = BackgroundServer(app)
-    yield engine, srv.url
-    srv.close()
-    engine.stop()
+    with built(rt, ctx=256, parallel=4, max_queue=64, prefill_chunk=32) as s:
+        yield s.batcher, s.url
 
 
 def client(url, key="none"):
@@ -158,9 +155,7 @@ def test_error_statuses(served, rt):
 
 
 def test_api_key(rt):
-    engine, app = build(rt, ctx=64, parallel=1, max_queue=4, api_key="sekrit")
-    srv = BackgroundServer(app)
-    try:
+    with built(rt, ctx=64, parallel=1, max_queue=4, api_key="sekrit") as srv:
         for key in ("wrong", None):
             h = {"Authorization": f"Bearer {key}"} if key else {}
             r = httpx.get(srv.url + "/v1/models", headers=h, timeout=30)
@@ -169,35 +164,27 @@ def test_api_key(rt):
             client(srv.url, "wrong").models.list()
         assert client(srv.url, "sekrit").models.list().data
         assert httpx.get(srv.url + "/health", timeout=30).status_code == 200
-    finally:
-        srv.close()
-        engine.stop()
 
 
 def test_queue_full_is_429(rt):
-    engine, app = build(rt, ctx=256, parallel=1, max_queue=1)
-    srv = BackgroundServer(app)
     body = {"model": "t", "messages": MSGS, "max_tokens": 4, "temperature": 0.0}
-    try:
+    with built(rt, ctx=256, parallel=1, max_queue=1) as (_, engine, url):
         engine.pause()  # nothing is admitted: the first request takes the free slot, the second the queue
         waiting = {}
         threads = [threading.Thread(target=lambda i=i: waiting.setdefault(i, httpx.post(
-            srv.url + "/v1/chat/completions", json=body, timeout=60))) for i in range(2)]
+            url + "/v1/chat/completions", json=body, timeout=60))) for i in range(2)]
         for i, t in enumerate(threads):
             t.start()
             while engine.stats()["waiting"] < i + 1:
                 time.sleep(0.01)
-        r = httpx.post(srv.url + "/v1/chat/completions", json=body, timeout=60)
+        r = httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
         assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full" and r.headers["retry-after"]
         with pytest.raises(openai.RateLimitError):
-            client(srv.url).chat.completions.create(model="t", messages=MSGS, max_tokens=2)
+            client(url).chat.completions.create(model="t", messages=MSGS, max_tokens=2)
         engine.pause(False)
         for t in threads:
             t.join(60)
         assert [waiting[i].status_code for i in range(2)] == [200, 200]  # the waiting ones ran
-    finally:
-        srv.close()
-        engine.stop()
 
 
 def test_metrics_and_soak(served):

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from contextlib import contextmanager
 from typing import Literal
 
 import numpy as np
@@ -19,8 +18,7 @@ import httpx  # noqa: E402
 import pydantic  # noqa: E402
 
 from edgekv.runtime.assemble import open_runtime  # noqa: E402
-from edgekv.serve.app import Server  # noqa: E402
-from edgekv.serve.server import BackgroundServer  # noqa: E402
+from tests.serving import built, serving  # noqa: E402
 
 
 MSGS = [{"role": "user", "content": "Tell me about robots and trains."}]
@@ -45,26 +43,14 @@ def rt(tiny_bundle_int8):
 @pytest.fixture(scope="module")
 def real_url(real_bundle_int4):
     """The default model: a tools prompt does not fit the tiny bundles' 256 tokens."""
-    with open_runtime(real_bundle_int4, ctx=1024, backend="ort-cpu", threads=2) as r, serving(r, capacity=1024) as u:
-        yield u
-
-
-@contextmanager
-def serving(rt, with_bundle=True, capacity=256):
-    engine = rt.batcher(capacity=capacity, parallel=4, max_queue=64, prefill_chunk=32).start()
-    server = Server(engine, rt.codec, "m", bundle=rt.bundle if with_bundle else None)
-    srv = BackgroundServer(server.app())
-    try:
-        yield srv.url
-    finally:
-        srv.close()
-        engine.stop()
+    with open_runtime(real_bundle_int4, ctx=1024, backend="ort-cpu", threads=2) as r, serving(r, capacity=1024) as s:
+        yield s.url
 
 
 @pytest.fixture(scope="module")
 def url(rt):
-    with serving(rt) as u:
-        yield u
+    with serving(rt) as s:
+        yield s.url
 
 
 def post(url, body, path="/v1/chat/completions"):
@@ -192,7 +178,7 @@ def test_what_cannot_be_enforced_is_a_400(url, body, param):
 
 
 def test_without_the_bundle_structured_fields_are_a_400_and_plain_chat_works(rt):
-    with serving(rt, with_bundle=False) as u:
+    with serving(rt, with_bundle=False) as (_, _, u):
         r = post(u, {"messages": MSGS, "max_tokens": 2, "response_format": {"type": "json_object"}})
         assert r.status_code == 400 and "bundle" in r.json()["error"]["message"]
         assert post(u, {"messages": MSGS, "max_tokens": 2}).status_code == 200
@@ -239,15 +225,8 @@ def test_constrained_logprobs_are_of_the_masked_distribution(rt, url):
 def test_the_server_edgekv_serve_builds_enforces_response_format(rt):
     """`edgekv serve` builds its Server with build_server: that one must carry the bundle, or every
     structured request is a 400 in the product while the tests above pass."""
-    from edgekv.serve.server import build
-
-    batcher, app = build(rt, ctx=256, parallel=2, prefill_chunk=32)
-    srv = BackgroundServer(app)
-    try:
-        r = post(srv.url, {"messages": MSGS, **GREEDY, "response_format": {"type": "json_object"}})
-    finally:
-        srv.close()
-        batcher.stop()
+    with built(rt, ctx=256, parallel=2, prefill_chunk=32) as s:
+        r = post(s.url, {"messages": MSGS, **GREEDY, "response_format": {"type": "json_object"}})
     assert r.status_code == 200, r.text
     reply = r.json()["choices"][0]
     assert reply["finish_reason"] == "stop"

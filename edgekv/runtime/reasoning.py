@@ -36,6 +36,12 @@ class Part:
         return bool(self.reasoning or self.content)
 
 
+def template_thinks(chat_template: str | None) -> bool:
+    """The chat template has a thinking mode (Qwen3's and SmolLM3's mention enable_thinking, and
+    <think> where they strip or pre-fill it): its replies may open with a <think> part."""
+    return bool(chat_template) and ("enable_thinking" in chat_template or OPEN in chat_template)
+
+
 def opens_reasoning(prompt_text: str, open_tag: str = OPEN, close_tag: str = CLOSE) -> bool:
     """The rendered prompt leaves a `<think>` open: the reply starts in its reasoning."""
     i = prompt_text.rfind(open_tag)

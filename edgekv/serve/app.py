@@ -27,6 +27,7 @@ from starlette.routing import Route
 
 from edgekv.errors import ContextOverflow, EdgeKVError, QueueFull
 from edgekv.runtime.batching import Batcher, Done, Request, Token
+from edgekv.runtime.reasoning import ReasoningSplitter, opens_reasoning, split_reply, template_thinks
 from edgekv.runtime.sampling import SamplingParams
 from edgekv.runtime.text import StreamDecoder, TextCodec
 from edgekv.serve import LOCAL_HOSTS
@@ -266,6 +267,31 @@ class Ask:
     plan: "tools.ToolPlan | None" = None  # the request's tools
     logprobs: int | None = None  # alternatives per token (None: no logprobs)
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
+    split_reasoning: bool = False  # the template thinks: the reply's <think> part is reasoning_content
+    in_reasoning: bool = False  # the prompt leaves a <think> open: the reply starts in its reasoning
+
+
+# chat_template_kwargs a client may send (vLLM's field): name -> the type its value must have
+TEMPLATE_KWARGS = {"enable_thinking": bool}
+
+
+def template_kwargs_of(body: dict) -> dict:
+    """chat_template_kwargs, as vLLM takes it: an object of the keys above (others are a 400
+    naming them: a template variable the server does not know is never passed on)."""
+    kw = body.get("chat_template_kwargs")
+    if kw is None:
+        return {}
+    if not isinstance(kw, dict):
+        raise ApiError(400, "'chat_template_kwargs' must be an object or null", param="chat_template_kwargs")
+    unknown = sorted(k for k in kw if k not in TEMPLATE_KWARGS)
+    if unknown:
+        raise ApiError(400, f"'chat_template_kwargs' takes only {', '.join(TEMPLATE_KWARGS)}; not "
+                            f"{', '.join(repr(k[:40]) for k in unknown[:8])}", param="chat_template_kwargs",
+                       code="unsupported_parameter")
+    for k, v in kw.items():
+        if v is not None and type(v) is not TEMPLATE_KWARGS[k]:
+            raise ApiError(400, f"chat_template_kwargs.{k} must be true, false or null", param="chat_template_kwargs")
+    return {k: v for k, v in kw.items() if v is not None}
 
 
 def include_usage_of(body: dict) -> bool:
@@ -319,6 +345,8 @@ class Server:
         # the bundle drives tools, response_format and logprobs (None: they get a 400)
         self.bundle = bundle
         self.takes_tools = bundle is not None and tools.template_takes_tools(bundle.chat_template)
+        # a thinking template (Qwen3, SmolLM3): replies' <think> parts go to reasoning_content
+        self.thinks = bundle is not None and template_thinks(bundle.chat_template)
 
     def grammar_tokenizer(self):
         """The bundle's llguidance tokenizer, built on the first request that needs it."""
@@ -458,13 +486,18 @@ class Server:
         except structured.BadRequest as e:
             raise ApiError(400, str(e), param=e.param, code=e.code) from None
         opts = max_tokens_of(body), sampling_of(body), stops_of(body), _flag(body, "stream")
+        kw = template_kwargs_of(body)
         self.check_length(sum(len(m.get("content") or "") for m in msgs), "messages")
+        codec = self.codec.with_thinking(kw["enable_thinking"]) if "enable_thinking" in kw else self.codec
         try:
-            text = tools.render_prompt(self.codec, msgs, plan, self.takes_tools)
+            text = tools.render_prompt(codec, msgs, plan, self.takes_tools)
         except EdgeKVError as e:
             raise ApiError(400, str(e), param="messages") from None
+        # a reply held to a response_format starts with its JSON, whatever the prompt left open
+        shaped = constraint is not None and plan is None
         return Ask(encode_unlocked(self.codec, text), *opts, chat=True, constraint=constraint, plan=plan,
-                   logprobs=top, include_usage=include_usage_of(body))
+                   logprobs=top, include_usage=include_usage_of(body), split_reasoning=self.thinks,
+                   in_reasoning=self.thinks and not shaped and opens_reasoning(text))
 
     def completion_ask(self, raw: bytes) -> Ask:
         body = parse_json(raw)
@@ -521,6 +554,8 @@ class Reply:
         self.server, self.req, self.queue, self.watch, self.chat = server, req, queue, watch, ask.chat
         self.ask = ask
         self.calls = ask.plan is not None and ask.plan.calls_possible  # the reply may hold tool calls
+        # the streamed reply's <think> part told from its answer (None: no thinking template)
+        self.split = ReasoningSplitter(ask.in_reasoning) if ask.split_reasoning else None
         self.entries: list = []  # sampling.TokenLogprob of each token, when logprobs were asked
         self.sent = 0  # entries already sent in a chunk
         self.model = server.model  # never the client's 'model' echoed back
@@ -588,10 +623,16 @@ class Reply:
             watcher.cancel()
         text = "".join(parts)
         if self.chat:
+            reasoning = None
+            if self.ask.split_reasoning:
+                part = split_reply(text, self.ask.in_reasoning)
+                text, reasoning = part.content, part.reasoning or None
             msg = {"role": "assistant", "content": text}
             if self.calls:
                 msg, _ = tools.parse_reply(text)
                 finish = tools.finish_reason(finish, msg)
+            if self.ask.split_reasoning:
+                msg["reasoning_content"] = reasoning
             choice = {"index": 0, "message": msg, "finish_reason": finish, "logprobs": self.logprobs(self.entries)}
         else:
             choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": self.logprobs(self.entries)}
@@ -641,8 +682,24 @@ class Reply:
             yield f"data: {json.dumps({'error': {'message': str(e), 'type': e.kind}})}\n\n"
         yield "data: [DONE]\n\n"
 
+    def reasoned(self, text: str, final: bool) -> tuple[dict | None, str]:
+        """(a reasoning_content delta or None, the answer's text) of a streamed piece; `final`:
+        the reply's last piece (what the splitter held back comes out)."""
+        if self.split is None:
+            return None, text
+        part = self.split.push(text)
+        if final:
+            tail = self.split.flush()
+            part = type(part)(part.reasoning + tail.reasoning, part.content + tail.content)
+        return ({"reasoning_content": part.reasoning} if part.reasoning else None), part.content
+
     async def text_sse(self):
         async for text, fin in self.events():
+            thought, text = self.reasoned(text, fin is not None)
+            if thought:
+                yield self.chunk(None, None, delta=thought)
+            if not text and fin is None:  # all of it reasoning (or held back)
+                continue
             if text and fin:
                 yield self.chunk(text, None)
                 yield self.chunk(None, fin)
@@ -655,6 +712,9 @@ class Reply:
         ts = tools.ToolStream()
         finish = "stop"
         async for text, fin in self.events():
+            thought, text = self.reasoned(text, fin is not None)
+            if thought:
+                yield self.chunk(None, None, delta=thought)
             for d in ts.feed(text) if text else []:
                 yield self.chunk(None, None, delta=d)
             finish = fin or finish
