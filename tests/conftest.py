@@ -219,6 +219,19 @@ def tiny_qwen_bundle_float(tiny_qwen, tmp_path_factory) -> Path:
     return tiny_export(tmp_path_factory, tiny_qwen, "tiny-qwen-float", "float")
 
 
+@pytest.fixture(scope="session")
+def tiny_bundle_int8_static(tiny_bundles) -> Path:
+    """The tiny Llama with the calibrated static int8 cache (what onnxruntime's fused attention
+    takes), once per run."""
+    return tiny_bundles("int8-static")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_bundle_int8_static(tiny_qwen, tmp_path_factory) -> Path:
+    """The tiny Qwen2 with the calibrated static int8 cache, once per run."""
+    return tiny_export(tmp_path_factory, tiny_qwen, "tiny-qwen-int8-static", "int8-static")
+
+
 REAL_NAME = "smollm2-135m-instruct-int8"
 TEST_CACHE = ROOT / "models" / "bundles" / ".test-cache"
 

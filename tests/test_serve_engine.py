@@ -400,14 +400,12 @@ def test_a_request_walks_its_explicit_states(rt_float):
     assert kept.ask.seq.ids == kept.prompt + kept.out  # the closing step fed the last token
 
 
-def test_serve_runs_the_graph_as_written(tiny_llama, tmp_path, monkeypatch):
+def test_serve_runs_the_graph_as_written(tiny_bundle_int8_static, monkeypatch):
     """onnxruntime's fused attention is not bit for bit the same batched as alone (docs/fused.md):
     serve's runtime on a static int8 bundle (which `auto` would fuse) runs the graph as written,
     even when EDGEKV_ATTENTION asks for fused; the same bundle opened otherwise does fuse."""
-    pytest.importorskip("onnx")
     from edgekv.serve.server import open_serve_runtime
-    from tests.conftest import _export
-    static = _export(tiny_llama, tmp_path / "tiny-llama-int8-static", "int8-static")
+    static = tiny_bundle_int8_static
     with open_runtime(static, ctx=64, backend="ort-cpu", threads=1) as rt:
         if rt.backend.fused is None:  # this onnxruntime cannot fuse: nothing to keep serve from
             pytest.skip(rt.backend.attention)
