@@ -12,6 +12,19 @@ from edgekv.format.kvschemes import SCHEMES
 from edgekv.runtime.backends import BACKENDS
 
 
+# the help texts several commands share
+BUNDLE = "bundle folder written by `edgekv export`"
+CPU_THREADS = "CPU threads (default: all available)"
+# the build flags: bench.LLAMA_CPP_FLAGS (tests/test_bench_llama_cpp.py holds them equal)
+LLAMA_CPP_BUILT = ('llama-cpp-python, the `bench` extra, built with CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON '
+                   '-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON"')
+
+
+def _command(sub, name: str, help: str, description: str) -> argparse.ArgumentParser:
+    """A command's parser, with the help formatter every command uses."""
+    return sub.add_parser(name, formatter_class=Formatter, help=help, description=description)
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
     try:
@@ -31,9 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _export_parser(sub) -> None:
-    p = sub.add_parser("export", formatter_class=Formatter, help="checkpoint -> verified bundle (needs torch)",
-                       description="Export a model to a bundle: ONNX graph with an explicit KV cache, tokenizer, "
-                                   "manifest. ONNX is checked against PyTorch before anything is written.")
+    p = _command(sub, "export", help="checkpoint -> verified bundle (needs torch)",
+                 description="Export a model to a bundle: ONNX graph with an explicit KV cache, tokenizer, "
+                             "manifest. ONNX is checked against PyTorch before anything is written.")
     p.add_argument("model", nargs="?", default=None,
                    help="recipe name from models/, a Hugging Face folder, or a .gguf file (default: smollm2-135m-instruct)")
     p.add_argument("--kv", default="int8", type=kv_scheme, metavar="SCHEME", help="KV scheme: " + " | ".join(SCHEMES))
@@ -64,10 +77,10 @@ def _export_parser(sub) -> None:
 
 
 def _generate_parser(sub) -> None:
-    p = sub.add_parser("generate", formatter_class=Formatter, help="answer one prompt, streaming",
-                       description="Stream the answer to one prompt, then print time to first token, decode tokens/s "
-                                   "and KV cache bytes.")
-    p.add_argument("bundle", help="bundle folder written by `edgekv export`")
+    p = _command(sub, "generate", help="answer one prompt, streaming",
+                 description="Stream the answer to one prompt, then print time to first token, decode tokens/s "
+                             "and KV cache bytes.")
+    p.add_argument("bundle", help=BUNDLE)
     p.add_argument("prompt", help="the user message (or raw text with --raw)")
     p.add_argument("--max-new-tokens", type=int_range(1, TOKENS), default=256, help="stop after this many new tokens")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
@@ -83,9 +96,9 @@ def _generate_parser(sub) -> None:
 
 
 def _eval_parser(sub) -> None:
-    p = sub.add_parser("eval", formatter_class=Formatter, help="perplexity, KLD and top-1 vs the float cache, per KV scheme",
-                       description="Accuracy against KV memory: run the same text through each bundle's quantized cache; "
-                                   "PPL, ΔPPL, KL divergence and top-1 agreement against the float bundle; a table and a plot.")
+    p = _command(sub, "eval", help="perplexity, KLD and top-1 vs the float cache, per KV scheme",
+                 description="Accuracy against KV memory: run the same text through each bundle's quantized cache; "
+                             "PPL, ΔPPL, KL divergence and top-1 agreement against the float bundle; a table and a plot.")
     p.add_argument("bundles", nargs="+", help="bundles of one source model, e.g. NAME-float NAME-int8 ...")
     p.add_argument("--text", default=None, help="UTF-8 text file (default: the stdlib's pydoc_data topics text)")
     p.add_argument("--ctx", type=int_range(2, TOKENS), default=1024, help="window (and cache) length; the second half is scored")
@@ -93,44 +106,41 @@ def _eval_parser(sub) -> None:
                    help="window start step in tokens (default: ctx + 1, no overlap)")
     p.add_argument("--chunks", type=int_range(1, 1 << 30), default=None, help="evaluate at most this many windows (default: all)")
     p.add_argument("--llama-cpp", nargs="?", const="", default=None, metavar="GGUF",
-                   # the build flags: bench.LLAMA_CPP_FLAGS (tests/test_bench_llama_cpp.py holds them equal)
-                   help="also score llama.cpp (llama-cpp-python, the `bench` extra, built with CMAKE_ARGS=\""
-                        "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON "
-                        "-DGGML_AVX_VNNI=ON\") on GGUF (default: the default model's) on the same windows and token "
-                        "ids, against the same reference")
-    p.add_argument("--threads", type=THREADS, default=None, help="CPU threads (default: all available)")
+                   help=f"also score llama.cpp ({LLAMA_CPP_BUILT}) on GGUF (default: the default model's) on the same "
+                        "windows and token ids, against the same reference")
+    p.add_argument("--threads", type=THREADS, default=None, help=CPU_THREADS)
     p.add_argument("--json", default=None, metavar="OUT", help="write OUT (.json) plus .csv and .md beside it")
     p.add_argument("--plot", default=None, metavar="OUT.png", help="write the accuracy-vs-memory plot")
 
 
 def _eval_context_parser(sub) -> None:
-    p = sub.add_parser("eval-context", formatter_class=Formatter, help="ring vs drop-turns when a chat outgrows the cache",
-                       description="Generate a long greedy conversation with the whole history in the cache, then score its "
-                                   "replies under each context-full policy at --ctx: KL divergence and top-1 agreement "
-                                   "against the full-history model, reply perplexity, prefill tokens per turn.")
-    p.add_argument("bundle", help="bundle folder written by `edgekv export`")
+    p = _command(sub, "eval-context", help="ring vs drop-turns when a chat outgrows the cache",
+                 description="Generate a long greedy conversation with the whole history in the cache, then score its "
+                             "replies under each context-full policy at --ctx: KL divergence and top-1 agreement "
+                             "against the full-history model, reply perplexity, prefill tokens per turn.")
+    p.add_argument("bundle", help=BUNDLE)
     p.add_argument("--ctx", type=int_range(8, TOKENS), default=512, help="the cache capacity the policies run in")
     p.add_argument("--turns", type=int_range(1, 10000), default=24, help="conversation turns (built-in questions)")
     p.add_argument("--reply-tokens", type=int_range(1, TOKENS), default=96, help="longest reply in the reference conversation")
     p.add_argument("--system", default=None, help="system prompt (default: the chat template's own)")
     p.add_argument("--sinks", type=int_range(0, TOKENS), default=None, help="ring: slots kept at the start (default: the system prompt's tokens)")
-    p.add_argument("--threads", type=THREADS, default=None, help="CPU threads (default: all available)")
+    p.add_argument("--threads", type=THREADS, default=None, help=CPU_THREADS)
     p.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
 
 
 def _check_trt_parser(sub) -> None:
-    p = sub.add_parser("check-trt", formatter_class=Formatter, help="hold a graph against TensorRT's ONNX parser rules",
-                       description="Check every node of a bundle's graph (or an .onnx file) against the ONNX parser "
-                                   "rules of a TensorRT version: ops, types, build-time constants, Q/DQ, UINT8, opset.")
+    p = _command(sub, "check-trt", help="hold a graph against TensorRT's ONNX parser rules",
+                 description="Check every node of a bundle's graph (or an .onnx file) against the ONNX parser "
+                             "rules of a TensorRT version: ops, types, build-time constants, Q/DQ, UINT8, opset.")
     p.add_argument("bundle", help="bundle folder or .onnx file")
     p.add_argument("--trt", default="10.3", help="TensorRT version whose rules apply (10.3 = JetPack 6; 10.15)")
 
 
 def _build_engine_parser(sub) -> None:
-    p = sub.add_parser("build-engine", formatter_class=Formatter, help="build the TensorRT engine (on the device)",
-                       description="Build a bundle's TensorRT engine on this GPU (strongly typed; decode and prefill "
-                                   "profiles with the past from 0 to --ctx), cached under BUNDLE/engines/ and rebuilt "
-                                   "only when stale. Needs TensorRT and cuda-python (JetPack has both).")
+    p = _command(sub, "build-engine", help="build the TensorRT engine (on the device)",
+                 description="Build a bundle's TensorRT engine on this GPU (strongly typed; decode and prefill "
+                             "profiles with the past from 0 to --ctx), cached under BUNDLE/engines/ and rebuilt "
+                             "only when stale. Needs TensorRT and cuda-python (JetPack has both).")
     p.add_argument("bundle", help="bundle folder written by `edgekv export` (best: --dtype float16)")
     p.add_argument("--ctx", type=CTX, default=None, help="largest KV cache capacity the engine serves (default: min(2048, bundle max))")
     p.add_argument("--max-prefill", type=int_range(1, 1 << 16), default=256, help="most tokens per prefill call")
@@ -139,11 +149,11 @@ def _build_engine_parser(sub) -> None:
 
 
 def _chat_parser(sub) -> None:
-    p = sub.add_parser("chat", formatter_class=Formatter, help="streaming multi-turn chat in the terminal",
-                       description="Multi-turn chat that keeps its KV cache between turns. With stdin not a terminal, "
-                                   "each input line is one user turn (answers on stdout, stats on stderr).\n\n"
-                                   "commands: /help /reset /undo /system TEXT /stats /save FILE /load FILE /quit")
-    p.add_argument("bundle", help="bundle folder written by `edgekv export`")
+    p = _command(sub, "chat", help="streaming multi-turn chat in the terminal",
+                 description="Multi-turn chat that keeps its KV cache between turns. With stdin not a terminal, "
+                             "each input line is one user turn (answers on stdout, stats on stderr).\n\n"
+                             "commands: /help /reset /undo /system TEXT /stats /save FILE /load FILE /quit")
+    p.add_argument("bundle", help=BUNDLE)
     p.add_argument("--system", default=None, help="system prompt (default: the chat template's own)")
     p.add_argument("--max-new-tokens", type=int_range(1, TOKENS), default=512, help="longest reply in tokens")
     p.add_argument("--json", action="store_true", help="one JSON object per turn on stdout")
@@ -164,10 +174,10 @@ def _chat_parser(sub) -> None:
 
 
 def _bench_parser(sub) -> None:
-    p = sub.add_parser("bench", formatter_class=Formatter, help="time to first token, decode tokens/s, memory",
-                       description="Benchmark a bundle: TTFT and decode tokens/s at batch 1 for several prompt lengths "
-                                   "and capacities, KV memory, peak RSS. Medians of --repeat runs. Several bundles: "
-                                   "each in its own process, then one table (with --llama-cpp: ratios to it).")
+    p = _command(sub, "bench", help="time to first token, decode tokens/s, memory",
+                 description="Benchmark a bundle: TTFT and decode tokens/s at batch 1 for several prompt lengths "
+                             "and capacities, KV memory, peak RSS. Medians of --repeat runs. Several bundles: "
+                             "each in its own process, then one table (with --llama-cpp: ratios to it).")
     p.add_argument("bundle", nargs="+", help="bundle folder(s) written by `edgekv export`")
     p.add_argument("--prompt-lengths", type=int_list(1, TOKENS), default="64,1024", help="comma-separated prompt lengths")
     p.add_argument("--capacities", type=int_list(1, TOKENS), default="256,4096",
@@ -177,7 +187,7 @@ def _bench_parser(sub) -> None:
     p.add_argument("--decode-tokens", type=int_range(1, TOKENS), default=64, help="tokens decoded per measurement")
     p.add_argument("--rss-tokens", type=int_range(1, TOKENS), default=1000, help="tokens decoded while watching RSS")
     p.add_argument("--repeat", type=int_range(1, 1000), default=3, help="runs per measurement (the median is reported)")
-    p.add_argument("--threads", type=THREADS, default=None, help="CPU threads (default: all available)")
+    p.add_argument("--threads", type=THREADS, default=None, help=CPU_THREADS)
     p.add_argument("--backend", default="ort-cpu", choices=BACKENDS, help="backend to time")
     p.add_argument("--attention", type=lambda t: [x.strip() for x in t.split(",")], default=None, metavar="LIST",
                    help="time each of these ort-cpu attentions (auto, fused, plain: EDGEKV_ATTENTION) in its own process, "
@@ -187,19 +197,17 @@ def _bench_parser(sub) -> None:
                    help="also time HF transformers (eager, same weights, same threads) on MODEL (a recipe, folder or "
                         ".gguf; workstation only: runs `python -m export.bench_transformers` in a subprocess)")
     p.add_argument("--llama-cpp", nargs="?", const="", default=None, metavar="GGUF",
-                   # the build flags: bench.LLAMA_CPP_FLAGS (tests/test_bench_llama_cpp.py holds them equal)
-                   help="also time llama.cpp (llama-cpp-python, the `bench` extra, built with CMAKE_ARGS=\""
-                        "-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON "
-                        "-DGGML_AVX_VNNI=ON\") on GGUF (default: the default model's SmolLM2-135M-Instruct.Q4_1.gguf) with the same "
-                        "prompts, fills and threads, in a subprocess (a crash of it is one line), and print the ratios")
+                   help=f"also time llama.cpp ({LLAMA_CPP_BUILT}) on GGUF (default: the default model's "
+                        "SmolLM2-135M-Instruct.Q4_1.gguf) with the same prompts, fills and threads, in a subprocess (a "
+                        "crash of it is one line), and print the ratios")
 
 
 def _serve_parser(sub) -> None:
-    p = sub.add_parser("serve", formatter_class=Formatter, help="OpenAI-compatible HTTP server (the serve extra)",
-                       description="Serve a bundle over HTTP: /v1/chat/completions, /v1/completions, /v1/models, "
-                                   "/health, /metrics. Requests are decoded together over one shared KV pool of "
-                                   "--ctx cells (docs/serve.md).")
-    p.add_argument("bundle", help="bundle folder written by `edgekv export`")
+    p = _command(sub, "serve", help="OpenAI-compatible HTTP server (the serve extra)",
+                 description="Serve a bundle over HTTP: /v1/chat/completions, /v1/completions, /v1/models, "
+                             "/health, /metrics. Requests are decoded together over one shared KV pool of "
+                             "--ctx cells (docs/serve.md).")
+    p.add_argument("bundle", help=BUNDLE)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (beyond localhost: set --api-key)")
     p.add_argument("--port", type=int_range(0, 65535), default=8080, help="port to listen on")
     p.add_argument("--parallel", type=int_range(1, 1024), default=4, help="sequences decoded together at most")
@@ -224,11 +232,11 @@ def _serve_parser(sub) -> None:
 
 
 def _bench_serve_parser(sub) -> None:
-    p = sub.add_parser("bench-serve", formatter_class=Formatter, help="concurrent streaming clients against serve",
-                       description="Start the server in-process and stream from 1, 2, 4, 8 concurrent clients: "
-                                   "aggregate and per-client tokens/s, TTFT p50/p95, peak RSS, KV cells; and the "
-                                   "TTFT of a second request sharing a long system prompt.")
-    p.add_argument("bundle", help="bundle folder written by `edgekv export`")
+    p = _command(sub, "bench-serve", help="concurrent streaming clients against serve",
+                 description="Start the server in-process and stream from 1, 2, 4, 8 concurrent clients: "
+                             "aggregate and per-client tokens/s, TTFT p50/p95, peak RSS, KV cells; and the "
+                             "TTFT of a second request sharing a long system prompt.")
+    p.add_argument("bundle", help=BUNDLE)
     p.add_argument("--clients", type=int_list(1, 1024), default="1,2,4,8", help="comma-separated concurrency levels")
     p.add_argument("--tokens", type=int_range(1, TOKENS), default=128, help="tokens per client")
     p.add_argument("--system-tokens", type=int_range(1, TOKENS), default=500, help="length of the shared system prompt")
@@ -245,11 +253,11 @@ def _bench_serve_parser(sub) -> None:
 
 
 def _verify_parser(sub) -> None:
-    p = sub.add_parser("verify", formatter_class=Formatter, help="check every file of a bundle against its sha256",
-                       description="Hash every file of a bundle and compare it with the sha256 the export recorded in "
-                                   "the manifest (load checks only sizes). Files unchanged since the last successful "
-                                   "verify (same size, mtime, ctime and inode) are not hashed again unless --full.")
-    p.add_argument("bundle", help="bundle folder written by `edgekv export`")
+    p = _command(sub, "verify", help="check every file of a bundle against its sha256",
+                 description="Hash every file of a bundle and compare it with the sha256 the export recorded in "
+                             "the manifest (load checks only sizes). Files unchanged since the last successful "
+                             "verify (same size, mtime, ctime and inode) are not hashed again unless --full.")
+    p.add_argument("bundle", help=BUNDLE)
     p.add_argument("--full", action="store_true", help="hash every file, also those verified before")
 
 
