@@ -263,27 +263,16 @@ def test_gguf_blocks_reproduced_exactly(gguf_bundle):
     gguf package's dequantization of the file bit for bit."""
     import gguf
 
-    from export.loaders import GGUF_NAMES, _unpermute, rename
-    from export.model import ModelConfig
+    from tests.test_gguf_kquants import file_weights  # the one reader of a file's blocks (gguf's dequantize)
 
     path, bundle = gguf_bundle
     r = gguf.GGUFReader(str(path))
     kinds = collections.Counter(t.tensor_type.name for t in r.tensors if len(t.shape) == 2)
     assert kinds["Q4_0"] and kinds["Q4_1"] and kinds["Q8_0"]
     man = load_bundle(bundle).manifest
-    cfg = ModelConfig(**{k: man["model"][k] for k in ("vocab_size", "hidden_size", "intermediate_size", "n_layers",
-                                                       "n_heads", "n_kv_heads", "head_dim")}, arch="llama")
-    ref = {}
-    for t in r.tensors:
-        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape([int(x) for x in reversed(t.shape)])
-        if t.name.endswith("attn_q.weight"):
-            w = _unpermute(w, cfg.n_heads)
-        elif t.name.endswith("attn_k.weight"):
-            w = _unpermute(w, cfg.n_kv_heads)
-        ref[t.name] = torch.from_numpy(np.ascontiguousarray(w))
-    ref = {k: v.numpy().astype(np.float64) for k, v in rename(ref, GGUF_NAMES, cfg).items()}
+    ref = {k: v.astype(np.float64) for k, v in file_weights(path).items()}
     got = decoded_weights(load_bundle(bundle).onnx_path)
-    assert set(got) == {k for k, v in ref.items() if v.ndim == 2}
+    assert set(got) == set(ref)
     for name in got:  # Q4_1's d and m kept apart (no float32 rounding of m + 8d): bit for bit too
         np.testing.assert_array_equal(got[name].astype(np.float32), ref[name].astype(np.float32), err_msg=name)
     stored = man["weights"]["stored"]
