@@ -70,3 +70,25 @@ def test_bench_serve_end_to_end_writes_json_into_a_new_folder(tiny_bundle_int8, 
     assert res["levels"][1]["peak_kv_cells"] > 0
     assert res["soak"] == {**res["soak"], "requests": 6, "failed": 0}
     assert res["shared_prefix"]["first_ttft_ms"] > 0 and res["shared_prefix"]["second_ttft_ms"] > 0
+
+
+def test_bench_serve_json_schema_compares_constrained_and_free_requests(tiny_bundle_int8, tmp_path):
+    """--json-schema: per level the same requests with response_format and free, each round; the
+    constrained ones' masks counted (the in-process server's constraints), the free ones' none."""
+    pytest.importorskip("llguidance")
+    from tests.conftest import run_edgekv
+
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"story": {"type": "string"}},
+                                  "required": ["story"]}))
+    out = tmp_path / "s.out.json"
+    r = run_edgekv("bench-serve", tiny_bundle_int8, "--clients", "1,2", "--tokens", "6", "--json-schema", schema,
+                   "--rounds", "2", "--threads", "1", "--json", out, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert [lv["clients"] for lv in res["structured"]] == [1, 2] and res["levels"] == []
+    for lv in res["structured"]:
+        assert lv["failed"] == 0 and lv["mask_us_per_token"] > 0
+        assert set(lv["per_client_tps"]) == {"json_schema", "free"} and lv["per_client_tps"]["json_schema"] > 0
+    r = run_edgekv("bench-serve", tiny_bundle_int8, "--json-schema", tmp_path / "none.json", timeout=120)
+    assert r.returncode == 1 and "no such file" in r.stderr and "Traceback" not in r.stderr

@@ -47,9 +47,9 @@ class Sampler:
         self._t.join()
 
 
-async def stream_one(h, url: str, messages: list[dict], max_tokens: int, seed: int) -> dict:
+async def stream_one(h, url: str, messages: list[dict], max_tokens: int, seed: int, extra: dict | None = None) -> dict:
     body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0.7, "seed": seed,
-            "stream": True}
+            "stream": True, **(extra or {})}
     import httpx
 
     t0 = time.perf_counter()
@@ -76,12 +76,12 @@ async def stream_one(h, url: str, messages: list[dict], max_tokens: int, seed: i
     return {"t0": t0, "t_first": t_first or t1, "t1": t1, "tokens": n}
 
 
-async def level(url: str, clients: int, tokens: int) -> dict:
+async def level(url: str, clients: int, tokens: int, extra: dict | None = None) -> dict:
     import httpx
 
     async with httpx.AsyncClient(timeout=600) as h:
         runs = await asyncio.gather(*(stream_one(h, url, [{"role": "user", "content": f"Write a long story about "
-                                                          f"{TOPICS[i % len(TOPICS)]}."}], tokens, i)
+                                                          f"{TOPICS[i % len(TOPICS)]}."}], tokens, i, extra)
                                       for i in range(clients)))
     failed = [r for r in runs if "error" in r]
     if failed:
@@ -131,9 +131,76 @@ async def soak(url: str, n: int) -> int:
     return failed
 
 
+class ConstraintLog:
+    """Every grammar constraint compiled while it is open (in this process: the in-process
+    server's), for their mask time: runtime/grammar.py's compile_grammar, wrapped."""
+
+    def __init__(self):
+        from edgekv.runtime import grammar
+
+        self.grammar, self.made, self.real = grammar, [], grammar.compile_grammar
+
+    def __enter__(self) -> "ConstraintLog":
+        def compiled(*a, **kw):
+            c = self.real(*a, **kw)
+            self.made.append(c)
+            return c
+
+        self.grammar.compile_grammar = compiled
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.grammar.compile_grammar = self.real
+
+    def take(self) -> tuple[float, int]:
+        """(mask seconds, masks) of the constraints made since the last take."""
+        made, self.made = self.made, []
+        return sum(c.mask_s for c in made), sum(c.masks for c in made)
+
+
+def structured_levels(url: str, levels: list[int], tokens: int, schema: dict, rounds: int) -> list[dict]:
+    """Per level: the same requests with response_format json_schema and free, taking turns
+    (the order flips each round); decode tok/s per client of both (medians over the rounds), their
+    ratio, the extra decode time per token, and the mask time per constrained token."""
+    rf = {"response_format": {"type": "json_schema", "json_schema": {"name": "bench", "schema": schema}}}
+    out = []
+    with ConstraintLog() as log:
+        for c in levels:
+            seen: dict = {"json_schema": [], "free": []}
+            mask_s, masks = 0.0, 0
+            for rnd in range(rounds):
+                for kind in (("json_schema", "free") if rnd % 2 == 0 else ("free", "json_schema")):
+                    r = asyncio.run(level(url, c, tokens, rf if kind == "json_schema" else None))
+                    seen[kind].append(r)
+                    if kind == "json_schema":
+                        ms, n = log.take()
+                        mask_s, masks = mask_s + ms, masks + n
+            tps = {k: float(np.median([r["per_client_tps"] for r in v])) for k, v in seen.items()}
+            agg = {k: float(np.median([r["aggregate_tps"] for r in v])) for k, v in seen.items()}
+            res = {"clients": c, "rounds": rounds, "per_client_tps": tps, "aggregate_tps": agg,
+                   "ratio_json_schema_to_free": tps["json_schema"] / tps["free"] if tps["free"] else 0.0,
+                   "extra_ms_per_token": (1 / tps["json_schema"] - 1 / tps["free"]) * 1000
+                   if tps["json_schema"] and tps["free"] else None,
+                   "mask_us_per_token": mask_s / masks * 1e6 if masks else None,
+                   "tokens": {k: sum(r["tokens"] for r in v) for k, v in seen.items()},
+                   "failed": sum(r["failed"] for v in seen.values() for r in v)}
+            out.append(res)
+            note(f"{c} clients: per client json_schema {tps['json_schema']:.1f} tok/s, free {tps['free']:.1f} tok/s "
+                 f"(ratio {res['ratio_json_schema_to_free']:.3f}, {res['extra_ms_per_token'] or 0:+.2f} ms/token); "
+                 f"mask {res['mask_us_per_token'] or 0:.0f} us per constrained token ({masks} masks)")
+    return out
+
+
 def cmd_bench_serve(args) -> int:
     from edgekv.runtime.assemble import open_runtime
     from edgekv.serve.server import BackgroundServer, build
+
+    schema = None
+    if args.json_schema:  # read and checked before the model loads, as generate's flag
+        from edgekv.runtime.grammar import grammar_from_args
+
+        grammar_from_args(args)
+        schema = json.loads(open(args.json_schema, encoding="utf-8").read())
 
     levels = args.clients  # a list (cli.int_list)
     rt = open_runtime(args.bundle, ctx=args.ctx, backend=args.backend, threads=args.threads)
@@ -147,6 +214,9 @@ def cmd_bench_serve(args) -> int:
     res = {"server": args.url or f"edgekv serve ({rt.backend.name}, {batcher.capacity} cells)", "levels": []}
     try:
         asyncio.run(level(url, 1, 8))  # warm-up
+        if schema is not None:
+            res["structured"] = structured_levels(url, levels, args.tokens, schema, args.rounds)
+            levels = []
         for c in levels:
             s = Sampler(batcher, pid)
             r = asyncio.run(level(url, c, args.tokens))
@@ -157,6 +227,8 @@ def cmd_bench_serve(args) -> int:
                  f"TTFT p50 {r['ttft_p50_ms']:.0f} ms p95 {r['ttft_p95_ms']:.0f} ms, {r['tokens']} tokens"
                  + (f" ({r['failed']} streams broke off, left out)" if r["failed"] else "") + ", "
                  f"peak RSS {s.rss:.0f} MiB" + (f", peak KV cells {s.cells:.0f}" if batcher else ""))
+        if schema is not None:
+            return _report(res, args)
         res["shared_prefix"] = p = asyncio.run(shared_prefix(url, system_prompt(rt.codec, args.system_tokens)))
         note(f"shared {args.system_tokens}-token system prompt: first TTFT {p['first_ttft_ms']:.0f} ms, second "
              f"{p['second_ttft_ms']:.0f} ms ({p['speedup']:.1f}x)")
@@ -172,6 +244,10 @@ def cmd_bench_serve(args) -> int:
     base = res["levels"][0]["aggregate_tps"] if res["levels"] else 0
     for r in res["levels"]:
         r["vs_one_client"] = r["aggregate_tps"] / base if base else 0.0
+    return _report(res, args)
+
+
+def _report(res: dict, args) -> int:
     print(json.dumps(res, indent=1))
     if args.json:
         write_json(args.json, res)  # its folder made, the file atomic (format/files.py)
