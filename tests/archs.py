@@ -131,7 +131,12 @@ def _llama3_rope_factors(rs: dict, theta: float, dim: int) -> np.ndarray:
     return np.array(out, dtype=np.float32)
 
 
-def write_arch_gguf(folder: Path, path: Path) -> Path:
+def write_arch_gguf(folder: Path, path: Path, quant=None, encode=None, chat_template: str | None = None) -> Path:
+    """The tests' one tiny-GGUF writer. quant: a function GGUF tensor name -> GGMLQuantizationType
+    (or None for float32) for the 2-D tensors. encode: (name, float weight [N, K], type) -> the
+    tensor's blocks [N, bytes per row]; default the gguf package's own quantizer (it has none for
+    the K-quants: tests/test_gguf_kquants.py writes random valid blocks). chat_template: the
+    GGUF's (default the folder's)."""
     import gguf
     from safetensors.numpy import load_file
 
@@ -142,6 +147,7 @@ def write_arch_gguf(folder: Path, path: Path) -> Path:
     n_layers, n_head, n_kv = c["num_hidden_layers"], c["num_attention_heads"], c["num_key_value_heads"]
     head_dim = c.get("head_dim") or c["hidden_size"] // n_head
     rp = c.get("rope_parameters") or {}
+    rp = rp.get("full_attention", rp)  # Gemma 3's are per layer type: the global layers' base is the file's
     theta = rp.get("rope_theta") or c.get("rope_theta")
     wr = gguf.GGUFWriter(str(path), arch_name)
     wr.add_block_count(n_layers)
@@ -178,7 +184,7 @@ def write_arch_gguf(folder: Path, path: Path) -> Path:
     wr.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
     wr.add_bos_token_id(1)
     wr.add_eos_token_id(2)
-    wr.add_chat_template(json.loads((folder / "tokenizer_config.json").read_text())["chat_template"])
+    wr.add_chat_template(chat_template or json.loads((folder / "tokenizer_config.json").read_text())["chat_template"])
     tmap = gguf.get_tensor_name_map(arch, n_layers)  # llama.cpp's own HF -> GGUF names
     for k, v in load_file(str(next(folder.glob("*.safetensors")))).items():
         name = tmap.get_name(k, try_suffixes=(".weight", ".bias"))
@@ -187,7 +193,12 @@ def write_arch_gguf(folder: Path, path: Path) -> Path:
             v = _permute(v, n_head if "attn_q" in name else n_kv)
         if arch == gguf.MODEL_ARCH.GEMMA3 and name.endswith("norm.weight"):
             v = v + 1  # Gemma3Model.modify_tensors: norms as 1 + w
-        wr.add_tensor(name, np.ascontiguousarray(v, np.float32))
+        v = np.ascontiguousarray(v, np.float32)
+        qtype = quant(name) if quant and v.ndim == 2 else None
+        if qtype is None:
+            wr.add_tensor(name, v)
+        else:  # the gguf package's own quantizer, as llama.cpp's convert writes blocks
+            wr.add_tensor(name, encode(name, v, qtype) if encode else gguf.quants.quantize(v, qtype), raw_dtype=qtype)
     for name, v in extra.items():
         wr.add_tensor(name, v)
     wr.write_header_to_file()

@@ -15,7 +15,7 @@ from export.model import Transformer, UnsupportedModel, causal_mask
 from tests.archs import ARCHS, make_arch_folder, write_arch_gguf
 
 S = 72  # past original_max_position_embeddings (llama3 and phi: 64), gemma's window 8
-EXPORTED = ["llama3.2", "qwen2.5", "qwen3", "smollm3", "phi4-mini"]  # gemma3: refused (see its test)
+EXPORTED = ["llama3.2", "qwen2.5", "qwen3", "smollm3", "phi4-mini"]  # gemma3: tests/test_gemma3.py
 
 
 @pytest.fixture(scope="session")
@@ -169,14 +169,18 @@ def test_int8_bundle_greedy_follows_transformers(name, folders, int8_bundles):
         assert toks == ref
 
 
-def test_gemma3_export_refused_in_one_line(folders, tmp_path):
-    """Gemma 3's local layers need key positions the graph contract does not carry: the export
-    stops with one line, before writing anything (docs/models.md)."""
+def test_gemma3_gguf_refused_in_one_line(folders, tmp_path):
+    """Gemma 3's GGUF carries a SentencePiece tokenizer edgekv does not read: the export of the
+    file stops with one line naming it, before writing anything (its HF folder exports:
+    tests/test_gemma3.py)."""
     from tests.conftest import run_edgekv
 
-    r = run_edgekv("export", folders("gemma3"), "--out", tmp_path / "g", "--kv", "float", timeout=600)
+    path = write_arch_gguf(folders("gemma3"), tmp_path / "g.gguf")
+    with pytest.raises(UnsupportedModel, match="SentencePiece"):
+        load_gguf(path)
+    r = run_edgekv("export", path, "--out", tmp_path / "g", "--kv", "float", timeout=600)
     assert r.returncode != 0 and not (tmp_path / "g").exists()
-    assert "sliding-window layers" in r.stderr and "Traceback" not in r.stderr
+    assert "SentencePiece" in r.stderr.strip().splitlines()[-1] and "Traceback" not in r.stderr
 
 
 # --- refusals ----------------------------------------------------------------------------------
@@ -241,7 +245,8 @@ def test_chat_template_renders_as_transformers(name, thinking, folders):
 def test_gemma3_windowed_cache_equals_the_full_cache_masked(folders):
     """The local layers keeping only their window of K/V (a per-layer capacity, the slots a
     ring would hold) give the same logits as the full cache with the out-of-window keys
-    masked, decoding well past the window (torch: the runtime half is designed, docs/models.md)."""
+    masked, decoding well past the window (torch only: the runtime's windowed cache is phase 2 of
+    docs/models.md; the full-capacity cache with local_key_mask runs: tests/test_gemma3.py)."""
     model = ours_from(load_hf_folder(folders("gemma3")))
     cfg, W = model.cfg, model.cfg.sliding_window
     local = set(cfg.local_layers)

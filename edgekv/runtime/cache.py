@@ -41,6 +41,7 @@ class KVCache:
         self.capacity = capacity
         self.max_positions = bundle.max_context
         self.scheme = bundle.scheme
+        self.window = bundle.window  # the local layers' sliding window: the graph takes local_key_mask (None: no such layers)
         self.names = io_names(m["n_layers"], self.scheme)["past"]
         float_dtype = bundle.dtype
         shapes = {}
@@ -66,7 +67,7 @@ class KVCache:
 
     def new_sequence(self) -> Sequence:
         """A sequence over this cache's slots."""
-        return Sequence(self.capacity, self.max_positions)
+        return Sequence(self.capacity, self.max_positions, self.window)
 
     @property
     def layout(self) -> str:

@@ -18,9 +18,10 @@ from edgekv.errors import ContextOverflow, EdgeKVError
 class Sequence:
     wrapped = False  # (the stats line asks every sequence)
 
-    def __init__(self, capacity: int, max_positions: int):
+    def __init__(self, capacity: int, max_positions: int, window: int | None = None):
         self.capacity = capacity  # slots it may fill
         self.max_positions = max_positions  # positions the bundle was verified for
+        self.window = window  # the local layers' sliding window (None: the model has none)
         self._ids: list[int] = []  # token ids fed since the last reset, in order
         self._n = 0  # filled slots: the past the graph sees is slots [0, n)
         self._pos = 0  # the next token's RoPE position
@@ -91,6 +92,19 @@ class Sequence:
             m = np.ones((1, s, p + s), dtype=np.bool_)
             m[0, :, p:] = np.tri(s, dtype=np.bool_)
         m[0, :, n:p] = False
+        return m
+
+    def local_key_mask(self, s: int, past: int | None = None) -> np.ndarray | None:
+        """local_key_mask [1, s, past + s] of the next call (None for a model without local
+        layers): key_mask's keys within the window, q_pos - k_pos < window. Slot i holds position
+        pos - n + i (a linear cache that may have started at any position: reset(pos))."""
+        if self.window is None:
+            return None
+        m = self.key_mask(s, past).copy()  # key_mask's decode row is reused: not written here
+        p = m.shape[2] - s
+        q = np.arange(self._pos, self._pos + s)
+        k = np.concatenate([np.arange(p) + (self._pos - self._n), q])  # slots [n, p): masked already
+        m[0] &= (q[:, None] - k[None, :]) < self.window
         return m
 
     # -- changes

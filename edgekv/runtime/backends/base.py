@@ -5,7 +5,8 @@ filled. The backend binds the past as the sequence's filled slots `buf[:n]` (ort
 a bucket, the tail masked) and `present.*` into the buffers at its write slot `buf[w:w+S]` by
 address (cache.ptr; w == n unless the sequence is a ring that has wrapped, where the overwritten
 slots are masked out of the past; ort-cpu stages a one-token call's present and copies it
-there), takes position_ids and key_mask (`seq.key_mask(s, past)`) from the sequence, and
+there), takes position_ids and key_mask (`seq.key_mask(s, past)`; a model with sliding-window
+layers also local_key_mask, `seq.local_key_mask(s, past)`) from the sequence, and
 returns only the logits rows asked for. It does not change the sequence: the caller records the call (Generator._call).
 
 | backend | runs on | KV buffers | needs |
@@ -58,6 +59,8 @@ class BatchBackend(Backend, Protocol):
     """A backend that also runs a pool of cells shared by several sequences (runtime/batching/)."""
 
     def run_cells(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
-                  key_mask: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
+                  key_mask: np.ndarray, logits_index: np.ndarray,
+                  local_key_mask: np.ndarray | None = None) -> np.ndarray:
         """past = cells [0, past), present written at cells [write, write + S), position_ids [1, S]
-        and the per-token mask [1, S, past + S] given whole; returns logits like `run`."""
+        and the per-token mask [1, S, past + S] given whole (local_key_mask, the same shape: the
+        sliding-window layers' mask, for a graph that has them); returns logits like `run`."""

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from edgekv.format.bundle import MANIFEST, Bundle
+from edgekv.format.bundle import LOCAL_MASK, MANIFEST, Bundle
 from edgekv.format.trt_graph import block_size
 
 DECODE, PREFILL = 0, 1
@@ -62,6 +62,8 @@ def profile_shapes(bundle: Bundle, ctx: int, max_prefill: int) -> list[dict[str,
             "logits_index": tuple((1, x) for x in k),
             "key_mask": tuple((1, b, a + b) for a, b in zip(p, s)),
         }
+        if LOCAL_MASK in bundle.manifest["io"]["inputs"]:  # the sliding-window layers' mask: key_mask's shape
+            shapes[LOCAL_MASK] = shapes["key_mask"]
         for name, spec in past_specs.items():
             shapes[name] = tuple(spec.shape(x, 1, hkv, d) for x in p)
         return shapes

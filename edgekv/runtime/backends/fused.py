@@ -332,6 +332,9 @@ def fuse_bundle(bundle: Bundle, max_positions: int | None = None, skip_norm: boo
     if kind not in ("float", "static"):
         raise NotFusable(f"{bundle.path}: the {bundle.manifest['kv']['scheme']} KV scheme has no GroupQueryAttention "
                          f"form (the op's int8 cache takes only constant per-tensor or per-channel scales)")
+    if bundle.model.get("local_layers"):  # local_window_size counts slots, not the keys' positions
+        raise NotFusable(f"{bundle.path}: sliding-window layers (GroupQueryAttention's local_window_size masks by "
+                         f"slot; a pool's or a ring's cells are not in position order)")
     if bundle.dtype != "float32":  # the RoPE tables and the op's T are written as float32
         raise NotFusable(f"{bundle.path}: a {bundle.dtype} graph (the fused rewrite handles float32 graphs only)")
     model = onnx.load(str(bundle.onnx_path), load_external_data=False)

@@ -14,7 +14,7 @@ import os
 import numpy as np
 
 from edgekv.errors import BackendUnavailable, BundleError, EdgeKVError, note
-from edgekv.format.bundle import Bundle
+from edgekv.format.bundle import LOCAL_MASK, Bundle
 from edgekv.runtime.backends.base import PREFILL_CHUNK, UNLIMITED, bound_past
 from edgekv.runtime.backends.fused import BIAS, MIN_ORT, SEQLENS, TOTAL, NotFusable, fuse_bundle, ort_version_ok
 from edgekv.runtime.backends.nbits import fold_graph
@@ -453,6 +453,7 @@ class OrtBackend:
         self.io = self.session.io_binding()
         self.logits = np.empty((1, max(1, max_logits_rows), self.vocab), np.float32)
         graph_inputs = {i.name for i in self.session.get_inputs()}
+        self.local_mask = LOCAL_MASK in graph_inputs  # a model with sliding-window layers: their mask is fed too
         expected = set(bundle.manifest["io"]["inputs"]) | set(bundle.manifest["io"]["past"])
         if self.fused is not None:  # the cache's lengths and the bias in place of the key mask
             expected = (expected - {"key_mask"}) | set(FUSED_INPUTS)
@@ -510,7 +511,8 @@ class OrtBackend:
             mask = seq.key_mask(s, seq.n) if seq.w != seq.n else None
             return self._run_fused(cache, seq.n, seq.w, input_ids, seq.positions(s), mask, logits_index)
         past = self.past_slots(cache, seq)
-        return self._run(cache, past, seq.w, input_ids, seq.positions(s), seq.key_mask(s, past), logits_index)
+        local = seq.local_key_mask(s, past) if self.local_mask else None
+        return self._run(cache, past, seq.w, input_ids, seq.positions(s), seq.key_mask(s, past), logits_index, local)
 
     def _check_cache(self, cache: KVCache) -> None:
         if cache.memory.device != self.device or cache.layout != getattr(self.memory, "layout", "slots"):
@@ -519,7 +521,7 @@ class OrtBackend:
                               f"memory (build it with memory=backend.memory)")
 
     def _run(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
-             key_mask: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
+             key_mask: np.ndarray, logits_index: np.ndarray, local_key_mask: np.ndarray | None = None) -> np.ndarray:
         """One graph call: past = slots [0, past), present to slots [write, write + S)."""
         b, s = input_ids.shape
         small = self._bind_small(s, logits_index.shape[1], past)
@@ -527,6 +529,10 @@ class OrtBackend:
         np.copyto(small["position_ids"], position_ids)
         np.copyto(small["logits_index"], logits_index)
         np.copyto(small["key_mask"], key_mask)
+        if self.local_mask:
+            if local_key_mask is None:
+                raise EdgeKVError(f"{self.name}: this graph has sliding-window layers and needs their {LOCAL_MASK}")
+            np.copyto(small[LOCAL_MASK], local_key_mask)
         self._bind_past(cache, past)
         staged = s == 1 and self.stage_present
         if staged:
@@ -541,7 +547,8 @@ class OrtBackend:
         return logits
 
     def run_cells(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
-                  key_mask: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
+                  key_mask: np.ndarray, logits_index: np.ndarray,
+                  local_key_mask: np.ndarray | None = None) -> np.ndarray:
         """One call over a pool of cells shared by several sequences (edgekv/runtime/batching/):
         past = cells [0, past), present written at cells [write, write + S), positions and the
         per-token mask [1, S, past + S] given whole. Cells of the write run that lie inside the
@@ -550,7 +557,7 @@ class OrtBackend:
         self._check_cache(cache)
         if self.fused is not None:
             return self._run_fused(cache, past, write, input_ids, position_ids, key_mask, logits_index)
-        return self._run(cache, past, write, input_ids, position_ids, key_mask, logits_index)
+        return self._run(cache, past, write, input_ids, position_ids, key_mask, logits_index, local_key_mask)
 
     # -- the fused graph (docs/fused.md, "The runtime"): the cache is head-major, one buffer per
     # tensor bound whole as both past and present; GroupQueryAttention reads the first
@@ -604,6 +611,8 @@ class OrtBackend:
             self._bound.pop("small", None)  # an interrupt half-way must not leave a stale key
             self._small = {"input_ids": np.zeros((1, s), np.int64), "position_ids": np.zeros((1, s), np.int64),
                            "logits_index": np.zeros((1, k), np.int64), "key_mask": np.zeros((1, s, past + s), np.bool_)}
+            if self.local_mask:
+                self._small[LOCAL_MASK] = np.zeros((1, s, past + s), np.bool_)
             for name, a in self._small.items():  # by address: the arrays are overwritten in place
                 self.io.bind_input(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
             self._bound["small"] = (s, k, past)

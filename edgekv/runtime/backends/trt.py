@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from edgekv.errors import BackendUnavailable, EdgeKVError
-from edgekv.format.bundle import Bundle
+from edgekv.format.bundle import LOCAL_MASK, Bundle
 from edgekv.runtime.backends.engines import DECODE, PREFILL, find_engine
 from edgekv.runtime.backends.gpu import CudaMemory, check
 from edgekv.runtime.cache import KVCache
@@ -87,6 +87,9 @@ class TrtBackend:
         self.d_pos = self.memory.alloc((1, self.max_tokens_per_call), np.int64)
         self.d_idx = self.memory.alloc((1, rows), np.int64)
         self.d_mask = self.memory.alloc((1, self.max_tokens_per_call, int(info["ctx"]) + self.max_tokens_per_call), np.bool_)
+        # a model with sliding-window layers: their mask, the same shape (None: the graph has no such input)
+        self.d_local = (self.memory.alloc(self.d_mask.shape, np.bool_)
+                        if LOCAL_MASK in bundle.manifest["io"]["inputs"] else None)
         self.d_logits = self.memory.alloc((1, rows, self.vocab), np.float32)
         self.logits = np.empty((1, rows, self.vocab), np.float32)
 
@@ -97,11 +100,13 @@ class TrtBackend:
 
     def run(self, cache: KVCache, seq: Sequence, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
         s = input_ids.shape[1]
-        return self.run_cells(cache, seq.n, seq.w, input_ids, seq.positions(s), seq.key_mask(s), logits_index)
+        local = seq.local_key_mask(s) if self.d_local is not None else None
+        return self.run_cells(cache, seq.n, seq.w, input_ids, seq.positions(s), seq.key_mask(s), logits_index, local)
 
     def run_cells(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
-                  key_mask: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
-        """past = slots [0, past), present to slots [write, write + S), the mask [1, S, past + S] given."""
+                  key_mask: np.ndarray, logits_index: np.ndarray,
+                  local_key_mask: np.ndarray | None = None) -> np.ndarray:
+        """past = slots [0, past), present to slots [write, write + S), the masks [1, S, past + S] given."""
         if cache.memory.device != "cuda":
             raise EdgeKVError("trt needs its KV cache in device memory (build it with memory=backend.memory)")
         b, s = input_ids.shape
@@ -114,8 +119,14 @@ class TrtBackend:
         self._up(self.d_pos, position_ids)
         self._up(self.d_idx, logits_index)
         self._up(self.d_mask, key_mask)
-        for name, buf, shape in (("input_ids", self.d_ids, (1, s)), ("position_ids", self.d_pos, (1, s)),
-                                 ("logits_index", self.d_idx, (1, k)), ("key_mask", self.d_mask, key_mask.shape)):
+        small = [("input_ids", self.d_ids, (1, s)), ("position_ids", self.d_pos, (1, s)),
+                 ("logits_index", self.d_idx, (1, k)), ("key_mask", self.d_mask, key_mask.shape)]
+        if self.d_local is not None:
+            if local_key_mask is None:
+                raise EdgeKVError(f"trt: this engine has sliding-window layers and needs their {LOCAL_MASK}")
+            self._up(self.d_local, local_key_mask)
+            small.append((LOCAL_MASK, self.d_local, local_key_mask.shape))
+        for name, buf, shape in small:
             ctx.set_input_shape(name, tuple(shape))
             ctx.set_tensor_address(name, buf.ptr)
         stage = self._staging(cache) if write < past else None  # the write slots lie inside the past

@@ -8,6 +8,8 @@ the last reset (a ring's overwritten ones too), so the next position is len(ids)
 (StreamingLLM) keeps its first `sinks` cells forever and overwrites the oldest of the rest."""
 from __future__ import annotations
 
+import numpy as np
+
 from edgekv.errors import ContextOverflow, EdgeKVError
 
 NO_LIMIT = 1 << 62
@@ -41,6 +43,14 @@ class PoolSequence:
     def cell_view(self) -> list[int]:
         """Its cells without a copy, for the step runner's mask (read, never changed)."""
         return self._cells
+
+    def cell_positions(self) -> np.ndarray:
+        """[n] the RoPE position each of its cells holds, in cell order: cell k holds position k,
+        except in a wrapped ring, whose cells after the sinks hold the last positions fed."""
+        n, gone = len(self._cells), len(self._ids) - len(self._cells)
+        out = np.arange(n, dtype=np.int64)
+        out[self._sinks or 0:] += gone
+        return out
 
     @property
     def sinks(self) -> int | None:

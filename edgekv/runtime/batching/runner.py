@@ -3,7 +3,9 @@ positions, the per-token mask and the logits index, runs the graph once, and dec
 
 The mask [1, S, P + S] says per token which cells of the past are its own sequence's (wherever
 they lie: a shared prefix, a ring's wrapped layout) and which earlier tokens of the batch it
-sees (its own piece's, causally)."""
+sees (its own piece's, causally). A model with sliding-window layers (cache.window) also gets
+their mask: of those keys, the ones whose position is within the window of the token's
+(q_pos - k_pos < window), each cell's position from its sequence (PoolSequence.cell_positions)."""
 from __future__ import annotations
 
 import numpy as np
@@ -45,10 +47,30 @@ class StepRunner:
         idx = np.asarray([rows or [s - 1]], np.int64)  # a call samples nothing: any one row
         return ids, pos, mask, idx
 
+    def local_mask(self, call: Call, pos: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """local_key_mask [1, S, P + S]: `mask` [1, S, P + S] and the window, per piece (its past
+        cells' positions and its own new tokens'); `pos` the call's position_ids [1, S]."""
+        p, window = call.past, self.cache.window
+        local = np.zeros_like(mask)
+        r = 0
+        for piece in call.pieces:
+            n, seq = len(piece.tokens), piece.seq
+            cells = seq.cell_view()
+            q = pos[0, r: r + n, None]  # [n, 1]
+            if cells:
+                local[0][r: r + n, cells] = q - seq.cell_positions()[None] < window  # [n, cells]
+            local[0, r: r + n, p + r: p + r + n] = q - pos[0, None, r: r + n] < window  # its own new tokens
+            r += n
+        return local & mask
+
     def run(self, call: Call) -> np.ndarray:
         """logits [K, V]: each returned piece's rows, in the call's order (a view into the
         backend's buffer, valid until the next call)."""
         ids, pos, mask, idx = self.inputs(call)
-        logits = self.backend.run_cells(self.cache, call.past, call.write, ids, pos, mask, idx)
+        if self.cache.window is None:
+            logits = self.backend.run_cells(self.cache, call.past, call.write, ids, pos, mask, idx)
+        else:  # a model with sliding-window layers: their mask too
+            logits = self.backend.run_cells(self.cache, call.past, call.write, ids, pos, mask, idx,
+                                            local_key_mask=self.local_mask(call, pos, mask))
         self.calls += 1
         return logits[0]

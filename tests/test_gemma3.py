@@ -1,0 +1,247 @@
+"""Gemma 3 text exported and run (docs/models.md): the graph's second mask input, local_key_mask,
+built by the runtime from each key cell's position, against transformers (generate, a kept
+chat sequence over turns), against the same runtime alone (a serving batch), against a ring
+oracle whose slots remember their positions (chat's ring, wrapped), and the backends that feed
+it (trt's stand-in) or must refuse it (the fused rewrite). The tiny checkpoint's window is 8:
+every prompt and reply here runs well past it."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from edgekv.errors import BackendUnavailable, BundleError
+from edgekv.format.bundle import LOCAL_MASK, load_bundle
+from edgekv.runtime.assemble import open_runtime
+from edgekv.runtime.backends import OrtBackend
+from edgekv.runtime.batching import Request
+from edgekv.runtime.cache import KVCache
+from edgekv.runtime.generate import Generator
+from tests.archs import make_arch_folder
+from tests.conftest import chat_engine
+from tests.ring_reference import RingSequence
+
+CONTEXT = 128
+WINDOW = 8  # tests/archs.py's gemma3
+
+
+def ids(n, seed=0):
+    return [int(t) for t in np.random.default_rng(seed).integers(3, 380, n)]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return make_arch_folder(tmp_path_factory.mktemp("gemma3"), "gemma3")
+
+
+@pytest.fixture(scope="module")
+def bundles(folder, tmp_path_factory):
+    """kv -> the tiny Gemma 3 exported with it (export_bundle raises unless parity, over a prompt
+    and 32 decode steps past the window, and check-trt pass)."""
+    from export.bundle import export_bundle
+
+    made = {}
+
+    def get(kv):
+        if kv not in made:
+            made[kv] = export_bundle(str(folder), kv=kv, out=str(tmp_path_factory.mktemp("b") / kv),
+                                     max_context=CONTEXT, steps=32)
+        return made[kv]
+    return get
+
+
+@pytest.fixture(scope="module")
+def hf(folder):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="eager").eval()
+
+
+def hf_greedy(hf, prompt, n):
+    """transformers' greedy tokens after `prompt` and the logits each was taken from."""
+    x = torch.tensor([prompt])
+    with torch.no_grad():
+        out = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          eos_token_id=None, pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+    return out.sequences[0, len(prompt):].tolist(), np.stack([s[0].numpy() for s in out.scores])
+
+
+def greedy(gen, prompt, n):
+    logits = gen.prefill(prompt).copy()
+    toks, rows = [], []
+    for _ in range(n):
+        rows.append(logits)
+        toks.append(int(np.argmax(logits)))
+        logits = gen.decode_step(toks[-1]).copy()
+    return toks, np.stack(rows)
+
+
+# -- the bundle ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kv", ["float", "int8"])
+def test_the_bundle_records_its_local_layers_and_passed_parity_past_the_window(kv, bundles):
+    b = load_bundle(bundles(kv))
+    m = b.manifest
+    assert m["format_version"] == 3 and m["model"]["local_layers"] == [0, 1] and m["model"]["sliding_window"] == WINDOW
+    assert m["io"]["inputs"][-1] == LOCAL_MASK and b.window == WINDOW
+    assert m["parity"]["passed"] and m["trt_check"] == {"10.3": "pass"}
+    assert m["parity"]["prompt_tokens"] > 2 * WINDOW and m["parity"]["decode_steps"] == 32
+    import onnx
+
+    graph = onnx.load(str(b.onnx_path), load_external_data=False)
+    assert LOCAL_MASK in [i.name for i in graph.graph.input]
+
+
+def test_a_manifest_whose_local_layers_do_not_fit_is_refused(bundles, tmp_path):
+    for change in ({"local_layers": [0, 7]}, {"sliding_window": None}, {"local_layers": []}):
+        dst = tmp_path / str(len(list(tmp_path.iterdir())))
+        shutil.copytree(bundles("float"), dst)
+        man = json.loads((dst / "edgekv.json").read_text())
+        man["model"].update(change)
+        (dst / "edgekv.json").write_text(json.dumps(man))
+        with pytest.raises(BundleError, match="corrupt manifest"):  # ([] leaves io naming an input no layer has)
+            load_bundle(dst)
+
+
+# -- the runtime against transformers ---------------------------------------------------------
+
+def test_generate_follows_transformers_greedy_past_the_window(bundles, hf):
+    """The float-KV bundle through the runtime: transformers' 40 greedy tokens after a 12-token
+    prompt and its logits at every step (positions 12..51, window 8)."""
+    prompt = ids(12, 1)
+    want, want_rows = hf_greedy(hf, prompt, 40)
+    with open_runtime(bundles("float"), CONTEXT, "ort-cpu", threads=1) as rt:
+        got, rows = greedy(rt.generator(), prompt, 40)
+    assert got == want
+    np.testing.assert_allclose(rows, want_rows, atol=1e-4, rtol=1e-4)
+
+
+def test_int8_bundle_follows_transformers_greedy_past_the_window(bundles, hf):
+    """int8 KV: transformers' greedy tokens, a different one only at a near-tie within the
+    bundle's parity tolerance (its quantization noise), nothing compared after it."""
+    b = load_bundle(bundles("int8"))
+    prompt = ids(12, 2)
+    want, scores = hf_greedy(hf, prompt, 32)
+    with open_runtime(b.path, CONTEXT, "ort-cpu", threads=1) as rt:
+        got, _ = greedy(rt.generator(), prompt, 32)
+    for i, (a, c) in enumerate(zip(want, got)):
+        if a != c:
+            assert scores[i][a] - scores[i][c] <= b.logits_tolerance(), (i, want, got)
+            break
+    else:
+        assert got == want
+
+
+def test_a_kept_chat_sequence_follows_transformers_over_turns(bundles, hf):
+    """Chat's way through the batcher: one kept sequence, three turns (a prompt, greedy reply);
+    each reply = transformers' greedy continuation of the whole history the sequence holds."""
+    b = load_bundle(bundles("float"))
+    e = chat_engine(OrtBackend(b, threads=1), b, CONTEXT, chunk=8)
+    seq = e.hold()
+    for turn in range(3):
+        history = seq.ids + (prompt := ids(10, 10 + turn))
+        req = e.run(Request(prompt, 12, seq=seq))
+        assert req.out == hf_greedy(hf, history, 12)[0], turn
+    assert seq.pos > 4 * WINDOW
+
+
+def test_a_serving_batch_of_two_equals_each_alone(bundles):
+    """Two requests decoded together over one pool (the second joining while the first decodes,
+    so their cells interleave) = each decoded alone: greedy tokens and logits to float rounding."""
+    with open_runtime(bundles("float"), CONTEXT, "ort-cpu", threads=1) as rt:
+        engine = rt.batcher(capacity=CONTEXT, parallel=2, prefill_chunk=8)
+        a, c = Request(ids(11, 3), 24, record_logits=True), Request(ids(19, 4), 20, record_logits=True)
+        engine.submit(a)
+        for _ in range(3):
+            engine.step()
+        engine.submit(c)
+        while not (a.finish_reason and c.finish_reason):
+            engine.step()
+        for req in (a, c):
+            toks, rows = greedy(rt.generator(capacity=CONTEXT), req.prompt, len(req.out))
+            assert req.out == toks
+            np.testing.assert_allclose(np.stack(req.logits), rows, atol=1e-4, rtol=1e-4)
+
+
+class WindowRing(RingSequence):
+    """The test-only single-stream ring (tests/ring_reference.py), its slots remembering the
+    position each holds: the local mask from those (the oracle of the batcher's cell positions)."""
+
+    def __init__(self, capacity, max_positions, window):
+        super().__init__(capacity, max_positions)
+        self.window, self.slot_pos = window, np.zeros(capacity, np.int64)
+
+    def advance(self, ids):
+        self.slot_pos[self.w: self.w + len(ids)] = np.arange(self.pos, self.pos + len(ids))
+        super().advance(ids)
+
+    def local_key_mask(self, s, past=None):
+        m = self.key_mask(s, past).copy()
+        p = m.shape[2] - s
+        q = np.arange(self.pos, self.pos + s)
+        keys = np.concatenate([self.slot_pos[:p], q])
+        m[0] &= q[:, None] - keys[None, :] < self.window
+        return m
+
+
+def test_chat_ring_wrapped_equals_the_ring_oracle_token_by_token(bundles):
+    """A kept ring of 20 cells (4 sinks) fed 70 tokens one per call, then decoding: its logits =
+    the single-stream ring's whose slots know their positions, at every step (float KV)."""
+    b = load_bundle(bundles("float"))
+    ctx, sinks = 20, 4
+    e = chat_engine(OrtBackend(b, threads=1, past_bucket=1), b, ctx, chunk=1)
+    seq = e.hold()
+    seq.enable_ring(sinks)
+    ring = WindowRing(ctx, b.max_context, b.window)
+    ring.enable_ring(sinks)
+    g = Generator(OrtBackend(b, threads=1, past_bucket=1), KVCache(b, ctx), ring, prefill_chunk=1)
+    prompt = ids(70, 5)
+    req = e.run(Request(prompt, 16, seq=seq, record_logits=True))
+    assert seq.wrapped
+    want, rows = greedy(g, prompt, 16)
+    assert req.out == want
+    np.testing.assert_allclose(np.stack(req.logits), rows, atol=1e-5, rtol=1e-5)
+
+
+# -- the backends -----------------------------------------------------------------------------
+
+def test_the_trt_backend_feeds_the_local_mask_by_name(bundles, monkeypatch):
+    """trt against the TensorRT stand-in (tests/fake_gpu.py: the engine's profiles must cover
+    every graph input): bit-identical logits to ort-cpu past the window, alone and serving."""
+    from edgekv.runtime.backends import make_backend
+    from jetson.build_engine import build_engine
+    from tests import fake_gpu
+
+    dst = bundles("int8").parent / "trt-copy"
+    if not dst.exists():
+        shutil.copytree(bundles("int8"), dst)
+    fake_gpu.install(monkeypatch)
+    build_engine(str(dst), ctx=64, max_prefill=16)
+    b = load_bundle(dst)
+    be = make_backend("trt", b, ctx=64, max_logits_rows=16)
+    assert be.name == "trt"
+    g = Generator(be, KVCache(b, 64, memory=be.memory))
+    ref = Generator(OrtBackend(b, threads=1, past_bucket=1, exact=False), KVCache(b, 64), prefill_chunk=16)
+    prompt = ids(30, 6)
+    got, want = greedy(g, prompt, 12), greedy(ref, prompt, 12)
+    assert got[0] == want[0]
+    np.testing.assert_array_equal(got[1], want[1])
+    engine = chat_engine(be, b, 64, chunk=8)
+    req = engine.run(Request(prompt, 12, record_logits=True))
+    assert req.out == want[0]
+
+
+def test_fused_attention_refuses_sliding_window_layers(bundles):
+    """GroupQueryAttention's local_window_size counts slots: a pool's or a ring's cells are not in
+    position order, so the rewrite refuses, and ort-cpu runs the graph as written."""
+    from edgekv.runtime.backends.fused import NotFusable, fuse_bundle
+
+    b = load_bundle(bundles("float"))
+    with pytest.raises(NotFusable, match="sliding-window"):
+        fuse_bundle(b)
+    with pytest.raises(BackendUnavailable, match="sliding-window"):  # asked for: one line saying why not
+        OrtBackend(b, threads=1, attention="fused")
+    assert OrtBackend(b, threads=1, attention="auto").fused is None
