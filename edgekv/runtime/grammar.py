@@ -287,21 +287,26 @@ def lark_json(schema: dict, what: str = "the JSON schema") -> str:
 
 # -- the command line (generate's and chat's flags) -----------------------------------------------
 
+# the flags generate and chat share, named once (errors say which flag and file they came from)
+GRAMMAR_FLAGS = {"json_schema": "--json-schema", "grammar": "--grammar", "regex": "--regex"}
+
+
 def grammar_from_args(args) -> Grammar | None:
     """The Grammar that --json-schema FILE, --grammar FILE.lark or --regex R ask for (None: none);
     a bad file or grammar is one error naming the flag, before any model loads."""
     if getattr(args, "json_schema", None):
-        text = read_grammar_file(args.json_schema, "--json-schema")
+        flag, path = GRAMMAR_FLAGS["json_schema"], args.json_schema
+        text = read_grammar_file(path, flag)
         try:
             schema = json.loads(text)
         except json.JSONDecodeError as e:
-            raise EdgeKVError(f"--json-schema {args.json_schema}: not JSON ({e.msg} at line {e.lineno} "
-                              f"column {e.colno})") from None
-        return _refused_as("--json-schema", args.json_schema, json_schema, schema)
+            raise EdgeKVError(f"{flag} {path}: not JSON ({e.msg} at line {e.lineno} column {e.colno})") from None
+        return _refused_as(flag, path, json_schema, schema)
     if getattr(args, "grammar", None):
-        return _refused_as("--grammar", args.grammar, lark, read_grammar_file(args.grammar, "--grammar"))
+        flag = GRAMMAR_FLAGS["grammar"]
+        return _refused_as(flag, args.grammar, lark, read_grammar_file(args.grammar, flag))
     if getattr(args, "regex", None) is not None:
-        return _refused_as("--regex", None, regex, args.regex)
+        return _refused_as(GRAMMAR_FLAGS["regex"], None, regex, args.regex)
     return None
 
 
