@@ -184,3 +184,18 @@ def test_folded_matrix_rounds_the_activations_for_the_minimum_too():
     as_written = run(matrix_graph(q), x, 4)
     assert err(got) < 0.9 * err(as_written)
     assert err(got) < 1.05 * err(xq @ w.T)  # llama.cpp's: every term on the rounded x
+
+
+def test_a_minimum_on_the_code_grid_needs_no_remainder_term(tmp_path):
+    """Blocks whose minimum is a whole number of steps (m = -k*s, Q4_0-like after the shift): the
+    zero points carry all of it, the term goes, the matrix is one MatMulNBits, the product exact."""
+    rng = np.random.default_rng(6)
+    q = q41_like(32, 128, rng)
+    q.scales[0, :3] = q.scales[0, 3]  # no s == 0 block here
+    q.mins = (-q.scales * rng.integers(0, 16, q.scales.shape)).astype(np.float32)
+    m, report = folded(q, 0)
+    assert report.folded == report.exact_zero == 1 and not report.buffers
+    assert sorted(n.op_type for n in optimized(m, report, tmp_path).node) == ["MatMulNBits"]
+    x = activations(rng, 128)
+    ref = x.astype(np.float64) @ exact_w(q).T
+    np.testing.assert_allclose(run(m, x, 0, report), ref, rtol=0, atol=2e-5 * np.abs(ref).max())

@@ -170,7 +170,7 @@ def fold_minimums(model, base_dir: str) -> FoldReport:
     MatMulNBits' zero points) and keeps only the remainder's MatMul, or none where r is all 0."""
     g = _Graph(model, base_dir)
     report = FoldReport()
-    TP, nh, helper = g.onnx.TensorProto, g.nh, g.onnx.helper
+    TP, helper = g.onnx.TensorProto, g.onnx.helper
     for t in find_min_terms(g):
         codes = t.dq.input[0]
         bits = {TP.INT4: 4, TP.INT8: 8}.get(g.inits[codes].data_type)
