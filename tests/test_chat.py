@@ -126,11 +126,11 @@ def test_ring_chat_saves_and_loads_a_wrapped_cache(tiny_bundle_int8, tmp_path):
 
 
 @pytest.mark.slow
-def test_real_terminal_conversation(real_bundle):
+def test_real_terminal_conversation(real_bundle_int4):  # the quickstart's bundle: one real export per run
     pexpect = pytest.importorskip("pexpect")
     # the child gets Ctrl-C's default handling even when this test runs where SIGINT is ignored
     # (a background job): a Python started with SIGINT ignored would never raise KeyboardInterrupt
-    child = pexpect.spawn(sys.executable, ["-m", "edgekv", "chat", str(real_bundle), "--temperature", "0",
+    child = pexpect.spawn(sys.executable, ["-m", "edgekv", "chat", str(real_bundle_int4), "--temperature", "0",
                                            "--max-new-tokens", "200"], cwd=str(ROOT), encoding="utf-8", timeout=120,
                           preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:

@@ -401,11 +401,10 @@ def test_unknown_weight_format_refused(weight_bundles, tmp_path):
 
 
 @pytest.mark.slow
-def test_real_model_own_4bit_weights_answers_paris(tmp_path):
-    """The default model exported with its GGUF's own Q4_1 blocks (--weights int4)."""
-    from export.bundle import export_bundle
-
-    b = load_bundle(export_bundle(None, kv="int8", out=str(tmp_path / "real-wint4"), weights="int4", steps=8))
+def test_real_model_own_4bit_weights_answers_paris(real_bundle_int4):
+    """The default model exported with its GGUF's own Q4_1 blocks (--weights int4: conftest's
+    real_bundle_int4, the run's one export of it)."""
+    b = load_bundle(real_bundle_int4)
     assert {"gguf Q4_1"} <= set(b.manifest["weights"]["stored"])
     with open_runtime(b, 256, "ort-cpu", log=None) as rt:
         codec, gen = rt.codec, rt.generator()
