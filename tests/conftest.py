@@ -55,16 +55,27 @@ def pytest_xdist_make_scheduler(config, log):
     return SplitLongFiles(config, log)
 
 
+# files handed out after this many others: by then the run's one real export (~170 s on a quiet
+# 2-core machine) is done, so a second worker does not sit on its lock (measured: 141 s did)
+REAL_AFTER = 12
+
+
 def pytest_collection_modifyitems(config, items):
-    """The order whole files go to xdist's workers (pyproject: --no-loadscope-reorder): files with
-    slow tests first, so that their real-model exports overlap the rest of the run instead of
-    ending it alone; then files with more tests first, as xdist orders them. Within a file, the
-    file's own order."""
+    """The order whole files go to xdist's workers (pyproject: --no-loadscope-reorder): first one
+    file that needs the real bundle (it starts the run's one real export), then the other slow
+    files (their real-model work overlaps the export), then files with more tests first, as xdist
+    orders them, with the other files needing the real bundle placed REAL_AFTER files in, when the
+    export is done. Within a file, the file's own order."""
     files: dict = {}
     for item in items:
         files.setdefault(item.path, []).append(item)
     slow = {f for f, its in files.items() if any(i.get_closest_marker("slow") for i in its)}
-    items[:] = [i for f in sorted(files, key=lambda f: (f not in slow, -len(files[f]))) for i in files[f]]
+    real = [f for f in files if any("real_bundle_int4" in i.fixturenames for i in files[f])]
+    order = sorted(files, key=lambda f: (f not in slow, -len(files[f])))
+    rest = [f for f in order if f not in real]
+    rest = [f for f in rest if f in slow] + [f for f in rest if f not in slow]
+    order = real[:1] + rest[:REAL_AFTER] + real[1:] + rest[REAL_AFTER:]
+    items[:] = [i for f in order for i in files[f]]
 
 
 def tiny_tokenizer_json() -> str:
