@@ -308,15 +308,18 @@ def real_bundle_int4(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def rt_float(tiny_bundle_float):
-    """The tiny float-KV bundle on ort-cpu, for the serving engine's tests."""
+    """The tiny float-KV bundle on ort-cpu, for the serving engine's tests (closed after the module)."""
     from edgekv.runtime.assemble import open_runtime
-    return open_runtime(tiny_bundle_float, ctx=256, backend="ort-cpu", threads=1)
+    with open_runtime(tiny_bundle_float, ctx=256, backend="ort-cpu", threads=1) as r:
+        yield r
 
 
 @pytest.fixture(scope="module")
 def rt_int8(tiny_bundle_int8):
+    """The tiny int8-KV bundle on ort-cpu, 256 cells (closed after the module)."""
     from edgekv.runtime.assemble import open_runtime
-    return open_runtime(tiny_bundle_int8, ctx=256, backend="ort-cpu", threads=1)
+    with open_runtime(tiny_bundle_int8, ctx=256, backend="ort-cpu", threads=1) as r:
+        yield r
 
 
 @pytest.fixture

@@ -19,7 +19,6 @@ openai = pytest.importorskip("openai")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from edgekv.runtime.assemble import open_runtime  # noqa: E402
 from edgekv.serve.app import STATES, Server, StopText, encode_unlocked, max_token_chars  # noqa: E402
 from tests import serving as served_by  # noqa: E402
 
@@ -29,10 +28,8 @@ JSON = {"content-type": "application/json"}
 
 
 @pytest.fixture(scope="module")
-def rt(tiny_bundle_int8):
-    r = open_runtime(tiny_bundle_int8, ctx=256, backend="ort-cpu", threads=1)
-    yield r
-    r.close()
+def rt(rt_int8):
+    return rt_int8  # conftest's tiny int8 runtime
 
 
 def serving(rt, codec=None, parallel=4, max_queue=64, **server_kw):

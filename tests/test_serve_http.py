@@ -17,16 +17,13 @@ for _m in ("starlette", "uvicorn", "prometheus_client"):
 httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 
-from edgekv.runtime.assemble import open_runtime  # noqa: E402
 from tests.conftest import ROOT, run_edgekv  # noqa: E402
 from tests.serving import built  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def rt(tiny_bundle_int8):
-    r = open_runtime(tiny_bundle_int8, ctx=256, backend="ort-cpu", threads=1)
-    yield r
-    r.close()
+def rt(rt_int8):
+    return rt_int8  # conftest's tiny int8 runtime
 
 
 @pytest.fixture(scope="module")

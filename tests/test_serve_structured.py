@@ -34,10 +34,8 @@ GREEDY = {"temperature": 0, "max_tokens": 120}
 
 
 @pytest.fixture(scope="module")
-def rt(tiny_bundle_int8):
-    r = open_runtime(tiny_bundle_int8, ctx=256, backend="ort-cpu", threads=1)
-    yield r
-    r.close()
+def rt(rt_int8):
+    return rt_int8  # conftest's tiny int8 runtime
 
 
 @pytest.fixture(scope="module")

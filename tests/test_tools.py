@@ -138,10 +138,8 @@ def test_required_named_and_single(tok):
 
 
 @pytest.fixture(scope="module")
-def rt(tiny_bundle_int8):
-    from edgekv.runtime.assemble import open_runtime
-    with open_runtime(tiny_bundle_int8, ctx=256, backend="ort-cpu", threads=1) as r:
-        yield r
+def rt(rt_int8):
+    return rt_int8  # conftest's tiny int8 runtime
 
 
 def sampled(rt, p, seed: int) -> tuple[str, str]:
