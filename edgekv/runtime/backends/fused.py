@@ -490,23 +490,29 @@ def _toposort(g: _Graph) -> None:
     g.reindex()
 
 
-def _prune(g: _Graph) -> None:
-    """Drop every node, initializer and graph input the outputs no longer need."""
-    _toposort(g)
-    need = {o.name for o in g.g.output}
+def prune_unneeded(graph) -> set[str]:
+    """Drop the nodes and initializers of a topologically sorted GraphProto that no graph output
+    needs; the names still needed."""
+    need = {o.name for o in graph.output}
     keep = []
-    for n in reversed(list(g.g.node)):
+    for n in reversed(list(graph.node)):
         if any(o in need for o in n.output):
             keep.append(n)
             need.update(x for x in n.input if x)
-            for a in n.attribute:  # subgraphs (none expected) would read outer names
-                if a.g.node:
-                    raise NotFusable("the graph has control flow")
-    del g.g.node[:]
-    g.g.node.extend(reversed(keep))
-    inits = [t for t in g.g.initializer if t.name in need]
-    del g.g.initializer[:]
-    g.g.initializer.extend(inits)
+    del graph.node[:]
+    graph.node.extend(reversed(keep))
+    inits = [t for t in graph.initializer if t.name in need]
+    del graph.initializer[:]
+    graph.initializer.extend(inits)
+    return need
+
+
+def _prune(g: _Graph) -> None:
+    """Drop every node, initializer and graph input the outputs no longer need."""
+    _toposort(g)
+    need = prune_unneeded(g.g)
+    if any(a.g.node for n in g.g.node for a in n.attribute):  # subgraphs (none expected) read outer names
+        raise NotFusable("the graph has control flow")
     inputs = [i for i in g.g.input if i.name in need or i.name.startswith("past.")]
     del g.g.input[:]
     g.g.input.extend(inputs)

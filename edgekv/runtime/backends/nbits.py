@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgekv.runtime.backends.fused import _Graph
+from edgekv.runtime.backends.fused import _Graph, prune_unneeded
 
 # the remainders are handed to onnxruntime as OrtValues over our own arrays (add_external_initializers):
 # in the serialized graph they are placeholders at this "location", never read from a file
@@ -196,23 +196,8 @@ def fold_minimums(model, base_dir: str) -> FoldReport:
             report.exact_zero += 1
         report.folded += 1
     if report.folded:
-        _prune_dead(model)
+        prune_unneeded(model.graph)  # a blocksum with no reader left, unread initializers
     return report
-
-
-def _prune_dead(model) -> None:
-    """Drop nodes no graph output needs (a blocksum with no reader left) and unread initializers."""
-    need = {o.name for o in model.graph.output}
-    keep = []
-    for n in reversed(list(model.graph.node)):
-        if any(o in need for o in n.output):
-            keep.append(n)
-            need.update(i for i in n.input if i)
-    del model.graph.node[:]
-    model.graph.node.extend(reversed(keep))
-    inits = [t for t in model.graph.initializer if t.name in need]
-    del model.graph.initializer[:]
-    model.graph.initializer.extend(inits)
 
 
 def fold_graph(graph: bytes, base_dir: str) -> tuple[bytes, FoldReport]:
