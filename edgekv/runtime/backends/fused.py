@@ -68,6 +68,7 @@ class _Graph:
         self.onnx, self.nh = onnx, numpy_helper
         self.model, self.g, self.base_dir = model, model.graph, base_dir
         self.inits = {t.name: t for t in self.g.initializer}
+        self.tables: dict[tuple, tuple] = {}  # (cos, sin, positions) -> the graph's RoPE tables, evaluated
         self.reindex()
 
     def reindex(self) -> None:
@@ -115,11 +116,17 @@ class _Graph:
 
 
 class Layer:
-    """What one layer's attention block was found to be in the plain graph."""
+    """What one layer's attention block was found to be in the plain graph, and how the op takes it."""
 
-    def __init__(self, i: int, qkv: str, attn_out: str, k_scale, v_scale):
+    def __init__(self, i: int, qkv: str, attn_out: str, k_scale, v_scale, rotary: str,
+                 qk: str | None = None, v: str | None = None, tables: tuple | None = None):
         self.i, self.qkv, self.attn_out = i, qkv, attn_out
         self.k_scale, self.v_scale = k_scale, v_scale  # [Hkv, D] constants (static int8), else None
+        # "op": GroupQueryAttention rotates (tables: the graph's own cos/sin, by name); "graph":
+        # the graph's RoPE stays, the op gets the rotated q|k (a rotation its kernel cannot do);
+        # "none": a layer without RoPE (NoPE). Either way the op is fed qk [S, B, H+Hkv, D] with
+        # v [S, B, Hkv, D], or, where qk is the projection's own q|k, the packed projection qkv.
+        self.rotary, self.qk, self.v, self.tables = rotary, qk, v, tables
 
 
 def _back_to_split(g: _Graph, name: str, scheme_kind: str):
@@ -154,20 +161,24 @@ def _split_sizes(g: _Graph, split) -> list[int] | None:
     return None
 
 
-def _match_layer(g: _Graph, i: int, m: dict, kind: str, rope: dict) -> Layer:
+def _match_layer(g: _Graph, i: int, m: dict, kind: str, positions: int) -> Layer:
     """Recognise layer i's attention block by its structure (docs/fused.md, "What is matched"):
-    present.{i}.key <- Split[H, Hkv] of the RoPE'd q|k <- qk*cos + (qk@rot)*sin, qk and v the
-    Split[H+Hkv, Hkv] of Transpose(Reshape(qkv)); the attention's output is what the output
-    projection (a [H*D, E] weight) multiplies, found back from the residual Add."""
+    present.{i}.key <- Split[H, Hkv] of the cached q|k; present.{i}.value <- Split[H+Hkv, Hkv] of
+    Transpose(Reshape(qkv)), whose q|k part reaches the cached q|k through the layer's own ops
+    (a per-head q/k norm, RoPE, nothing: _match_rope says which); the attention's output is what
+    the output projection (a [H*D, E] weight) multiplies, found back from the residual Add."""
     H, Hkv, D, E = m["n_heads"], m["n_kv_heads"], m["head_dim"], m["hidden_size"]
+    if D % GQA_HEAD_ALIGN:
+        raise NotFusable(f"layer {i}: head_dim {D} (GroupQueryAttention's CPU kernel takes multiples of {GQA_HEAD_ALIGN})")
     ksplit, kname, ks = _back_to_split(g, f"present.{i}.key", kind)
     vsplit, vname, vs = _back_to_split(g, f"present.{i}.value", kind)
     if _split_sizes(g, ksplit) != [H, Hkv] or list(ksplit.output).index(kname) != 1:
         raise NotFusable(f"layer {i}: the keys are not the last {Hkv} heads of the RoPE'd q|k")
     if _split_sizes(g, vsplit) != [H + Hkv, Hkv] or list(vsplit.output).index(vname) != 1:
         raise NotFusable(f"layer {i}: the values are not the last {Hkv} heads of q|k|v")
-    qk = vsplit.output[0]
-    _match_rope(g, i, ksplit.input[0], qk, rope)
+    if any(c.op_type != "Reshape" for c in g.consumers.get(ksplit.output[0], [])):
+        raise NotFusable(f"layer {i}: the queries are changed after RoPE (a query gain: the op scales by 1/sqrt(D) only)")
+    rotary, qk, tables = _match_rope(g, i, ksplit.input[0], D, positions)
     tr = g.op(vsplit.input[0], "Transpose")
     if tr is None or list(g.attr(tr, "perm", [])) != [1, 0, 2, 3]:
         raise NotFusable(f"layer {i}: q|k|v is not made slot-major by Transpose [1, 0, 2, 3]")
@@ -182,71 +193,115 @@ def _match_layer(g: _Graph, i: int, m: dict, kind: str, rope: dict) -> Layer:
     for s in (ks, vs):
         if s is not None and s.shape != (Hkv, D):
             raise NotFusable(f"layer {i}: static scale of shape {s.shape}, expected {(Hkv, D)}")
-    return Layer(i, qkv, attn_out, ks, vs)
+    if qk == vsplit.output[0]:  # the projection's own q|k: its packed output is the op's input as it is
+        qk = None
+    return Layer(i, qkv, attn_out, ks, vs, rotary, qk, vsplit.output[1], tables)
 
 
-def _match_rope(g: _Graph, i: int, rope_out: str, qk: str, rope: dict) -> None:
-    """rope_out = qk * cos + (qk @ R) * sin with R rotate_half's matrix, cos/sin the graph's
-    cos/sin of position_ids * inv_freq. Records inv_freq (the same constant in every layer)."""
+# GroupQueryAttention's CPU kernel (onnxruntime 1.32, probed): head_size a multiple of 8, and to
+# rotate inside the op a multiple of 16 with a cos/sin width (rotary dims / 2) a multiple of 8
+GQA_HEAD_ALIGN = 8
+GQA_ROTARY_ALIGN = 16
+
+
+def _match_rope(g: _Graph, i: int, rope_out: str, D: int, positions: int):
+    """How the cached q|k rope_out comes from the layer's q|k: (rotary, the q|k the op is fed,
+    the cos/sin tables the op rotates with or None). RoPE is qk * cos + (qk @ R) * sin with R
+    rotate_half's matrix on the first r dims (export/model.py; partial rotary: r < D), cos/sin
+    functions of position_ids alone (llama3 scaling, LongRoPE's factors and attention factor are
+    the graph's own constants in them): the op rotates when its kernel can (tables evaluated
+    from the graph), else the graph's RoPE stays before it. No Add there: no RoPE (NoPE)."""
     add = g.op(rope_out, "Add")
-    muls = [g.op(x, "Mul") for x in add.input] if add is not None else []
-    if len(muls) != 2 or None in muls:
-        raise NotFusable(f"layer {i}: RoPE is not qk * cos + (qk @ R) * sin")
-    plain = next((mm for mm in muls if qk in mm.input), None)
-    rot = next((mm for mm in muls if mm is not plain), None)
+    if add is None:
+        return "none", rope_out, None
+    muls = [g.op(x, "Mul") for x in add.input]
     mat = None
-    if rot is not None:
-        mat = next((g.op(x, "MatMul") for x in rot.input if g.op(x, "MatMul")), None)
-    if plain is None or mat is None or mat.input[0] != qk:
+    if len(muls) == 2 and None not in muls:
+        mat = next((g.op(x, "MatMul") for mm in muls for x in mm.input if g.op(x, "MatMul")), None)
+    qk = mat.input[0] if mat is not None else None
+    plain = next((mm for mm in muls if mm is not None and qk in mm.input), None) if qk else None
+    rot = next((mm for mm in muls if mm is not plain), None) if plain else None
+    if plain is None or rot is None or mat.output[0] not in rot.input:
         raise NotFusable(f"layer {i}: RoPE is not qk * cos + (qk @ R) * sin")
-    d = rope["D"]
-    r = g.const(mat.input[1])
-    if r is None or r.shape != (d, d) or not np.array_equal(r, rotate_half_matrix(d)):
-        raise NotFusable(f"layer {i}: RoPE's rotation is not rotate_half (interleaved or partial rotary)")
-    cos = _table_source(g, next(x for x in plain.input if x != qk), "Cos")
-    sin = _table_source(g, next(x for x in rot.input if x != mat.output[0]), "Sin")
-    inv = _inv_freq(g, cos.input[0])
-    if cos.input[0] != sin.input[0] or inv is None:
-        raise NotFusable(f"layer {i}: cos/sin are not of position_ids * inv_freq")
-    if rope.get("inv_freq") is not None and not np.array_equal(rope["inv_freq"], inv):
-        raise NotFusable(f"layer {i}: a RoPE frequency table unlike layer 0's")
-    rope["inv_freq"] = inv
+    r = _rotary_dims(g.const(mat.input[1]), D)
+    if r is None:
+        raise NotFusable(f"layer {i}: RoPE's rotation is not rotate_half (interleaved, or not the exporter's)")
+    cos = next(x for x in plain.input if x != qk)
+    sin = next(x for x in rot.input if x != mat.output[0])
+    for t in (cos, sin):
+        if _graph_inputs_of(g, t) != {"position_ids"}:
+            raise NotFusable(f"layer {i}: RoPE's tables are not functions of position_ids alone")
+    if D % GQA_ROTARY_ALIGN or r % GQA_ROTARY_ALIGN:
+        return "graph", rope_out, None
+    c, s = _eval_tables(g, cos, sin, positions, D)
+    h = r // 2
+    if not (np.array_equal(c[:, :h], c[:, h:r]) and np.array_equal(s[:, :h], s[:, h:r]) and np.all(c[:, r:] == 1.0)):
+        return "graph", rope_out, None  # not rotate_half's tables: the graph's own RoPE stays exact
+    return "op", qk, (cos, sin, c[:, :h], s[:, :h])
 
 
-def rotate_half_matrix(d: int) -> np.ndarray:
-    """The exporter's rotate_half matrix (export/model.py): x @ R = cat(-x[d/2:], x[:d/2])."""
-    h = d // 2
+def rotate_half_matrix(d: int, rotary: int | None = None) -> np.ndarray:
+    """The exporter's rotate_half matrix (export/model.py): x @ R = cat(-x[r/2:r], x[:r/2], 0...)."""
+    h = (rotary or d) // 2
     r = np.zeros((d, d), np.float32)
     r[np.arange(h) + h, np.arange(h)] = -1.0
     r[np.arange(h), np.arange(h) + h] = 1.0
     return r
 
 
-def _table_source(g: _Graph, name: str, op: str):
-    """Follow the cos/sin tensor back through layout ops (Unsqueeze, Slice, Transpose) to `op`."""
-    n = g.producer.get(name)
-    while n is not None and n.op_type in ("Unsqueeze", "Slice", "Transpose", "Reshape", "Identity", "Cast"):
-        n = g.producer.get(n.input[0])
-    if n is None or n.op_type != op:
-        raise NotFusable(f"RoPE's {op.lower()} table is not a {op} of the positions")
-    return n
+def _rotary_dims(r: np.ndarray | None, d: int) -> int | None:
+    """The r for which r_matrix is rotate_half_matrix(d, r), else None."""
+    if r is None or r.shape != (d, d):
+        return None
+    n = 2 * int((r == 1.0).sum())
+    return n if 0 < n <= d and np.array_equal(r, rotate_half_matrix(d, n)) else None
 
 
-def _inv_freq(g: _Graph, name: str) -> np.ndarray | None:
-    """name = Concat(f, f), f = Unsqueeze(Cast(position_ids)) * inv_freq: inv_freq, else None."""
-    cat = g.op(name, "Concat")
-    if cat is None or len(cat.input) != 2 or cat.input[0] != cat.input[1]:
-        return None
-    mul = g.op(cat.input[0], "Mul")
-    if mul is None:
-        return None
-    for a, b in (mul.input, mul.input[::-1]):
-        inv = g.const(b)
-        un = g.op(a, "Unsqueeze")
-        cast = un and g.op(un.input[0], "Cast")
-        if inv is not None and cast is not None and cast.input[0] == "position_ids":
-            return inv.astype(np.float32).reshape(-1)
-    return None
+def _graph_inputs_of(g: _Graph, name: str) -> set[str]:
+    """The graph inputs `name` is computed from (constants are not inputs)."""
+    inputs = {i.name for i in g.g.input}
+    seen, stack, found = set(), [name], set()
+    while stack:
+        x = stack.pop()
+        if x in seen or not x:
+            continue
+        seen.add(x)
+        if x in inputs:
+            found.add(x)
+        n = g.producer.get(x)
+        if n is not None:
+            stack.extend(n.input)
+    return found
+
+
+def _eval_tables(g: _Graph, cos: str, sin: str, positions: int, D: int):
+    """cos and sin [positions, D] as the graph computes them for positions 0.. positions - 1 (the
+    graph's own ops and constants, run by onnxruntime as the plain graph runs them)."""
+    key = (cos, sin, positions)
+    if key not in g.tables:
+        onnx, helper = g.onnx, g.onnx.helper
+        nodes, consts, need = [], [], {cos, sin}
+        for n in reversed(list(g.g.node)):
+            if any(o in need for o in n.output):
+                nodes.append(n)
+                need.update(x for x in n.input if x)
+        for x in sorted(need):
+            if x in g.inits:
+                consts.append(g.nh.from_array(g.const(x), x))
+        graph = helper.make_graph(nodes[::-1], "rope_tables",
+                                  [helper.make_tensor_value_info("position_ids", onnx.TensorProto.INT64, [1, positions])],
+                                  [helper.make_empty_tensor_value_info(t) for t in (cos, sin)],
+                                  consts)
+        model = helper.make_model(graph, opset_imports=list(g.model.opset_import), ir_version=g.model.ir_version)
+        import onnxruntime
+
+        sess = onnxruntime.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        out = sess.run(None, {"position_ids": np.arange(positions, dtype=np.int64)[None]})
+        for t in out:
+            if t.size != positions * D or t.shape[-1] != D:
+                raise NotFusable(f"RoPE's tables have shape {t.shape}, not one row of {D} per position")
+        g.tables[key] = tuple(t.reshape(positions, D) for t in out)
+    return g.tables[key]
 
 
 def _weight_matmul_input(g: _Graph, out: str, dims: list[int], depth: int = 6) -> str | None:
@@ -340,37 +395,43 @@ def fuse_bundle(bundle: Bundle, max_positions: int | None = None, skip_norm: boo
     model = onnx.load(str(bundle.onnx_path), load_external_data=False)
     g = _Graph(model, str(bundle.onnx_path.parent))
     m = bundle.model
-    rope = {"D": m["head_dim"]}
-    layers = [_match_layer(g, i, m, kind, rope) for i in range(m["n_layers"])]
-    _emit_attention(g, layers, m, kind, rope["inv_freq"], max_positions or bundle.max_context)
+    positions = max_positions or bundle.max_context
+    layers = [_match_layer(g, i, m, kind, positions) for i in range(m["n_layers"])]
+    _emit_attention(g, layers, m, kind)
     skips = _emit_skip_norms(g) if skip_norm else 0
     _prune(g)
     _check_fused(g, m["n_layers"])
     return FusedGraph(model, layers, skips, kind)
 
 
-def _emit_attention(g: _Graph, layers: list[Layer], m: dict, kind: str, inv_freq: np.ndarray, positions: int) -> None:
+def _emit_attention(g: _Graph, layers: list[Layer], m: dict, kind: str) -> None:
     onnx, helper, nh = g.onnx, g.onnx.helper, g.nh
     H, Hkv, D = m["n_heads"], m["n_kv_heads"], m["head_dim"]
-    freqs = np.arange(positions, dtype=np.float32)[:, None] * inv_freq[None]  # as the graph: f32 positions x f32 table
-    g.g.initializer.extend([nh.from_array(np.cos(freqs).astype(np.float32), "fused.cos_cache"),
-                            nh.from_array(np.sin(freqs).astype(np.float32), "fused.sin_cache")])
-    attrs = dict(num_heads=H, kv_num_heads=Hkv, do_rotary=1, rotary_interleaved=0)
+    base = dict(num_heads=H, kv_num_heads=Hkv, rotary_interleaved=0)
     if kind == "static":
-        attrs.update(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=8)
+        base.update(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=8)
+    tables: dict[tuple, tuple[str, str]] = {}  # the graph's (cos, sin) -> the op's cache initializers
     new_nodes = []
     renames = {}
     for L in layers:
         i = L.i
-        ins = [L.qkv, "", "", f"past.{i}.key", f"past.{i}.value", SEQLENS, TOTAL, "fused.cos_cache",
-               "fused.sin_cache", "position_ids", BIAS, ""]
+        rotary = ["", "", ""]  # cos_cache, sin_cache, position_ids: only where the op rotates
+        if L.rotary == "op":
+            if L.tables[:2] not in tables:
+                names = tuple(f"fused.{w}_cache" + (f".{len(tables)}" if tables else "") for w in ("cos", "sin"))
+                g.g.initializer.extend([nh.from_array(np.ascontiguousarray(t, np.float32), n)  # [positions, r/2]
+                                        for t, n in zip(L.tables[2:], names)])
+                tables[L.tables[:2]] = names
+            rotary = [*tables[L.tables[:2]], "position_ids"]
+        packed = L.qkv if L.qk is None else _pack_qkv(g, new_nodes, i, L.qk, L.v)
+        ins = [packed, "", "", f"past.{i}.key", f"past.{i}.value", SEQLENS, TOTAL, *rotary, BIAS, ""]
         if kind == "static":
             ins += [f"fused.{i}.k_scale", f"fused.{i}.v_scale"]
             g.g.initializer.extend([nh.from_array(L.k_scale.astype(np.float32).reshape(1, Hkv, 1, D), ins[-2]),
                                     nh.from_array(L.v_scale.astype(np.float32).reshape(1, Hkv, 1, D), ins[-1])])
         out = f"fused.{i}.attn"
         new_nodes.append(helper.make_node("GroupQueryAttention", ins, [out, f"fused.{i}.key", f"fused.{i}.value"],
-                                          name=f"fused.{i}.gqa", domain=MS, **attrs))
+                                          name=f"fused.{i}.gqa", domain=MS, do_rotary=int(L.rotary == "op"), **base))
         renames[L.attn_out] = out
     # consumers of the old attention outputs read the fused ones; the old present.* are renamed
     # away so the fused node's outputs can take the graph outputs' names
@@ -382,15 +443,43 @@ def _emit_attention(g: _Graph, layers: list[Layer], m: dict, kind: str, inv_freq
         for which in ("key", "value"):
             old = f"present.{L.i}.{which}"
             _rename(g, old, old + ".plain")
-            for n in new_nodes:
+            for n in new_nodes:  # (a float cache's v is present.{i}.value itself: _pack_qkv reads it)
+                for k, x in enumerate(n.input):
+                    if x == old:
+                        n.input[k] = old + ".plain"
                 for k, o in enumerate(n.output):
                     if o == f"fused.{L.i}.{which}":
                         n.output[k] = old
     g.g.node.extend(new_nodes)
+    _batch_from_positions(g)
     _set_io(g, layers, m, kind)
     if not any(o.domain == MS for o in g.model.opset_import):
         g.model.opset_import.append(helper.make_opsetid(MS, 1))
     g.reindex()
+
+
+def _pack_qkv(g: _Graph, nodes: list, i: int, qk: str, v: str) -> str:
+    """The op's packed query [B, S, (H+2Hkv)*D] from the layer's q|k [S, B, H+Hkv, D] (after its
+    norm, or its RoPE where the graph keeps that) and v [S, B, Hkv, D]."""
+    helper, p = g.onnx.helper, f"fused.{i}.qkv"
+    g.g.initializer.append(g.nh.from_array(np.array([0, 0, -1], np.int64), p + ".shape"))
+    nodes += [helper.make_node("Concat", [qk, v], [p + ".sb"], name=p + ".concat", axis=2),  # [S, B, H+2Hkv, D]
+              helper.make_node("Transpose", [p + ".sb"], [p + ".bs"], name=p + ".transpose", perm=[1, 0, 2, 3]),
+              helper.make_node("Reshape", [p + ".bs", p + ".shape"], [p], name=p + ".reshape")]
+    return p
+
+
+def _batch_from_positions(g: _Graph) -> None:
+    """The graph as exported may read the batch size off a cache tensor (Shape(past.{i}.*)[1:2] of
+    the slot-major [P, B, Hkv, D]); the fused cache is [B, Hkv, C, D], so those read position_ids'
+    [B, S] dim 0 instead. Any other dim of the plain cache's shape has no fused equivalent."""
+    for n in g.g.node:
+        if n.op_type == "Shape" and n.input[0].startswith("past."):
+            if (g.attr(n, "start", 0), g.attr(n, "end")) != (1, 2):
+                raise NotFusable(f"{n.name}: reads the plain cache's shape (not only its batch size)")
+            n.input[0] = "position_ids"
+            del n.attribute[:]
+            n.attribute.extend([g.onnx.helper.make_attribute("start", 0), g.onnx.helper.make_attribute("end", 1)])
 
 
 def _rename(g: _Graph, old: str, new: str) -> None:
