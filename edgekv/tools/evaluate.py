@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import functools
+import hashlib
 import io
 import json
 import math
@@ -110,7 +111,7 @@ def evaluate(paths: list[str], text: str | None = None, ctx: int = 1024, chunks:
              threads: int | None = None, prefill_chunk: int = PREFILL_CHUNK, out=sys.stdout, stride: int | None = None,
              llama_cpp: Path | None = None) -> dict:
     bundles = [load_bundle(p) for p in paths]
-    _check_same_model(bundles)
+    _check_same_model(bundles, out)
     codec = TextCodec(bundles[0])
     if text is None:
         text, text_desc = default_text()
@@ -204,11 +205,22 @@ def score_windows(bundles, runners, results, ids, starts, order, ctx, text_desc,
     return summarize(bundles, results, ref_i, ctx, text_desc, n_windows, out)
 
 
-def _check_same_model(bundles: list[Bundle]) -> None:
-    srcs = {(b.manifest.get("source", {}).get("sha256"), json.dumps(b.model, sort_keys=True)) for b in bundles}
-    if len(srcs) > 1:
-        names = ", ".join(f"{b.path.name} ({b.manifest.get('source', {}).get('file')})" for b in bundles)
-        raise EdgeKVError(f"bundles come from different source models and cannot be compared: {names}")
+def _check_same_model(bundles: list[Bundle], out=sys.stdout) -> None:
+    """One model: the same config and the same tokenizer. Different source files of it (a float and
+    a Q4_K_M GGUF of one checkpoint) are compared, with a line saying so: the KLD shows the rest."""
+    if len({(json.dumps(b.model, sort_keys=True), _tokenizer_sha(b)) for b in bundles}) > 1:
+        raise EdgeKVError(f"bundles come from different source models and cannot be compared: {_sources(bundles)}")
+    if len({b.manifest.get("source", {}).get("sha256") for b in bundles}) > 1:
+        print(f"  note: different source files of one model (the same config and tokenizer): {_sources(bundles)}",
+              file=out)
+
+
+def _tokenizer_sha(b: Bundle) -> str:
+    return hashlib.sha256(b.tokenizer_path.read_bytes()).hexdigest()
+
+
+def _sources(bundles: list[Bundle]) -> str:
+    return ", ".join(f"{b.path.name} ({b.manifest.get('source', {}).get('file')})" for b in bundles)
 
 
 def summarize(bundles, results, ref_i, ctx, text_desc, n_windows, out) -> dict:
