@@ -1,0 +1,239 @@
+"""The fused graph (edgekv/runtime/backends/fused.py) on every architecture the exporter writes
+(docs/fused.md, "Architectures"), the bundle's plain graph on ort-cpu the oracle as in
+tests/test_fused.py: Qwen3's q/k norm before RoPE, SmolLM3's NoPE layers, Phi-4-mini's partial
+rotary and Phi's LongRoPE (attention factor and factors in the graph's own tables), and Llama
+3.2 / Qwen2.5's configs (llama3 scaling, tied embeddings, biases). Each layer is fused in the way
+its shapes allow GroupQueryAttention's CPU kernel: the op rotates (head_dim and rotary dims
+multiples of 16), or the graph's own RoPE stays before it (Phi-4-mini's tiny config: 12 rotary
+dims), or no rotation (NoPE); the expected way per layer is data below, so a silent downgrade
+fails. A layer the op cannot express keeps the whole graph as written, the load line naming it."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+
+ort = pytest.importorskip("onnxruntime")
+onnx = pytest.importorskip("onnx")
+
+import tests.archs as archs  # noqa: E402
+from edgekv.errors import BackendUnavailable  # noqa: E402
+from edgekv.format.bundle import file_sha256, load_bundle  # noqa: E402
+from edgekv.runtime.backends.ort import ATTENTION_ENV, OrtBackend  # noqa: E402
+from edgekv.runtime.cache import KVCache  # noqa: E402
+from test_fused import (CALLS, CAPACITY, LOGITS_ATOL, ONE_STEP_SHARE, Stream, clamp_only,  # noqa: E402
+                        needs_gqa, optimized_graph, random_cells_call)
+from tests.conftest import _export  # noqa: E402
+
+pytestmark = needs_gqa
+
+# tests/archs.py's configs, and two with the real models' head shapes at a tiny size, where the
+# op rotates (GroupQueryAttention's CPU kernel: head_dim % 16, rotary dims % 16): Qwen3 (head_dim
+# 128) with head_dim 32, Phi-4-mini (96 of 128 dims rotate) with 16 of 32
+_Q, _P = archs.ARCHS["qwen3"], archs.ARCHS["phi4-mini"]
+VARIANTS = {
+    "qwen3-d32": (_Q[0], _Q[1], {**_Q[2], "head_dim": 32}, _Q[3]),
+    "phi4-mini-d32": (_P[0], _P[1], {**_P[2], "hidden_size": 128, "partial_rotary_factor": 0.5, "rope_scaling": {
+        "rope_type": "longrope", "short_factor": [1.0, 1.05, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0],
+        "long_factor": [1.0, 1.5, 2.0, 4.0, 8.0, 12.0, 16.0, 20.0]}}, _P[3]),
+}
+
+# how each layer reaches the op: "op" rotates inside it, "graph" keeps the graph's RoPE before it,
+# "none" has no RoPE; the q|k norm ("norm") means the op is fed the normed q|k, not the projection
+EXPECTED = {
+    "qwen3-d32": (["op", "op"], True),
+    "smollm3": (["op", "op", "op", "none"], False),  # no_rope_layers: every 4th layer
+    "phi4-mini": (["graph", "graph"], True),  # 12 rotary dims: the op's rotary takes multiples of 16
+    "phi4-mini-d32": (["op", "op"], False),
+    "phi3.5-mini": (["op", "op"], False),
+    "llama3.2": (["op", "op"], False),
+    "qwen2.5": (["op", "op"], False),
+}
+FLOAT = ["qwen3-d32", "smollm3", "phi4-mini", "phi4-mini-d32", "phi3.5-mini"]
+STATIC = ["qwen3-d32", "smollm3", "phi4-mini", "phi3.5-mini",
+          pytest.param("llama3.2", marks=pytest.mark.slow), pytest.param("qwen2.5", marks=pytest.mark.slow)]
+
+
+def context_of(name):
+    return 64 if name.startswith("phi") else 128  # LongRoPE: within the original context (tests/test_architectures.py)
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory):
+    """(arch, kv) -> the tiny checkpoint exported once in this module (the exporter's parity
+    check and check-trt passed, or _export raised)."""
+    cache = {}
+
+    def get(name, kv):
+        if (name, kv) not in cache:
+            with pytest.MonkeyPatch.context() as mp:
+                for k, v in VARIANTS.items():
+                    mp.setitem(archs.ARCHS, k, v)
+                if name not in cache:
+                    cache[name] = archs.make_arch_folder(tmp_path_factory.mktemp(name.replace(".", "-")), name)
+            out = tmp_path_factory.mktemp("b") / f"{name}-{kv}"
+            cache[(name, kv)] = _export(cache[name], out, kv, context_of(name))
+        return cache[(name, kv)]
+    return get
+
+
+def assert_layers_as_expected(backend, name):
+    modes, normed = EXPECTED[name]
+    assert backend.fused is not None, backend.attention
+    assert [L.rotary for L in backend.fused.layers] == modes
+    # fed the layer's own q|k (normed, or rotated by the graph) or the packed projection as it is
+    assert [L.qk is not None for L in backend.fused.layers] == [normed or m == "graph" for m in modes]
+
+
+@pytest.mark.parametrize("name", FLOAT)
+def test_fused_equals_plain_float_kv(name, bundles):
+    """A prefill of 6 (every row's logits), a chunk of 5 after it and 8 decode steps: the plain
+    graph's logits to float tolerance, every cached K (after RoPE) and V slot for slot."""
+    b = load_bundle(bundles(name, "float"))
+    plain, fused = Stream(b, "plain"), Stream(b, "fused")
+    assert_layers_as_expected(fused.backend, name)
+    rng = np.random.default_rng(3)
+    for s in CALLS:
+        ids = rng.integers(0, b.model["vocab_size"], (1, s))
+        rows = np.arange(s)[None]
+        want, got = plain.run(ids, rows), fused.run(ids, rows)
+        assert np.abs(want).max() > 0.1
+        np.testing.assert_allclose(got, want, atol=LOGITS_ATOL, rtol=0)
+    for i in range(b.model["n_layers"]):
+        for kv in ("key", "value"):
+            np.testing.assert_allclose(fused.codes(i, kv), plain.codes(i, kv), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["qwen3-d32", "phi4-mini"])
+def test_fused_run_cells_equals_plain(name, bundles):
+    """The engine's calls (any mask, any positions, the write run inside or above the past) with
+    the op's RoPE (qwen3-d32: it reads position_ids) and the graph's (phi4-mini): the plain graph's
+    logits and the same K/V in the same cells, the cells around them untouched."""
+    b = load_bundle(bundles(name, "float"))
+    plain_b, fused_b = (OrtBackend(b, threads=1, max_logits_rows=8, attention=a) for a in ("plain", "fused"))
+    plain, fused = (KVCache(b, CAPACITY, memory=be.memory) for be in (plain_b, fused_b))
+    rng = np.random.default_rng(5)
+    seed = {n: rng.standard_normal(plain.slots_shape(n, CAPACITY)).astype(np.float32) for n in plain.names}
+    plain.write(seed)
+    fused.write(seed)
+    for past, s, write in [(0, 4, 0), (0, 1, 7), (20, 3, 20), (20, 3, 5), (CAPACITY, 5, CAPACITY - 9)]:
+        ids, pos, mask = random_cells_call(rng, b, CAPACITY, past, s, write)
+        rows = np.arange(s)[None]
+        want = plain_b.run_cells(plain, past, write, ids, pos, mask, rows).copy()
+        got = fused_b.run_cells(fused, past, write, ids, pos, mask, rows).copy()
+        np.testing.assert_allclose(got, want, atol=LOGITS_ATOL, rtol=0, err_msg=f"{(past, s, write)}")
+        a, f = plain.read(CAPACITY), fused.read(CAPACITY)
+        for n in plain.names:
+            np.testing.assert_allclose(f[n], a[n], atol=1e-5, rtol=0, err_msg=f"{n} after {(past, s, write)}")
+
+
+@pytest.mark.parametrize("name", STATIC)
+def test_static_int8_same_codes_and_tokens(name, bundles):
+    """tests/test_fused.py's int8 oracle: layer 0's codes equal but for GroupQueryAttention's
+    -128 (the plain graph clamps to -127); a prompt whose fused cache holds no -128 never met that
+    difference, and there every code of every layer is the plain graph's (at most one step on a
+    rounding boundary) and the greedy tokens are the same. Short prompts: the calibrated scales
+    put a clamp in most longer ones."""
+    b = load_bundle(bundles(name, "int8-static"))
+    plain_b = OrtBackend(b, threads=1, max_logits_rows=1, attention="plain")
+    fused_b = OrtBackend(b, threads=1, max_logits_rows=1, attention="fused")
+    assert_layers_as_expected(fused_b, name)
+    clean = 0
+    for seed in range(48):
+        plain, fused = (KVCache(b, CAPACITY, memory=be.memory) for be in (plain_b, fused_b))
+        seqs = plain.new_sequence(), fused.new_sequence()
+        ids = np.random.default_rng(seed).integers(0, b.model["vocab_size"], (1, 3))
+        want_tokens, got_tokens = [], []
+        for _ in range(4):  # the prompt, then greedy decode steps
+            row = np.array([[ids.shape[1] - 1]])
+            want = plain_b.run(plain, seqs[0], ids, row).copy()
+            got = fused_b.run(fused, seqs[1], ids, row).copy()
+            for q in seqs:
+                q.advance(ids[0])
+            want_tokens.append(int(want[0, -1].argmax()))
+            got_tokens.append(int(got[0, -1].argmax()))
+            ids = np.array([[want_tokens[-1]]])
+        a_all, f_all = plain.read(seqs[0].n), fused.read(seqs[1].n)
+        codes = {(i, kv): (a_all[f"past.{i}.{kv}"], f_all[f"past.{i}.{kv}"])
+                 for i in range(b.model["n_layers"]) for kv in ("key", "value")}
+        for kv in ("key", "value"):
+            assert clamp_only(*codes[(0, kv)]), f"seed {seed}: layer 0 {kv} codes differ beyond the clamp"
+        if not any((f == -128).any() for _, f in codes.values()):
+            clean += 1
+            for (i, kv), (a, f) in codes.items():
+                d = np.abs(a.astype(np.int16) - f.astype(np.int16))
+                assert d.max() <= 1 and (d > 0).mean() <= ONE_STEP_SHARE, \
+                    f"seed {seed}: layer {i} {kv} codes differ with no clamp in reach ({int((d > 0).sum())} of {d.size})"
+            assert got_tokens == want_tokens, f"seed {seed}"
+    assert clean >= 4, clean  # the strict half of the test ran
+
+
+@pytest.mark.parametrize("name", ["qwen3-d32", "smollm3", "phi4-mini"])
+def test_session_runs_one_gqa_per_layer(name, bundles, tmp_path, monkeypatch):
+    """A silent fallback must fail: a static bundle of each architecture runs the fused graph
+    unasked (auto), and that graph as onnxruntime optimizes it has one GroupQueryAttention per
+    layer, no Softmax and no MatMul of two activations (queries by keys, weights by values)."""
+    monkeypatch.delenv(ATTENTION_ENV, raising=False)
+    b = load_bundle(bundles(name, "int8-static"))
+    backend = OrtBackend(b, threads=1)
+    assert backend.attention.startswith("attention: fused"), backend.attention
+    inputs = {i.name for i in backend.session.get_inputs()}
+    assert {"seqlens_k", "total_sequence_length", "attention_bias"} <= inputs and "key_mask" not in inputs
+    g = optimized_graph(backend, b, tmp_path)
+    ops = [n.op_type for n in g.node]
+    assert ops.count("GroupQueryAttention") == b.model["n_layers"]
+    assert "Softmax" not in ops
+    consts = {t.name for t in g.initializer} | {o for n in g.node if n.op_type in ("Constant", "DequantizeLinear")
+                                                for o in n.output}
+    assert not [n.name for n in g.node if n.op_type in ("MatMul", "FusedMatMul") and n.input[1] not in consts]
+
+
+def rewrite_bundle(src, dst, edit):
+    """A copy of bundle `src` whose graph `edit(model)` changed, its manifest's sizes and hashes
+    brought up to date (the bundle's own record of its files)."""
+    shutil.copytree(src, dst)
+    path = dst / "model.onnx"
+    m = onnx.load(str(path))
+    edit(m)
+    onnx.save_model(m, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                    location=path.name + ".data", size_threshold=1024)
+    manifest = json.loads((dst / "edgekv.json").read_text())
+    for name in ("model.onnx", "model.onnx.data"):
+        manifest["files"]["sizes"][name] = (dst / name).stat().st_size
+        manifest["files"]["sha256"][name] = file_sha256(dst / name)
+    (dst / "edgekv.json").write_text(json.dumps(manifest))
+    return dst
+
+
+def negate_layer_rotation(layer: int):
+    """Layer `layer`'s RoPE MatMul multiplies by -R (a rotation the op has no form for; the other
+    layers keep the exporter's R)."""
+    def edit(m):
+        from onnx import numpy_helper as nh
+
+        prod = {o: n for n in m.graph.node for o in n.output}
+        n = prod[f"present.{layer}.key"]
+        while n.op_type != "Split":
+            n = prod[n.input[0]]
+        add = prod[n.input[0]]
+        mat = next(prod[x] for mul in add.input for x in prod[mul].input if x in prod and prod[x].op_type == "MatMul")
+        rot = next(t for t in m.graph.initializer if t.name == mat.input[1])
+        m.graph.initializer.append(nh.from_array(-nh.to_array(rot), "rot.negated"))
+        mat.input[1] = "rot.negated"
+    return edit
+
+
+def test_a_layer_the_op_cannot_express_keeps_the_graph_as_written(bundles, tmp_path, monkeypatch):
+    """One layer (1 of 2) whose rotation the op cannot do: auto runs the whole graph as written
+    (one session cannot mix the op's cache layout with the plain one), the load line names the
+    layer and why; fused asked for is one line naming it."""
+    monkeypatch.delenv(ATTENTION_ENV, raising=False)
+    b = load_bundle(rewrite_bundle(bundles("qwen3-d32", "int8-static"), tmp_path / "b", negate_layer_rotation(1)))
+    backend = OrtBackend(b, threads=1)
+    assert backend.fused is None
+    assert "layer 1" in backend.attention and "rotate_half" in backend.attention, backend.attention
+    assert "key_mask" in {i.name for i in backend.session.get_inputs()}
+    with pytest.raises(BackendUnavailable, match="layer 1: RoPE's rotation"):
+        OrtBackend(b, threads=1, attention="fused")
