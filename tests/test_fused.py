@@ -13,7 +13,6 @@ import pytest
 ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
-from conftest import _export  # noqa: E402
 from edgekv.format.bundle import file_sha256, load_bundle  # noqa: E402
 from edgekv.runtime.backends.fused import MIN_ORT, NotFusable, fuse_bundle, ort_version_ok  # noqa: E402
 from edgekv.errors import BackendUnavailable, EdgeKVError  # noqa: E402
@@ -29,19 +28,21 @@ CAPACITY = 64
 LOGITS_ATOL = 1e-4  # measured 2-3e-6 on these models: float reassociation inside the fused kernels
 
 
+# the bundles are conftest's (made once per run, shared with test_eval, test_serve_engine,
+# test_trt_check and the fused serving tests), named here for what these tests compare
 @pytest.fixture(scope="module")
-def qwen_float(tiny_qwen, tmp_path_factory):
-    return _export(tiny_qwen, tmp_path_factory.mktemp("fq") / "tiny-qwen-float", "float")
-
-
-@pytest.fixture(scope="module")
-def llama_static(tiny_llama, tmp_path_factory):
-    return _export(tiny_llama, tmp_path_factory.mktemp("fs") / "tiny-llama-int8-static", "int8-static")
+def qwen_float(tiny_qwen_bundle_float):
+    return tiny_qwen_bundle_float
 
 
 @pytest.fixture(scope="module")
-def qwen_static(tiny_qwen, tmp_path_factory):
-    return _export(tiny_qwen, tmp_path_factory.mktemp("fs") / "tiny-qwen-int8-static", "int8-static")
+def llama_static(tiny_bundle_int8_static):
+    return tiny_bundle_int8_static
+
+
+@pytest.fixture(scope="module")
+def qwen_static(tiny_qwen_bundle_int8_static):
+    return tiny_qwen_bundle_int8_static
 
 
 class Stream:
