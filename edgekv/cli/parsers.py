@@ -211,6 +211,19 @@ def _serve_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (beyond localhost: set --api-key)")
     p.add_argument("--port", type=int_range(0, 65535), default=8080, help="port to listen on")
     p.add_argument("--parallel", type=int_range(1, 1024), default=4, help="sequences decoded together at most")
+    count = int_range(0, 1024)
+
+    def slots(text: str):  # auto, or a count (argparse's message names both)
+        try:
+            return text if text == "auto" else count(text)
+        except argparse.ArgumentTypeError:
+            raise argparse.ArgumentTypeError(f"must be auto or an integer in 0..1024 (got {text[:40]!r})") from None
+
+    p.add_argument("--slots", type=slots, default="auto", metavar="K|auto",
+                   help="K: fused slots, llama-server's --parallel K (K sequences of --ctx/K cells each, attention by "
+                        "onnxruntime's GroupQueryAttention over the static int8 cache; prefixes copied, not shared); "
+                        "0: the shared cell pool (the graph as written); auto (default): slots, K = --parallel, "
+                        "where the bundle's KV scheme is static int8 and ort-cpu fuses it, else the cell pool")
     p.add_argument("--queue", type=int_range(0, 1 << 20), default=64,
                    help="requests that may wait for room; more get HTTP 429 (0: none wait, a request that can start "
                         "at once still starts)")

@@ -134,3 +134,56 @@ class HeadMajorMemory(HostMemory):
 
     def move_rows(self, buf: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
         buf[0, :, dst] = buf[0, :, src]  # the fancy index gathers every source first
+
+
+class SlotMemory(HostMemory):
+    """KV buffers in host RAM as `slots` sequence slots, [slots, Hkv, C / slots, D] (serve's
+    fused layout, llama-server's --parallel: docs/serve.md, "Fused slots"), for a cache that
+    asks for [C, 1, Hkv, D]. Cell c is slot c // L's position c % L (L = C / slots), so a
+    sequence in slot k owns cells [k L, k L + n) and GroupQueryAttention reads each entry of a
+    call from its slot's start; every copy in or out speaks cells ([n, 1, Hkv, D]), as
+    HostMemory's does, so snapshots and the engine's cell moves mean the same in every layout."""
+    layout = "sequence-slots"
+
+    def __init__(self, slots: int):
+        self.slots = slots
+
+    def slot_length(self, capacity: int) -> int:
+        """Cells of one slot in a cache of `capacity` cells (a multiple of the slots)."""
+        if capacity % self.slots:
+            raise ValueError(f"{capacity} cells do not split into {self.slots} equal slots")
+        return capacity // self.slots
+
+    def alloc(self, shape: tuple, dtype) -> np.ndarray:
+        if len(shape) != 4 or shape[1] != 1:
+            raise ValueError(f"a slotted cache holds [cells, 1, Hkv, D] tensors, not {list(shape)}")
+        cells, _, heads, dim = shape
+        return super().alloc((self.slots, heads, self.slot_length(cells), dim), dtype)
+
+    @staticmethod
+    def _where(buf: np.ndarray, cells) -> tuple[np.ndarray, np.ndarray]:
+        cells = np.asarray(cells, np.int64)
+        return cells // buf.shape[2], cells % buf.shape[2]
+
+    def _get(self, buf: np.ndarray, cells) -> np.ndarray:
+        k, i = self._where(buf, cells)
+        return buf[k, :, i][:, None]  # [n, 1, Hkv, D] (a copy: fancy indexing)
+
+    def _put(self, buf: np.ndarray, cells, arr: np.ndarray) -> None:
+        k, i = self._where(buf, cells)
+        buf[k, :, i] = arr[:, 0]
+
+    def read(self, buf: np.ndarray, n: int) -> np.ndarray:
+        return self._get(buf, np.arange(n))
+
+    def write(self, buf: np.ndarray, arr: np.ndarray) -> None:
+        self._put(buf, np.arange(len(arr)), arr)
+
+    def read_rows(self, buf: np.ndarray, start: int, stop: int) -> np.ndarray:
+        return self._get(buf, np.arange(start, stop))
+
+    def write_rows(self, buf: np.ndarray, start: int, arr: np.ndarray) -> None:
+        self._put(buf, np.arange(start, start + len(arr)), arr)
+
+    def move_rows(self, buf: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
+        self._put(buf, dst, self._get(buf, src))  # every source gathered before any is written

@@ -22,11 +22,14 @@ import threading
 import time
 from pathlib import Path
 
-from edgekv.errors import EdgeKVError, note
+from typing import NamedTuple
+
+from edgekv.errors import BackendUnavailable, EdgeKVError, note
 from edgekv.format.bundle import load_bundle
 from edgekv.runtime.assemble import Runtime, open_runtime
 from edgekv.runtime.backends.base import PREFILL_CHUNK
-from edgekv.runtime.batching import Done, Request, Token
+from edgekv.runtime.batching import Batcher, Done, Request, Token
+from edgekv.runtime.cache import KVCache
 from edgekv.runtime.sampling import SamplingParams
 from edgekv.runtime.text import StreamDecoder
 from edgekv.serve import LOCAL_HOSTS
@@ -47,30 +50,97 @@ def _import_serving():
     return uvicorn
 
 
-def open_serve_runtime(bundle, ctx: int | None, backend: str, threads: int | None) -> Runtime:
-    """Serve's runtime: ort-cpu runs the bundle's graph as written (attention "plain"), whatever
-    EDGEKV_ATTENTION says: onnxruntime's fused attention is not bit for bit the same batched as
-    alone (docs/fused.md), and serve promises a request the tokens it would get alone."""
-    return open_runtime(bundle, ctx=ctx, backend=backend, threads=threads, attention="plain")
+# where serve's requests keep their K/V (docs/serve.md, "Fused slots"): --slots K
+SLOTS_AUTO = "auto"
+MIN_SLOT = 16  # cells of one slot at least: a prompt and some reply
+# the attention serve opens ort-cpu with: the cell pool sums attention in fixed point, the graph
+# as written (onnxruntime's fused attention over a shared pool is batched = alone only to ~1e-6,
+# docs/fused.md); slots run GroupQueryAttention, each sequence in its own slot (batched = alone)
+SERVE_ATTENTION = {0: "plain", SLOTS_AUTO: "auto"}  # any K: "fused"
+
+
+def open_serve_runtime(bundle, ctx: int | None, backend: str, threads: int | None, slots=0) -> Runtime:
+    """Serve's runtime for `slots` (0: the cell pool on the graph as written, whatever
+    EDGEKV_ATTENTION says; K: the fused graph or one line saying why not; auto: the fused graph
+    where ort-cpu fuses this bundle)."""
+    attention = SERVE_ATTENTION.get(slots, "fused")
+    try:
+        return open_runtime(bundle, ctx=ctx, backend=backend, threads=threads, attention=attention)
+    except BackendUnavailable as e:
+        if attention != "fused":
+            raise
+        raise EdgeKVError(f"--slots {slots}: {e} (--slots 0 serves the shared cell pool)") from None
+
+
+class Layout(NamedTuple):
+    """Where serve's requests keep their K/V: `slots` 0 = the shared cell pool, else that many
+    fused slots of `capacity` / `slots` cells; `why`: the load line."""
+    slots: int
+    capacity: int
+    why: str
+
+
+def serve_layout(rt: Runtime, slots, parallel: int, ctx: int | None = None) -> Layout:
+    """What `--slots` (auto, 0 or K) means on this runtime; a K that leaves a slot under MIN_SLOT
+    cells, or cannot run here, is one line."""
+    capacity = ctx or rt.capacity
+    if slots == 0:
+        return Layout(0, capacity, "KV: the shared cell pool (--slots 0)")
+    memory_error = _slots_unavailable(rt)
+    if slots == SLOTS_AUTO:
+        if memory_error is not None:
+            return Layout(0, capacity, f"KV: the shared cell pool ({memory_error})")
+        slots = parallel
+    elif memory_error is not None:
+        raise EdgeKVError(f"--slots {slots}: {memory_error} (--slots 0 serves the shared cell pool)")
+    per = capacity // slots
+    if per < MIN_SLOT:
+        raise EdgeKVError(f"--slots {slots} leaves {per} cells a slot in a context of {capacity} (at least {MIN_SLOT}): "
+                          f"raise --ctx or lower --slots")
+    return Layout(slots, per * slots, f"KV: {slots} fused slots of {per} cells (GroupQueryAttention over the "
+                                      f"{rt.bundle.scheme.name} cache; a request's context is its slot's; "
+                                      f"--slots 0 serves the shared cell pool)")
+
+
+def _slots_unavailable(rt: Runtime) -> str | None:
+    """Why this runtime cannot run fused slots, or None."""
+    try:
+        rt.backend.slot_memory(1)
+    except AttributeError:
+        return f"{rt.backend.name} runs no fused slots"
+    except BackendUnavailable as e:
+        return str(e)
+    return None
+
+
+def engine(rt: Runtime, layout: Layout, parallel: int = 4, max_queue: int = 64,
+           prefill_chunk: int = PREFILL_CHUNK) -> Batcher:
+    """The batcher over `layout`'s cache (not started)."""
+    memory = rt.backend.slot_memory(layout.slots) if layout.slots else rt.backend.memory
+    cache = KVCache(rt.bundle, layout.capacity, memory=memory)
+    return Batcher(rt.backend, cache, parallel=layout.slots or parallel, max_queue=max_queue,
+                   prefill_chunk=prefill_chunk)
 
 
 def build_server(rt: Runtime, ctx: int | None = None, parallel: int = 4, max_queue: int = 64,
-                 prefill_chunk: int = PREFILL_CHUNK, **server):
-    """(batcher, app's Server) over a runtime; the batcher's thread is started. `server`: the
-    Server's own options (api_keys, max_body_bytes)."""
+                 prefill_chunk: int = PREFILL_CHUNK, slots=0, **server):
+    """(batcher, app's Server) over a runtime; the batcher's thread is started. `slots`: as
+    --slots (0: the cell pool, K, auto), or a Layout already chosen. `server`: the Server's own
+    options (api_keys, max_body_bytes)."""
     from edgekv.serve.app import Server
 
-    batcher = rt.batcher(capacity=ctx, parallel=parallel, max_queue=max_queue, prefill_chunk=prefill_chunk).start()
+    layout = slots if isinstance(slots, Layout) else serve_layout(rt, slots, parallel, ctx)
+    batcher = engine(rt, layout, parallel, max_queue, prefill_chunk).start()
     return batcher, Server(batcher, rt.codec, rt.bundle.manifest.get("name", rt.bundle.path.name),
                            bundle=rt.bundle, **server)
 
 
 def build(rt: Runtime, ctx: int | None = None, parallel: int = 4, max_queue: int = 64, api_key: str | None = None,
-          prefill_chunk: int = PREFILL_CHUNK, **server):
+          prefill_chunk: int = PREFILL_CHUNK, slots=0, **server):
     """(batcher, ASGI app) over a runtime, the app ready at once (tests, bench-serve)."""
     if api_key is not None:
         server["api_keys"] = [api_key]
-    batcher, srv = build_server(rt, ctx, parallel, max_queue, prefill_chunk, **server)
+    batcher, srv = build_server(rt, ctx, parallel, max_queue, prefill_chunk, slots, **server)
     srv.set_state("ready")
     return batcher, srv.app()
 
@@ -453,8 +523,10 @@ def cmd_serve(args) -> int:
             print(f"edgekv serve: {url_of(args.host, http.port)}/v1 (loading {args.bundle})", flush=True)
             notify("STATUS=loading")
             t0 = time.perf_counter()
-            rt = open_serve_runtime(bundle, args.ctx, args.backend, args.threads)
-            batcher, server = build_server(rt, args.ctx, args.parallel, args.queue, api_keys=keys,
+            rt = open_serve_runtime(bundle, args.ctx, args.backend, args.threads, args.slots)
+            layout = serve_layout(rt, args.slots, args.parallel, args.ctx)
+            note(f"edgekv serve: {layout.why}")
+            batcher, server = build_server(rt, args.ctx, args.parallel, args.queue, slots=layout, api_keys=keys,
                                           max_body_bytes=args.max_body, bind_host=args.host)
             server.set_state("loading")
             gate.open(server.app())  # the app answers "loading" itself until ready

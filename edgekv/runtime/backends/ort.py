@@ -19,7 +19,7 @@ from edgekv.runtime.backends.base import PREFILL_CHUNK, UNLIMITED, bound_past
 from edgekv.runtime.backends.fused import BIAS, MIN_ORT, SEQLENS, TOTAL, NotFusable, fuse_bundle, ort_version_ok
 from edgekv.runtime.backends.nbits import fold_graph
 from edgekv.runtime.cache import KVCache
-from edgekv.runtime.memory import HeadMajorMemory, HostMemory, KVMemory
+from edgekv.runtime.memory import HeadMajorMemory, HostMemory, KVMemory, SlotMemory
 from edgekv.runtime.sequence import Sequence
 
 PAST_BUCKET = 16  # slots: the past is bound at a multiple of this (1: exactly the filled slots; docs/runtime.md)
@@ -325,6 +325,12 @@ def exact_graph(graph: bytes, max_cells: int) -> tuple[bytes, bool]:
 # the rest (a float cache is the reference eval compares against; per-token scales have no fused form)
 ATTENTION_ENV = "EDGEKV_ATTENTION"
 ATTENTIONS = ("auto", "fused", "plain")
+# query_seqlens (onnxruntime 1.32): each entry's valid tokens of a right-padded call; 0 = an idle
+# entry whose cache is unchanged. Fed by every fused call ([S] for one stream, where it is what the
+# op assumes without it), so one graph serves a stream and serve's slots (run_slots)
+QUERY_LENGTHS = "query_seqlens"
+QUERY_LENGTHS_INPUT = 16  # its place among GroupQueryAttention's inputs
+QUERY_LENGTHS_ORT = (1, 32)  # the release whose schema has it
 FUSED_INPUTS = (SEQLENS, TOTAL, BIAS)
 # slots after the capacity where a fused call writing inside the past lands before it is moved
 # (a ring's overwrite, a pool's cell run), and so the most tokens a fused call takes (the
@@ -368,6 +374,22 @@ def choose_attention(backend: "OrtBackend", bundle: Bundle, mode: str):
     if mode == "fused":
         raise BackendUnavailable(f"fused attention: {why}")
     return None, f"attention: the bundle's graph as written ({why})"
+
+
+def ort_at_least(version: str, floor: tuple[int, int]) -> bool:
+    """onnxruntime `version` (\"1.32.0\", \"1.33.0.dev...\") is `floor` or later."""
+    parts = tuple(int("".join(c for c in p if c.isdigit()) or 0) for p in version.split(".")[:2])
+    return parts >= floor
+
+
+def with_query_lengths(model) -> None:
+    """Every GroupQueryAttention of the fused model (in place) reads the graph input query_seqlens [B]."""
+    import onnx
+
+    for n in model.graph.node:
+        if n.op_type == "GroupQueryAttention":
+            n.input.extend([""] * (QUERY_LENGTHS_INPUT - len(n.input)) + [QUERY_LENGTHS])
+    model.graph.input.append(onnx.helper.make_tensor_value_info(QUERY_LENGTHS, onnx.TensorProto.INT32, ["batch"]))
 
 
 def attention_bias(key_mask: np.ndarray | None, past: int, at: int, s: int) -> np.ndarray:
@@ -428,6 +450,11 @@ class OrtBackend:
         mode = attention_default() if attention is None else attention
         self.fused, self.attention = choose_attention(self, bundle, mode)
         try:
+            # serve's slots need query_seqlens (onnxruntime >= 1.32); without it the fused graph
+            # still runs one stream, and run_slots says why it cannot run
+            self.query_lengths = self.fused is not None and ort_at_least(ort.__version__, QUERY_LENGTHS_ORT)
+            if self.query_lengths:
+                with_query_lengths(self.fused.model)
             if self.fused is not None:
                 graph, self.exact = self.fused.serialize(), False  # GroupQueryAttention sums as it does
             else:
@@ -456,7 +483,7 @@ class OrtBackend:
         self.local_mask = LOCAL_MASK in graph_inputs  # a model with sliding-window layers: their mask is fed too
         expected = set(bundle.manifest["io"]["inputs"]) | set(bundle.manifest["io"]["past"])
         if self.fused is not None:  # the cache's lengths and the bias in place of the key mask
-            expected = (expected - {"key_mask"}) | set(FUSED_INPUTS)
+            expected = (expected - {"key_mask"}) | set(FUSED_INPUTS) | ({QUERY_LENGTHS} if self.query_lengths else set())
         if graph_inputs != expected:
             raise BundleError(f"{bundle.path}: corrupt bundle (graph inputs do not match the manifest)")
         self.memory = self.make_memory() if self.fused is None else HeadMajorMemory(FUSED_SPARE)
@@ -583,6 +610,8 @@ class OrtBackend:
                  "logits_index": np.ascontiguousarray(logits_index, np.int64),
                  SEQLENS: np.array([at + s - 1], np.int32), TOTAL: np.array(at + s, np.int32),
                  BIAS: attention_bias(key_mask, past, at, s)}
+        if self.query_lengths:
+            feeds[QUERY_LENGTHS] = np.array([s], np.int32)
         self._bind_fused(cache, feeds)
         logits = self._bind_logits(1, logits_index.shape[1])
         self.session.run_with_iobinding(self.io)
@@ -603,6 +632,68 @@ class OrtBackend:
             self.io.bind_input(name, "cpu", 0, buf.dtype, list(buf.shape), buf.ctypes.data)
             self.io.bind_output("present" + name[4:], "cpu", 0, buf.dtype, list(buf.shape), buf.ctypes.data)
         self._bound["past"] = (cache,)
+
+    # -- serve's slots (docs/serve.md, "Fused slots"): the cache is SlotMemory's [K, Hkv, L, D];
+    # a call is entries of consecutive slots, each appending its own tokens at its own length
+    def slot_memory(self, slots: int) -> SlotMemory:
+        """The memory of a cache of `slots` sequence slots, for run_slots; an error where this
+        backend cannot run them (the graph as written, or an onnxruntime without query_seqlens)."""
+        if self.fused is None:
+            raise BackendUnavailable(f"fused slots need the fused graph; this {self.name} runs the bundle's graph as "
+                                     f"written ({self.attention})")
+        if not self.query_lengths:
+            raise BackendUnavailable(f"fused slots need GroupQueryAttention's query_seqlens: onnxruntime "
+                                     f">= {'.'.join(map(str, QUERY_LENGTHS_ORT))} (this is {self.ort.__version__})")
+        return SlotMemory(slots)
+
+    def run_slots(self, cache: KVCache, first: int, input_ids: np.ndarray, lengths: np.ndarray,
+                  query_lengths: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
+        """One call over slots [first, first + B) of a slotted cache: entry b holds lengths[b]
+        tokens and appends its first query_lengths[b] rows of input_ids [B, S] (right-padded; 0:
+        idle, its slot unchanged) at its own positions lengths[b] + i. Each entry reads only its
+        own slot, from cell 0, whatever else the call holds (batched = alone, docs/serve.md).
+        Returns logits [B, K, V] of rows logits_index [B, K]."""
+        if cache.layout != SlotMemory.layout:
+            raise EdgeKVError(f"{self.name}: run_slots needs a slotted cache (memory=backend.slot_memory(k))")
+        b, s = input_ids.shape
+        slot_len = cache.buffers[cache.names[0]].shape[2]
+        lengths = np.asarray(lengths, np.int64)
+        query = np.asarray(query_lengths, np.int32)
+        # an idle entry still needs seqlens_k >= 0; its cache is left as it is
+        seqlens = np.maximum(lengths + query - 1, 0).astype(np.int32)
+        feeds = {"input_ids": np.ascontiguousarray(input_ids, np.int64),
+                 "position_ids": lengths[:, None] + np.arange(s, dtype=np.int64)[None],
+                 "logits_index": np.ascontiguousarray(logits_index, np.int64),
+                 # the slot's length as the total: a bound (query_seqlens gives each entry's own), the
+                 # same in every call, so nothing in an entry's arithmetic depends on its batch
+                 SEQLENS: seqlens, TOTAL: np.array(slot_len, np.int32), QUERY_LENGTHS: query,
+                 BIAS: self._zero_bias(s, slot_len)}
+        self._feeds = feeds  # kept alive: bound by address
+        for name, a in feeds.items():
+            self.io.bind_input(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
+        self._bind_slots(cache, first, b)
+        logits = self._bind_logits(b, logits_index.shape[1])
+        self.session.run_with_iobinding(self.io)
+        return logits
+
+    def _zero_bias(self, s: int, total: int) -> np.ndarray:
+        """attention_bias [1, 1, S, T] of zeros (a slot's entry sees its own cells, causally: the op's rule)."""
+        bias = self._small.get(BIAS)
+        if bias is None or bias.shape != (1, 1, s, total):
+            bias = self._small[BIAS] = np.zeros((1, 1, s, total), np.float32)
+        return bias
+
+    def _bind_slots(self, cache: KVCache, first: int, count: int) -> None:
+        """past.* and present.* as slots [first, first + count) of every buffer (one address each)."""
+        key = (cache, first, count)
+        if self._bound.get("past") == key:
+            return
+        self._bound.pop("past", None)
+        for name, buf in cache.buffers.items():
+            view = buf[first: first + count]  # [count, Hkv, L, D]: consecutive slots are one block
+            self.io.bind_input(name, "cpu", 0, buf.dtype, list(view.shape), view.ctypes.data)
+            self.io.bind_output("present" + name[4:], "cpu", 0, buf.dtype, list(view.shape), view.ctypes.data)
+        self._bound["past"] = key
 
     # -- the binding, changed only where what it holds changed
     def _bind_small(self, s: int, k: int, past: int) -> dict[str, np.ndarray]:

@@ -23,7 +23,23 @@ from edgekv.runtime.batching.postprocess import Health, PostProcess
 from edgekv.runtime.batching.request import Request, now
 from edgekv.runtime.batching.runner import StepRunner
 from edgekv.runtime.batching.scheduler import Scheduler
+from edgekv.runtime.batching.slots import SlotKV, SlotRunner
 from edgekv.runtime.cache import KVCache
+from edgekv.runtime.memory import SlotMemory
+
+
+def cell_pool(backend, cache: KVCache, max_prefixes: int):
+    """The unified cell pool's KV manager and step runner (every backend's run_cells)."""
+    return KVManager(cache, backend.past_bucket, max_prefixes), StepRunner(backend, cache)
+
+
+def fused_slots(backend, cache: KVCache, max_prefixes: int):
+    """Fused slots' KV manager and step runner (ort-cpu's run_slots; docs/serve.md)."""
+    return SlotKV(cache, max_prefixes), SlotRunner(backend, cache)
+
+
+# where a sequence's K/V live, by the cache's layout: cells of one shared pool, or a slot of its own
+ENGINES = {SlotMemory.layout: fused_slots}
 
 
 class Batcher:
@@ -34,10 +50,10 @@ class Batcher:
                               f"{backend.name} here runs one sequence per call")
         self.backend, self.cache = backend, cache
         per_call = backend.max_tokens_per_call
-        self.kv = KVManager(cache, backend.past_bucket, max_prefixes)
-        # every running sequence's next token goes into one call
-        self.scheduler = Scheduler(self.kv, min(parallel, per_call), max_queue, min(prefill_chunk, per_call), per_call)
-        self.runner = StepRunner(backend, cache)
+        self.kv, self.runner = ENGINES.get(cache.layout, cell_pool)(backend, cache, max_prefixes)
+        # every running sequence's next token goes into one call (and has a place: fused slots hold K)
+        self.scheduler = Scheduler(self.kv, min(parallel, per_call, self.kv.max_sequences), max_queue,
+                                   min(prefill_chunk, per_call), per_call)
         self.health = Health()
         # masks made while the graph runs pay where the run leaves the CPU free (a GPU); on the
         # CPU the backend's threads hold the cores and the worker only waits (docs/structured.md)
@@ -104,7 +120,7 @@ class Batcher:
             return False
         self.kv.tidy(sum(len(p.tokens) for p in plan))
         for call in self.kv.place(plan):
-            self.kv.turns.protect(call.write, call.size)
+            self.kv.protect(call)
             self.post.masks_ahead(call)  # computed while the graph runs, joined before sampling
             rows = self.runner.run(call)
             self.kv.commit(call)

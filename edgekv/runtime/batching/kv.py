@@ -35,6 +35,8 @@ class KVManager:
     def __init__(self, cache: KVCache, past_bucket: int, max_prefixes: int):
         self.cache, self.capacity, self.past_bucket = cache, cache.capacity, past_bucket
         self.limit = min(self.capacity, cache.max_positions)  # cells and positions of one sequence
+        self.limit_words = f"the context holds {self.limit}"
+        self.max_sequences = 1 << 30  # as many as the cells hold
         self.pool = CellPool(self.capacity, max_prefixes)
         self.turns = Turns(cache, self.pool)
         self.sequences: list[PoolSequence] = []  # every sequence handed out and not yet released
@@ -153,6 +155,10 @@ class KVManager:
         for p in call.pieces:
             p.seq._extend(range(w, w + len(p.tokens)), p.tokens)
             w += len(p.tokens)
+
+    def protect(self, call: Call) -> None:
+        """Before a call writes its cells: an open turn copies those it may have to restore."""
+        self.turns.protect(call.write, call.size)
 
     # -- compaction
     def tidy(self, want: int) -> None:

@@ -56,7 +56,7 @@ class Scheduler:
         max_new, limit_reason = req.ask.max_tokens, "length"
         if not req.kept:
             if len(prompt) >= self.kv.limit:
-                raise ContextOverflow(f"the prompt has {len(prompt)} tokens; the context holds {self.kv.limit} "
+                raise ContextOverflow(f"the prompt has {len(prompt)} tokens; {self.kv.limit_words} "
                                       f"(prompt and at least one new token)", setting="capacity", fix="raise {}")
             max_new = max(1, min(req.ask.max_tokens, self.kv.limit - len(prompt)))
         else:
