@@ -132,16 +132,17 @@ class Layer:
 def _back_to_split(g: _Graph, name: str, scheme_kind: str):
     """Walk from present.{i}.* back to the Split output it was cut from. A float cache stores the
     Split's output as it is; a static int8 cache QuantizeLinear(Clip(Round(x / scale), -127, 127))
-    with a constant scale. Returns (Split node, its output, the constant scale or None)."""
+    with a constant scale (a float16 graph: Min(Max(...)) for the Clip, Cast to float32 after it).
+    Returns (Split node, its output, the constant scale or None)."""
     scale = None
     if scheme_kind == "static":
         q = g.op(name, "QuantizeLinear")
-        clip = q and g.op(q.input[0], "Clip")
-        rnd = clip and g.op(clip.input[0], "Round")
+        clamp = q and _clamp_of(g, _through_cast(g, q.input[0]))
+        rnd = clamp and g.op(clamp[0], "Round")
         div = rnd and g.op(rnd.input[0], "Div")
         if div is None or g.const(q.input[1]) is None or float(g.const(q.input[1])) != 1.0:
             raise NotFusable(f"{name}: not written as QuantizeLinear(Clip(Round(x / scale)), 1.0)")
-        lo, hi = (g.const(clip.input[k]) for k in (1, 2))
+        lo, hi = clamp[1:]
         if lo is None or hi is None or float(lo) != -127.0 or float(hi) != 127.0:
             raise NotFusable(f"{name}: the cache's codes are not clamped to +-127")
         scale = g.const(div.input[1])
@@ -154,6 +155,24 @@ def _back_to_split(g: _Graph, name: str, scheme_kind: str):
     return split, name, scale
 
 
+def _through_cast(g: _Graph, name: str) -> str:
+    """The input of the Cast producing `name` (a float16 graph's casts around float32 math), else name."""
+    n = g.op(name, "Cast")
+    return n.input[0] if n is not None else name
+
+
+def _clamp_of(g: _Graph, name: str):
+    """name = Clip(x, lo, hi) or Min(Max(x, lo), hi) with constant bounds: (x, lo, hi), else None."""
+    clip = g.op(name, "Clip")
+    if clip is not None:
+        return clip.input[0], g.const(clip.input[1]), g.const(clip.input[2])
+    mn = g.op(name, "Min")
+    mx = mn and g.op(mn.input[0], "Max")
+    if mx is None:
+        return None
+    return mx.input[0], g.const(mx.input[1]), g.const(mn.input[1])
+
+
 def _split_sizes(g: _Graph, split) -> list[int] | None:
     if len(split.input) > 1 and split.input[1]:
         v = g.const(split.input[1])
@@ -161,7 +180,7 @@ def _split_sizes(g: _Graph, split) -> list[int] | None:
     return None
 
 
-def _match_layer(g: _Graph, i: int, m: dict, kind: str, positions: int) -> Layer:
+def _match_layer(g: _Graph, i: int, m: dict, kind: str, dtype: str, positions: int) -> Layer:
     """Recognise layer i's attention block by its structure (docs/fused.md, "What is matched"):
     present.{i}.key <- Split[H, Hkv] of the cached q|k; present.{i}.value <- Split[H+Hkv, Hkv] of
     Transpose(Reshape(qkv)), whose q|k part reaches the cached q|k through the layer's own ops
@@ -189,7 +208,7 @@ def _match_layer(g: _Graph, i: int, m: dict, kind: str, positions: int) -> Layer
     h = _activation_of(g, qkv, [E, (H + 2 * Hkv) * D])
     if h is None:
         raise NotFusable(f"layer {i}: no q|k|v projection of width {(H + 2 * Hkv) * D} found")
-    attn_out = _attention_output(g, i, h, [H * D, E])
+    attn_out = _attention_output(g, i, h, [H * D, E], dtype)
     for s in (ks, vs):
         if s is not None and s.shape != (Hkv, D):
             raise NotFusable(f"layer {i}: static scale of shape {s.shape}, expected {(Hkv, D)}")
@@ -197,6 +216,9 @@ def _match_layer(g: _Graph, i: int, m: dict, kind: str, positions: int) -> Layer
         qk = None
     return Layer(i, qkv, attn_out, ks, vs, rotary, qk, vsplit.output[1], tables)
 
+
+# the graph dtypes the rewrite takes -> the op's T (onnx.TensorProto's FLOAT, FLOAT16); k/v scales stay float
+FLOAT_TYPES = {"float32": 1, "float16": 10}
 
 # GroupQueryAttention's CPU kernel (onnxruntime 1.32, probed): head_size a multiple of 8, and to
 # rotate inside the op a multiple of 16 with a cos/sin width (rotary dims / 2) a multiple of 8
@@ -324,13 +346,16 @@ def _activation_of(g: _Graph, qkv: str, dims: list[int]) -> str | None:
     return _weight_matmul_input(g, qkv, dims)
 
 
-def _attention_output(g: _Graph, i: int, h: str, wo_dims: list[int]) -> str:
+def _attention_output(g: _Graph, i: int, h: str, wo_dims: list[int], dtype: str) -> str:
     """h = RMSNorm(x) is what the q|k|v projection multiplies; x's consumer Add is the residual
-    x + wo(attention); the tensor the [H*D, E] weight there multiplies is the attention's output."""
+    x + wo(attention); the tensor the [H*D, E] weight there multiplies is the attention's output.
+    The norm's weight is in the graph's float type, which must be the manifest's (the op's T)."""
     norm_in = _rmsnorm_input(g, h)
     if norm_in is None:
         raise NotFusable(f"layer {i}: the q|k|v projection's input is not an RMSNorm")
-    x, _, _ = norm_in
+    x, w, _ = norm_in
+    if g.const(w).dtype != np.dtype(dtype):
+        raise NotFusable(f"layer {i}: the graph computes in {g.const(w).dtype}, its manifest says {dtype}")
     for add in g.consumers.get(x, []):
         if add.op_type != "Add":
             continue
@@ -342,13 +367,13 @@ def _attention_output(g: _Graph, i: int, h: str, wo_dims: list[int]) -> str:
 
 
 def _rmsnorm_input(g: _Graph, h: str):
-    """h = weight * (x / Sqrt(ReduceMean(x^2) + eps)) (export/model.py's RMSNorm): (x, weight
-    name, eps), else None."""
+    """h = weight * (x / Sqrt(ReduceMean(x^2) + eps)) (export/model.py's RMSNorm; a float16
+    graph: x cast to float32 first, the quotient cast back): (x, weight name, eps), else None."""
     mul = g.op(h, "Mul")
     if mul is None:
         return None
     for w, d in (mul.input, mul.input[::-1]):
-        div = g.op(d, "Div")
+        div = g.op(_through_cast(g, d), "Div")
         if div is None or g.const(w) is None:
             continue
         x = div.input[0]
@@ -361,7 +386,7 @@ def _rmsnorm_input(g: _Graph, h: str):
             eps = g.const(eps_name)
             pw = mean and g.op(mean.input[0], "Pow")
             if pw is not None and eps is not None and pw.input[0] == x and float(g.const(pw.input[1])) == 2.0:
-                return x, w, float(eps)
+                return _through_cast(g, x), w, float(eps)
     return None
 
 
@@ -390,23 +415,24 @@ def fuse_bundle(bundle: Bundle, max_positions: int | None = None, skip_norm: boo
     if bundle.model.get("local_layers"):  # local_window_size counts slots, not the keys' positions
         raise NotFusable(f"{bundle.path}: sliding-window layers (GroupQueryAttention's local_window_size masks by "
                          f"slot; a pool's or a ring's cells are not in position order)")
-    if bundle.dtype != "float32":  # the RoPE tables and the op's T are written as float32
-        raise NotFusable(f"{bundle.path}: a {bundle.dtype} graph (the fused rewrite handles float32 graphs only)")
+    if bundle.dtype not in FLOAT_TYPES:  # the op's T: its activations, RoPE tables and bias
+        raise NotFusable(f"{bundle.path}: a {bundle.dtype} graph (the fused rewrite handles {', '.join(FLOAT_TYPES)})")
     model = onnx.load(str(bundle.onnx_path), load_external_data=False)
     g = _Graph(model, str(bundle.onnx_path.parent))
     m = bundle.model
     positions = max_positions or bundle.max_context
-    layers = [_match_layer(g, i, m, kind, positions) for i in range(m["n_layers"])]
-    _emit_attention(g, layers, m, kind)
+    layers = [_match_layer(g, i, m, kind, bundle.dtype, positions) for i in range(m["n_layers"])]
+    _emit_attention(g, layers, m, kind, bundle.dtype)
     skips = _emit_skip_norms(g) if skip_norm else 0
     _prune(g)
     _check_fused(g, m["n_layers"])
     return FusedGraph(model, layers, skips, kind)
 
 
-def _emit_attention(g: _Graph, layers: list[Layer], m: dict, kind: str) -> None:
+def _emit_attention(g: _Graph, layers: list[Layer], m: dict, kind: str, dtype: str) -> None:
     onnx, helper, nh = g.onnx, g.onnx.helper, g.nh
     H, Hkv, D = m["n_heads"], m["n_kv_heads"], m["head_dim"]
+    bias = _bias_as(g, dtype)
     base = dict(num_heads=H, kv_num_heads=Hkv, rotary_interleaved=0)
     if kind == "static":
         base.update(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=8)
@@ -419,12 +445,12 @@ def _emit_attention(g: _Graph, layers: list[Layer], m: dict, kind: str) -> None:
         if L.rotary == "op":
             if L.tables[:2] not in tables:
                 names = tuple(f"fused.{w}_cache" + (f".{len(tables)}" if tables else "") for w in ("cos", "sin"))
-                g.g.initializer.extend([nh.from_array(np.ascontiguousarray(t, np.float32), n)  # [positions, r/2]
+                g.g.initializer.extend([nh.from_array(np.ascontiguousarray(t, dtype), n)  # [positions, r/2], the op's T
                                         for t, n in zip(L.tables[2:], names)])
                 tables[L.tables[:2]] = names
             rotary = [*tables[L.tables[:2]], "position_ids"]
         packed = L.qkv if L.qk is None else _pack_qkv(g, new_nodes, i, L.qk, L.v)
-        ins = [packed, "", "", f"past.{i}.key", f"past.{i}.value", SEQLENS, TOTAL, *rotary, BIAS, ""]
+        ins = [packed, "", "", f"past.{i}.key", f"past.{i}.value", SEQLENS, TOTAL, *rotary, bias, ""]
         if kind == "static":
             ins += [f"fused.{i}.k_scale", f"fused.{i}.v_scale"]
             g.g.initializer.extend([nh.from_array(L.k_scale.astype(np.float32).reshape(1, Hkv, 1, D), ins[-2]),
@@ -456,6 +482,16 @@ def _emit_attention(g: _Graph, layers: list[Layer], m: dict, kind: str) -> None:
     if not any(o.domain == MS for o in g.model.opset_import):
         g.model.opset_import.append(helper.make_opsetid(MS, 1))
     g.reindex()
+
+
+def _bias_as(g: _Graph, dtype: str) -> str:
+    """attention_bias in the op's T: the graph input stays float32 (what the runtime feeds for every
+    bundle); a float16 graph casts it once (0 and -inf are exact in float16)."""
+    if dtype == "float32":
+        return BIAS
+    name = f"{BIAS}.{dtype}"
+    g.g.node.append(g.onnx.helper.make_node("Cast", [BIAS], [name], name=name, to=FLOAT_TYPES[dtype]))
+    return name
 
 
 def _pack_qkv(g: _Graph, nodes: list, i: int, qk: str, v: str) -> str:
