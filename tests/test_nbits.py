@@ -125,28 +125,68 @@ def optimized(model: onnx.ModelProto, report: FoldReport, tmp_path) -> onnx.Grap
     return onnx.load(str(tmp_path / "opt.onnx"), load_external_data=False).graph
 
 
+def indicator(k: int) -> np.ndarray:
+    """[K, K/B]: 1 where row k lies in block j; x @ it is x's block sums (the oracle's own construction)."""
+    return np.kron(np.eye(k // B, dtype=np.float32), np.ones((B, 1), np.float32))
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_folded_matrix_is_one_matmulnbits_with_zero_points(bits, tmp_path):
     """The folded graph: the DequantizeLinear has integer zero points (the codes' type), the minimum
-    term is the remainder's MatMul over the blocksums (K/B rows, not the old 2K/B), no Concat or Mul;
-    onnxruntime runs it as one MatMulNBits with uint8 zero points (a silent fallback, the DQ left
-    unfused or the old term kept, fails here)."""
+    term is the remainder's MatMul over x's blocksums (K/B rows, not the old 2K/B), those one MatMul
+    of x by the 0/1 block indicator in place of Reshape + ReduceSum, no Concat or Mul; onnxruntime
+    runs it as one MatMulNBits with uint8 zero points (a silent fallback, the DQ left unfused or the
+    old term kept, fails here)."""
     q = q41_like(48, 128, np.random.default_rng(3), bits)
     m, report = folded(q, 4)
     assert report.folded == 1 and not report.kept
     ops = sorted(n.op_type for n in m.graph.node)
-    assert ops == ["Add", "DequantizeLinear", "MatMul", "MatMul", "ReduceSum", "Reshape"]
+    assert ops == ["Add", "DequantizeLinear", "MatMul", "MatMul", "MatMul"]
     inits = {t.name: t for t in m.graph.initializer}
     dq = next(n for n in m.graph.node if n.op_type == "DequantizeLinear")
     assert inits[dq.input[2]].data_type == (TensorProto.INT4 if bits == 4 else TensorProto.INT8)
+    blocksum = next(n for n in m.graph.node if n.op_type == "MatMul" and n.input[0] == "x" and n.input[1] in inits)
+    np.testing.assert_array_equal(onnx.numpy_helper.to_array(inits[blocksum.input[1]]), indicator(128))
     g = optimized(m, report, tmp_path)
-    assert sorted(n.op_type for n in g.node) == ["Add", "MatMul", "MatMulNBits", "ReduceSum", "Reshape"]
+    assert sorted(n.op_type for n in g.node) == ["Add", "MatMul", "MatMul", "MatMulNBits"]
     inits = {t.name: t for t in g.initializer}
     nb = next(n for n in g.node if n.op_type == "MatMulNBits")
     assert len(nb.input) > 3 and inits[nb.input[3]].data_type == TensorProto.UINT8
     assert {a.name: helper.get_attribute_value(a) for a in nb.attribute}["bits"] == bits
-    mm = next(n for n in g.node if n.op_type == "MatMul")
-    assert list(inits[mm.input[1]].dims) == [128 // B, 48]
+    sums = {n.output[0] for n in g.node if n.op_type == "MatMul" and n.input[0] == "x"}
+    term = next(n for n in g.node if n.op_type == "MatMul" and n.input[0] in sums)
+    assert list(inits[term.input[1]].dims) == [128 // B, 48]
+
+
+def test_matrices_share_their_input_blocksum(tmp_path):
+    """Two matrices reading x (K = 128) and one reading x2 (K = 64): one blocksum MatMul per input,
+    one indicator constant per K, the bundle's three Reshape + ReduceSum gone; at float activations
+    each output is its exact product."""
+    rng = np.random.default_rng(7)
+    qs = {"y1": (q41_like(48, 128, rng), "x"), "y2": (q41_like(24, 128, rng), "x"), "y3": (q41_like(16, 64, rng), "x2")}
+    inits, nodes = [], []
+    for y, (q, x) in qs.items():
+        nodes += _quantized_matmul(helper.make_node("MatMul", [x, "w"], [y], name=y), f"layers.0.{y}.weight", q,
+                                   np.float32, inits)
+    g = helper.make_graph(nodes, "m", [helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, "s", k])
+                                       for x, k in (("x", 128), ("x2", 64))],
+                          [helper.make_tensor_value_info(y, TensorProto.FLOAT, [1, "s", q.codes.shape[0]])
+                           for y, (q, _) in qs.items()], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    assert sum(n.op_type == "ReduceSum" for n in m.graph.node) == 3
+    report = fold_minimums(m, ".")
+    assert report.folded == 3 and not report.kept and not any(n.op_type in ("ReduceSum", "Reshape") for n in m.graph.node)
+    consts = {t.name: onnx.numpy_helper.to_array(t) for t in m.graph.initializer
+              if t.data_location != TensorProto.EXTERNAL}  # the remainders come with the session options
+    sums = [n for n in m.graph.node if n.op_type == "MatMul" and n.input[0] in ("x", "x2") and n.input[1] in consts]
+    assert sorted(n.input[0] for n in sums) == ["x", "x2"]
+    for n in sums:
+        np.testing.assert_array_equal(consts[n.input[1]], indicator(128 if n.input[0] == "x" else 64))
+    s, _ = session(m, 0, report)
+    feeds = {"x": activations(rng, 128), "x2": activations(rng, 64)}
+    for (y, (q, x)), got in zip(qs.items(), s.run(list(qs), feeds)):
+        ref = feeds[x].astype(np.float64) @ exact_w(q).T
+        np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
 
 
 @pytest.mark.parametrize("bits", [4, 8])
