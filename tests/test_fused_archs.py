@@ -64,18 +64,22 @@ def context_of(name):
 def bundles(tmp_path_factory):
     """(arch, kv) -> the tiny checkpoint exported once in this module (the exporter's parity
     check and check-trt passed, or _export raised)."""
+    from export.bundle import export_bundle
+
     cache = {}
 
-    def get(name, kv):
-        if (name, kv) not in cache:
+    def get(name, kv, dtype="float32"):
+        if (name, kv, dtype) not in cache:
             with pytest.MonkeyPatch.context() as mp:
                 for k, v in VARIANTS.items():
                     mp.setitem(archs.ARCHS, k, v)
                 if name not in cache:
                     cache[name] = archs.make_arch_folder(tmp_path_factory.mktemp(name.replace(".", "-")), name)
-            out = tmp_path_factory.mktemp("b") / f"{name}-{kv}"
-            cache[(name, kv)] = _export(cache[name], out, kv, context_of(name))
-        return cache[(name, kv)]
+            out = tmp_path_factory.mktemp("b") / f"{name}-{kv}-{dtype}"
+            cache[(name, kv, dtype)] = (_export(cache[name], out, kv, context_of(name)) if dtype == "float32" else
+                                        export_bundle(str(cache[name]), kv=kv, out=str(out), max_context=context_of(name),
+                                                      steps=8, dtype=dtype))
+        return cache[(name, kv, dtype)]
     return get
 
 
@@ -237,3 +241,56 @@ def test_a_layer_the_op_cannot_express_keeps_the_graph_as_written(bundles, tmp_p
     assert "key_mask" in {i.name for i in backend.session.get_inputs()}
     with pytest.raises(BackendUnavailable, match="layer 1: RoPE's rotation"):
         OrtBackend(b, threads=1, attention="fused")
+
+
+# --- float16 graphs (issue 24 item 4's graph side: the GPU bundles' dtype), on the CPU provider's
+# float16 GroupQueryAttention kernel as the stand-in for CUDA's ---------------------------------
+
+def run_calls(path, attention):
+    """Every row's logits over CALLS (a prefill, a chunk, decode steps) through one stream."""
+    b = load_bundle(path)
+    st = Stream(b, attention)
+    rng = np.random.default_rng(3)
+    out = [st.run(rng.integers(0, b.model["vocab_size"], (1, s)), np.arange(s)[None])[0] for s in CALLS]
+    return st, np.concatenate(out)
+
+
+def test_float16_graph_fuses(bundles):
+    """A float16 graph (float KV) fuses with the op's T float16: its logits are the plain float16
+    graph's to within that graph's own float16 noise (its distance from the float32 bundle of the
+    same weights, on the same calls), and the top token is the same where the plain graphs agree."""
+    fused, got = run_calls(bundles("smollm3", "float", "float16"), "fused")
+    assert_layers_as_expected(fused.backend, "smollm3")
+    inits = {t.name: t.data_type for t in fused.backend.fused.model.graph.initializer}
+    assert inits["fused.cos_cache"] == onnx.TensorProto.FLOAT16
+    assert fused.cache.buffers["past.0.key"].dtype == np.float16
+    _, plain16 = run_calls(bundles("smollm3", "float", "float16"), "plain")
+    _, plain32 = run_calls(bundles("smollm3", "float"), "plain")
+    noise = np.abs(plain16 - plain32).max()
+    assert 0 < np.abs(got - plain16).max() <= noise
+    agree = plain16.argmax(-1) == plain32.argmax(-1)
+    assert np.array_equal(got.argmax(-1)[agree], plain16.argmax(-1)[agree])
+
+
+def test_float16_graph_fuses_int8_static(bundles, tmp_path):
+    """A float16 int8-static graph: one GroupQueryAttention per layer (T float16, int8 cache,
+    float scales), and layer 0's codes within one step of the plain graph's (the plain graph
+    divides by the scale in float16, the op in float32: a quotient near a rounding boundary may
+    land on either side; and the -128 clamp)."""
+    b = load_bundle(bundles("smollm3", "int8-static", "float16"))
+    plain_b, fused_b = (OrtBackend(b, threads=1, max_logits_rows=1, attention=a) for a in ("plain", "fused"))
+    assert_layers_as_expected(fused_b, "smollm3")
+    inits = {t.name: t.data_type for t in fused_b.fused.model.graph.initializer}
+    assert inits["fused.0.k_scale"] == onnx.TensorProto.FLOAT and inits["fused.cos_cache"] == onnx.TensorProto.FLOAT16
+    assert [n.op_type for n in optimized_graph(fused_b, b, tmp_path).node].count("GroupQueryAttention") == b.model["n_layers"]
+    for seed in range(4):
+        plain, fused = (KVCache(b, CAPACITY, memory=be.memory) for be in (plain_b, fused_b))
+        seqs = plain.new_sequence(), fused.new_sequence()
+        ids = np.random.default_rng(seed).integers(0, b.model["vocab_size"], (1, 6))
+        for be, c, q in ((plain_b, plain, seqs[0]), (fused_b, fused, seqs[1])):
+            be.run(c, q, ids, np.array([[5]]))
+            q.advance(ids[0])
+        a, f = plain.read(6), fused.read(6)
+        for kv in ("key", "value"):
+            d = a[f"past.0.{kv}"].astype(np.int16) - f[f"past.0.{kv}"].astype(np.int16)
+            assert np.abs(d).max() <= 1, f"seed {seed}: layer 0 {kv} codes more than one step apart"
