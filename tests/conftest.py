@@ -132,6 +132,43 @@ def chat_engine(backend, bundle, ctx: int, chunk: int | None = None):
                    prefill_chunk=chunk or PREFILL_CHUNK, max_prefixes=0)
 
 
+# Ctrl-C tests (test_chat_engine, test_chat_hardening) interrupt at the first run of every distinct
+# line of the traced files (each code path where it is first met: the first prefill chunk, the
+# first decode step, the stop, the commit; the first array a save writes) and at every STRIDE-th
+# line run besides (the same lines in later chunks, steps and arrays): ~1/6 of the runs and of
+# the time of one run per line run, every line met.
+STRIDE = 16
+
+
+def interrupt_points(lines: list) -> list:
+    """The k (1-based, in run order) of the lines to interrupt at, given the lines one run ran:
+    each distinct line's first run, and every STRIDE-th."""
+    firsts = {}
+    for k, line in enumerate(lines, 1):
+        firsts.setdefault(line, k)
+    return sorted(set(firsts.values()) | set(range(STRIDE, len(lines) + 1, STRIDE)))
+
+
+def lines_run(files: tuple, run):
+    """run() uninterrupted: (what it returned, the (file, line) of each line it ran in files, a
+    tuple of path endings as str.endswith takes)."""
+    seen = []
+
+    def trace(frame, event, arg):
+        return local if frame.f_code.co_filename.endswith(files) else None
+
+    def local(frame, event, arg):
+        if event == "line":
+            seen.append((frame.f_code.co_filename, frame.f_lineno))
+        return local
+    sys.settrace(trace)
+    try:
+        out = run()
+    finally:
+        sys.settrace(None)
+    return out, seen
+
+
 def run_edgekv(*args, timeout=900, input=None):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     return subprocess.run([sys.executable, "-m", "edgekv", *map(str, args)], capture_output=True, text=True,

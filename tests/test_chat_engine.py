@@ -17,7 +17,7 @@ from edgekv.runtime.batching import Request
 from edgekv.runtime.generate import Generator
 from edgekv.runtime.sampling import SamplingParams
 from edgekv.runtime.text import TextCodec
-from tests.conftest import chat_engine
+from tests.conftest import chat_engine, interrupt_points, lines_run
 from tests.ring_reference import RingSequence
 from tests.test_chat_invariants import Interrupting, fresh_greedy, small_bundle  # noqa: F401  (fixture)
 from tests.test_chat_invariants import pool_holds_exactly_the_conversation as refs_ok
@@ -108,41 +108,6 @@ class LineInterrupt:
         return self.local
 
 
-# Ctrl-C at the first run of every distinct line of the traced files (each code path, where it is
-# first met: the first prefill chunk, the first decode step, the stop, the commit), and at every
-# STRIDE-th line run besides (the same lines in later chunks and steps, the ring's later
-# overwrites): ~600 interrupted turns instead of one per line run (~4,000), the same lines met.
-STRIDE = 16
-
-
-def lines_run(s: ChatSession, q: str) -> tuple[str, list]:
-    """s.reply(q) uninterrupted: (its text, the (file, line) of each line the traced files ran)."""
-    seen = []
-
-    def trace(frame, event, arg):
-        return local if frame.f_code.co_filename.endswith(LineInterrupt.FILES) else None
-
-    def local(frame, event, arg):
-        if event == "line":
-            seen.append((frame.f_code.co_filename, frame.f_lineno))
-        return local
-    sys.settrace(trace)
-    try:
-        text = s.reply(q)[0]
-    finally:
-        sys.settrace(None)
-    return text, seen
-
-
-def interrupt_points(lines: list) -> list:
-    """The k (1-based, in run order) of the lines to interrupt at: each distinct line's first run,
-    and every STRIDE-th."""
-    firsts = {}
-    for k, line in enumerate(lines, 1):
-        firsts.setdefault(line, k)
-    return sorted(set(firsts.values()) | set(range(STRIDE, len(lines) + 1, STRIDE)))
-
-
 @pytest.mark.parametrize("context", ["ring", "drop-turns"])
 def test_interrupt_at_every_engine_line_rolls_back_exactly(tiny_bundle_int8, context):
     """A ring that wraps (ctx 56, small chunks), interrupted at every line its turn runs
@@ -153,7 +118,7 @@ def test_interrupt_at_every_engine_line_rolls_back_exactly(tiny_bundle_int8, con
     for q in QS[:3]:
         assert s.reply(q)[0] == ref.reply(q)[0]
     q = QS[3]
-    want, lines = lines_run(ref, q)
+    want, lines = lines_run(LineInterrupt.FILES, lambda: ref.reply(q)[0])
     ks = interrupt_points(lines)
     before = state(s)
     fired_any, escaped, late = 0, [], None

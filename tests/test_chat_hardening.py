@@ -24,7 +24,7 @@ from edgekv.format.bundle import load_bundle
 from edgekv.runtime.backends import OrtBackend
 from edgekv.runtime.sampling import SamplingParams
 from edgekv.runtime.text import TextCodec
-from tests.conftest import CHAT_TEMPLATE, ROOT, chat_engine, run_edgekv
+from tests.conftest import CHAT_TEMPLATE, ROOT, chat_engine, interrupt_points, lines_run, run_edgekv
 
 SYSTEM = "You are terse."
 EXCEPTION_NAME = re.compile(r"\(\w+(Error|Exception)\)")  # "(ValueError)": a class name is not a message
@@ -170,7 +170,7 @@ def test_piped_chat_keeps_a_users_file_and_refuses_a_foreign_load(tiny_bundle_in
 
 class LineInterrupt:
     """KeyboardInterrupt at the k-th line executed in the traced files (as tests/test_chat_engine.py
-    does for a turn): Ctrl-C at every line of a command, one run per line."""
+    does for a turn): Ctrl-C at every line of a command (every_line), one run per point."""
 
     def __init__(self, k, files):
         self.k, self.files, self.seen, self.where = k, files, 0, None
@@ -192,10 +192,13 @@ class LineInterrupt:
 
 
 def every_line(files, run):
-    """Call run(tracer) with Ctrl-C at line 1, 2, ... of `files` until a run completes; yields each
-    interrupted run's place and what run returned."""
-    k = 1
-    while True:
+    """Call run() with Ctrl-C at each of conftest's interrupt_points of `files` (from the lines
+    one uninterrupted run ran there), then once more uninterrupted (the command's effect is left
+    in place); yields each run's place (None: it ran whole) and what run returned, the first,
+    uninterrupted run's too: the caller puts back what a whole command changed."""
+    out, lines = lines_run(files, run)
+    yield None, out
+    for k in interrupt_points(lines):
         tr = LineInterrupt(k, files)
         sys.settrace(tr)
         try:
@@ -204,10 +207,8 @@ def every_line(files, run):
             pytest.fail(f"Ctrl-C at {tr.where} ended the chat")
         finally:
             sys.settrace(None)
-        if tr.where is None:
-            return
         yield tr.where, out
-        k += 1
+    run()
 
 
 SAVE_FILES = ("edgekv/chat/persistence.py", "edgekv/chat/session.py", "edgekv/format/files.py",
