@@ -19,7 +19,7 @@ from hypothesis import strategies as st  # noqa: E402
 from edgekv.format.bundle import load_bundle  # noqa: E402
 from edgekv.runtime import grammar as g  # noqa: E402
 from edgekv.runtime.sampling import SamplingParams  # noqa: E402
-from tests.conftest import run_edgekv  # noqa: E402
+from tests.conftest import cli, run_edgekv  # noqa: E402
 
 
 
@@ -290,18 +290,23 @@ def test_generate_grammar_errors_are_one_line(tiny_bundle_int8, tmp_path):
     (tmp_path / "not.json").write_text(json.dumps({"not": {"type": "string"}}))
     (tmp_path / "latin1.lark").write_bytes(b"start: \"\xe9\"")
     os.mkfifo(tmp_path / "fifo")
-    cases = [(["--json-schema", tmp_path / "missing.json"], "no such file"),
-             (["--json-schema", tmp_path / "bad.json"], "not JSON"),
-             (["--json-schema", tmp_path / "not.json"], 'Unimplemented keys: ["not"]'),
-             (["--json-schema", tmp_path], "not a regular file"),
-             (["--grammar", tmp_path / "fifo"], "not a regular file"),
-             (["--grammar", tmp_path / "latin1.lark"], "not UTF-8"),
-             (["--regex", "(?=x)y"], "look-around")]
-    for args, said in cases:
-        r = run_edgekv("generate", tiny_bundle_int8, "hi", *args, "--threads", "1", timeout=120)
+    # in this process (conftest's cli: no new Python per case), but for the fifo: a check that let
+    # it through would block on reading it, which only a child's timeout ends
+    def child(*args):
+        return run_edgekv(*args, timeout=120)
+
+    cases = [(cli, ["--json-schema", tmp_path / "missing.json"], "no such file"),
+             (cli, ["--json-schema", tmp_path / "bad.json"], "not JSON"),
+             (cli, ["--json-schema", tmp_path / "not.json"], 'Unimplemented keys: ["not"]'),
+             (cli, ["--json-schema", tmp_path], "not a regular file"),
+             (child, ["--grammar", tmp_path / "fifo"], "not a regular file"),
+             (cli, ["--grammar", tmp_path / "latin1.lark"], "not UTF-8"),
+             (cli, ["--regex", "(?=x)y"], "look-around")]
+    for run, args, said in cases:
+        r = run("generate", tiny_bundle_int8, "hi", *args, "--threads", "1")
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 1 and len(lines) == 1 and said in lines[0], (args, r.stderr)
-    r = run_edgekv("generate", tiny_bundle_int8, "hi", "--regex", "a", "--grammar", tmp_path / "g.lark")
+    r = cli("generate", tiny_bundle_int8, "hi", "--regex", "a", "--grammar", tmp_path / "g.lark")
     assert r.returncode == 2 and "not allowed with argument" in r.stderr
 
 

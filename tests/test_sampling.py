@@ -13,7 +13,7 @@ import pytest
 
 from edgekv.runtime.sampling import BLOCK, SamplingParams, sample
 from edgekv.runtime.sampling import draw as inverse_cdf
-from tests.conftest import run_edgekv
+from tests.conftest import cli, run_edgekv
 
 N = 8000
 LOGITS = np.array([2.0, 1.0, 0.5, 0.0, -1.0, -3.0], np.float32)
@@ -290,8 +290,8 @@ def test_the_smallest_normal_temperature_still_samples():
 
 
 def test_generate_with_a_subnormal_temperature_is_greedy_through_the_cli(tiny_bundle_int8):
-    def tokens(t):
-        r = run_edgekv("generate", tiny_bundle_int8, "The capital of France", "--raw", "--temperature", t,
+    def tokens(t):  # in this process (conftest's cli): what the command parses and samples, no new Python
+        r = cli("generate", tiny_bundle_int8, "The capital of France", "--raw", "--temperature", t,
                        "--max-new-tokens", "8", "--json", "--threads", "1")
         assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
         return json.loads(r.stdout.strip().splitlines()[-1])["tokens"]
