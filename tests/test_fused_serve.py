@@ -54,13 +54,17 @@ def run_until_done(engine, reqs, max_steps=1000):
     raise AssertionError("requests did not finish")
 
 
-SPEC = {"A": (ids(7, 1), 20), "B": (ids(12, 2), 5), "C": (ids(25, 3), 8), "D": (ids(9, 4), 10)}
+SPEC = {"Z": (ids(5, 9), 1), "A": (ids(7, 1), 20), "B": (ids(12, 2), 5), "C": (ids(25, 3), 8), "D": (ids(9, 4), 10)}
 
 
 def schedule(engine):
-    """A alone first, B joins, C joins with a prompt prefilled over several steps (chunks of 8)
-    while A and B decode, B finishes early, D joins after and gets B's slot."""
+    """Z comes and goes (on slots its cached prefix keeps slot 0 until needed: A and B decode
+    in slots 1 and 2, the step's call not starting at slot 0); A alone first, B joins, C joins
+    with a prompt prefilled over several steps (chunks of 8) while A and B decode, B finishes
+    early, D joins after and gets B's slot."""
     reqs = {k: Request(p, n, record_logits=True) for k, (p, n) in SPEC.items()}
+    engine.submit(reqs["Z"])
+    run_until_done(engine, [reqs["Z"]])
     engine.submit(reqs["A"])
     for _ in range(3):
         engine.step()
@@ -71,14 +75,14 @@ def schedule(engine):
     for _ in range(3):
         engine.step()
         mixed |= 0 < reqs["C"].fed < 25 and reqs["A"].next_token is not None
-    b_first = reqs["B"].seq.cells[0]  # on slots: the first cell of its slot
+    a_first, b_first = reqs["A"].seq.cells[0], reqs["B"].seq.cells[0]  # on slots: the first cell of its slot
     while not reqs["B"].finish_reason:
         engine.step()
     engine.submit(reqs["D"])
     engine.step()
     d_first = reqs["D"].seq.cells[0]
     run_until_done(engine, list(reqs.values()))
-    return reqs, mixed, (b_first, d_first)
+    return reqs, mixed, (a_first, b_first, d_first)
 
 
 def alone(rt, prompt, n):
@@ -94,8 +98,8 @@ def test_slots_batched_equals_alone_bit_for_bit(fused_rt):
     reads only its own slot from cell 0, whatever else runs beside it, in which slot, in chunks
     of what size (B's slot reused by D; C's prompt chunked beside A's and B's decode steps)."""
     eng = slots_engine(fused_rt)
-    reqs, mixed, (b_first, d_first) = schedule(eng)
-    assert mixed and d_first == b_first == 40
+    reqs, mixed, (a_first, b_first, d_first) = schedule(eng)
+    assert mixed and a_first == 40 and d_first == b_first == 80
     for k, (prompt, n) in SPEC.items():
         want = alone(fused_rt, prompt, n)
         got = reqs[k]
@@ -221,8 +225,10 @@ def test_slot_memory_speaks_cells(tiny_bundle_int8_static):
     for c in (plain, slotted):
         c.write(snap)
         c.move_cells([1, 9, 17], [10, 2, 20])
+        c.move_cells(range(0, 5), range(9, 14))  # one run into another slot (two slices)
+        c.move_cells(range(16, 21), range(18, 23))  # overlapping, inside one slot
     for got, want in ((slotted.read(24), plain.read(24)), (slotted.read_cells([3, 8, 16, 23]), plain.read_cells([3, 8, 16, 23]))):
         assert all(np.array_equal(got[n], want[n]) for n in plain.names)
     first = slotted.buffers[slotted.names[0]]
     assert first.shape[0] == 3 and first.shape[2] == 8  # [slots, Hkv, L, D]
-    assert np.array_equal(first[1, :, 2], snap[slotted.names[0]][1][0])  # cell 10 = slot 1, position 2 (moved from 1)
+    assert np.array_equal(first[1, :, 2], snap[slotted.names[0]][1][0])  # cell 10 = slot 1, position 2: cell 1's, by both moves

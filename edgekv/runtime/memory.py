@@ -186,4 +186,15 @@ class SlotMemory(HostMemory):
         self._put(buf, np.arange(start, start + len(arr)), arr)
 
     def move_rows(self, buf: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
+        src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
+        if self._one_run(buf, src) and self._one_run(buf, dst):  # a prefix copied to another slot: two slices
+            (ks, i), (kd, j), n = self._where(buf, src[:1]), self._where(buf, dst[:1]), len(src)
+            buf[kd[0], :, j[0]: j[0] + n] = buf[ks[0], :, i[0]: i[0] + n]  # numpy copies an overlap through a buffer
+            return
         self._put(buf, dst, self._get(buf, src))  # every source gathered before any is written
+
+    @staticmethod
+    def _one_run(buf: np.ndarray, cells: np.ndarray) -> bool:
+        """`cells` are consecutive and inside one slot."""
+        return cells.size > 0 and cells[-1] - cells[0] == cells.size - 1 and bool(np.all(np.diff(cells) == 1)) \
+            and cells[0] // buf.shape[2] == cells[-1] // buf.shape[2]
