@@ -24,10 +24,9 @@ CASES = [("llama", "int8"), ("llama", "int4"), ("qwen2", "int8"), ("qwen2", "int
 
 
 @pytest.fixture(scope="session")
-def tiny_sources(tmp_path_factory):
-    root = tmp_path_factory.mktemp("wsrc")
-    return {"llama": make_hf_folder(root / "llama", "llama"),
-            "qwen2": make_hf_folder(root / "qwen2", "qwen2", tie_word_embeddings=True)}
+def tiny_sources(tiny_llama, tiny_qwen):
+    """conftest's tiny checkpoints (made once per run): a Llama, and a Qwen2 with tied embeddings."""
+    return {"llama": tiny_llama, "qwen2": tiny_qwen}
 
 
 @pytest.fixture(scope="session")
@@ -251,9 +250,8 @@ def gguf_bundle(tiny_sources, tmp_path_factory):
     from tests.test_gguf import write_gguf
 
     root = tmp_path_factory.mktemp("wgguf")
-    folder = make_hf_folder(root / "hf", "llama", tie_word_embeddings=False)
     path = root / "tiny-q.gguf"
-    write_gguf(folder, path, quant=_gguf_types)
+    write_gguf(tiny_sources["llama"], path, quant=_gguf_types)  # untied, as conftest's tiny Llama
     return path, export_bundle(str(path), kv="float", out=str(root / "bundle"), max_context=128, steps=4,
                                weights="int4")
 
@@ -415,16 +413,15 @@ def test_real_model_own_4bit_weights_answers_paris(real_bundle_int4):
     assert "Paris" in codec.decode(out)
 
 
-def test_eval_reference_is_float_weights_and_shows_total_memory(weight_bundles, tiny_sources, tmp_path):
+def test_eval_reference_is_float_weights_and_shows_total_memory(weight_bundles, tiny_bundle_float):
     import io
 
     from edgekv.tools.evaluate import evaluate
-    from export.bundle import export_bundle
 
-    float_b = export_bundle(str(tiny_sources["llama"]), kv="float", out=str(tmp_path / "float"), max_context=128, steps=2)
+    float_b = tiny_bundle_float  # the same tiny Llama, float weights and KV (conftest's, shared)
     quant_b = weight_bundles[("llama", "int4")]
     res = evaluate([str(quant_b), str(float_b)], ctx=32, chunks=2, threads=1, out=io.StringIO())
-    assert res["reference"] == "float"  # listed second, chosen for its float weights
+    assert res["reference"] == float_b.name  # listed second, chosen for its float weights
     rows = {r["weights"]: r for r in res["results"]}
     assert rows["float"]["kld_mean"] == 0 and rows["int4"]["kld_mean"] > 0
     for fmt, b in (("float", float_b), ("int4", quant_b)):
