@@ -89,7 +89,7 @@ def serve_layout(rt: Runtime, slots, parallel: int, ctx: int | None = None) -> L
     memory_error = _slots_unavailable(rt)
     if slots == SLOTS_AUTO:
         if memory_error is not None:
-            return Layout(0, capacity, f"KV: the shared cell pool ({memory_error})")
+            return Layout(0, capacity, f"KV: the shared cell pool: {memory_error}")
         slots = parallel
     elif memory_error is not None:
         raise EdgeKVError(f"--slots {slots}: {memory_error} (--slots 0 serves the shared cell pool)")

@@ -639,8 +639,7 @@ class OrtBackend:
         """The memory of a cache of `slots` sequence slots, for run_slots; an error where this
         backend cannot run them (the graph as written, or an onnxruntime without query_seqlens)."""
         if self.fused is None:
-            raise BackendUnavailable(f"fused slots need the fused graph; this {self.name} runs the bundle's graph as "
-                                     f"written ({self.attention})")
+            raise BackendUnavailable(f"fused slots need the fused graph; {self.attention}")
         if not self.query_lengths:
             raise BackendUnavailable(f"fused slots need GroupQueryAttention's query_seqlens: onnxruntime "
                                      f">= {'.'.join(map(str, QUERY_LENGTHS_ORT))} (this is {self.ort.__version__})")
