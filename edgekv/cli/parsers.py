@@ -202,28 +202,30 @@ def _bench_parser(sub) -> None:
                         "crash of it is one line), and print the ratios")
 
 
+SLOTS_HELP = ("K: fused slots, llama-server's --parallel K (K sequences of --ctx/K cells each, attention by "
+              "onnxruntime's GroupQueryAttention over the static int8 cache; prefixes copied, not shared); "
+              "0: the shared cell pool (the graph as written); auto (default): slots, K = --parallel, "
+              "where the bundle's KV scheme is static int8 and ort-cpu fuses it, else the cell pool")
+
+
+def slots_arg(text: str):
+    """--slots: auto, or a count 0..1024 (argparse's message names both)."""
+    try:
+        return text if text == "auto" else int_range(0, 1024)(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be auto or an integer in 0..1024 (got {text[:40]!r})") from None
+
+
 def _serve_parser(sub) -> None:
     p = _command(sub, "serve", help="OpenAI-compatible HTTP server (the serve extra)",
                  description="Serve a bundle over HTTP: /v1/chat/completions, /v1/completions, /v1/models, "
                              "/health, /metrics. Requests are decoded together over one shared KV pool of "
-                             "--ctx cells (docs/serve.md).")
+                             "--ctx cells, or in fused slots of it (--slots; docs/serve.md).")
     p.add_argument("bundle", help=BUNDLE)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (beyond localhost: set --api-key)")
     p.add_argument("--port", type=int_range(0, 65535), default=8080, help="port to listen on")
     p.add_argument("--parallel", type=int_range(1, 1024), default=4, help="sequences decoded together at most")
-    count = int_range(0, 1024)
-
-    def slots(text: str):  # auto, or a count (argparse's message names both)
-        try:
-            return text if text == "auto" else count(text)
-        except argparse.ArgumentTypeError:
-            raise argparse.ArgumentTypeError(f"must be auto or an integer in 0..1024 (got {text[:40]!r})") from None
-
-    p.add_argument("--slots", type=slots, default="auto", metavar="K|auto",
-                   help="K: fused slots, llama-server's --parallel K (K sequences of --ctx/K cells each, attention by "
-                        "onnxruntime's GroupQueryAttention over the static int8 cache; prefixes copied, not shared); "
-                        "0: the shared cell pool (the graph as written); auto (default): slots, K = --parallel, "
-                        "where the bundle's KV scheme is static int8 and ort-cpu fuses it, else the cell pool")
+    p.add_argument("--slots", type=slots_arg, default="auto", metavar="K|auto", help=SLOTS_HELP)
     p.add_argument("--queue", type=int_range(0, 1 << 20), default=64,
                    help="requests that may wait for room; more get HTTP 429 (0: none wait, a request that can start "
                         "at once still starts)")
@@ -262,6 +264,9 @@ def _bench_serve_parser(sub) -> None:
                         "free, taking turns for --rounds rounds: decode tok/s of both, mask time per token "
                         "(docs/structured.md)")
     p.add_argument("--rounds", type=int_range(1, 100), default=3, help="with --json-schema: rounds of the two")
+    p.add_argument("--slots", type=slots_arg, default="auto", metavar="K|auto",
+                   help="where the in-process server keeps the requests' K/V, as serve's --slots (auto: K = the "
+                        "largest --clients level)")
     add_runtime(p)
 
 

@@ -62,6 +62,9 @@ async def stream_one(h, url: str, messages: list[dict], max_tokens: int, seed: i
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 ev = json.loads(line[6:])
+                if "error" in ev:  # the server ended the stream with an error event: a failed request
+                    return {"t0": t0, "t_first": t_first, "t1": time.perf_counter(), "tokens": n,
+                            "error": f"SSE error: {str(ev['error'].get('message', ev['error']))[:120]}"}
                 usage = ev.get("usage") or usage
                 ch = ev.get("choices") or []
                 if ch and ch[0].get("delta", {}).get("content"):
@@ -103,6 +106,9 @@ def system_prompt(codec, n_tokens: int) -> str:
              " ".join(f"Rule {i}: keep the {TOPICS[i % len(TOPICS)]} notes tidy and answer briefly." for i in range(200)))
     ids = codec.encode(words)[:n_tokens]
     return codec.decode(ids)
+
+
+SHARED_REPLY = 64  # cells a shared-prefix request needs beyond its system prompt (template, question, 4 tokens)
 
 
 async def shared_prefix(url: str, system: str) -> dict:
@@ -192,8 +198,7 @@ def structured_levels(url: str, levels: list[int], tokens: int, schema: dict, ro
 
 
 def cmd_bench_serve(args) -> int:
-    from edgekv.runtime.assemble import open_runtime
-    from edgekv.serve.server import BackgroundServer, build
+    from edgekv.serve.server import BackgroundServer, build, open_serve_runtime, serve_layout
 
     schema = None
     if args.json_schema:  # read and checked before the model loads, as generate's flag
@@ -203,15 +208,20 @@ def cmd_bench_serve(args) -> int:
         schema = json.loads(open(args.json_schema, encoding="utf-8").read())
 
     levels = args.clients  # a list (cli.int_list)
-    rt = open_runtime(args.bundle, ctx=args.ctx, backend=args.backend, threads=args.threads)
-    batcher, srv, pid = None, None, None
+    # serve's own runtime and KV layout (--slots as serve's: auto = fused slots on a static int8 bundle)
+    rt = open_serve_runtime(args.bundle, args.ctx, args.backend, args.threads, 0 if args.url else args.slots)
+    batcher, srv, pid, layout = None, None, None, None
     if args.url:
         url, pid = args.url.rstrip("/"), args.pid
     else:
-        batcher, app = build(rt, args.ctx, parallel=max(levels), max_queue=4 * max(levels))
+        layout = serve_layout(rt, args.slots, max(levels), args.ctx)
+        note(f"edgekv bench-serve: {layout.why}")
+        batcher, app = build(rt, args.ctx, parallel=max(levels), max_queue=4 * max(levels), slots=layout)
         srv = BackgroundServer(app)
         url = srv.url
-    res = {"server": args.url or f"edgekv serve ({rt.backend.name}, {batcher.capacity} cells)", "levels": []}
+    kv = f"{layout.slots} fused slots of {layout.capacity // layout.slots} cells" if layout and layout.slots else \
+        f"{batcher.capacity} cells" if batcher else ""
+    res = {"server": args.url or f"edgekv serve ({rt.backend.name}, {kv})", "levels": []}
     try:
         asyncio.run(level(url, 1, 8))  # warm-up
         if schema is not None:
@@ -229,9 +239,13 @@ def cmd_bench_serve(args) -> int:
                  f"peak RSS {s.rss:.0f} MiB" + (f", peak KV cells {s.cells:.0f}" if batcher else ""))
         if schema is not None:
             return _report(res, args)
-        res["shared_prefix"] = p = asyncio.run(shared_prefix(url, system_prompt(rt.codec, args.system_tokens)))
-        note(f"shared {args.system_tokens}-token system prompt: first TTFT {p['first_ttft_ms']:.0f} ms, second "
-             f"{p['second_ttft_ms']:.0f} ms ({p['speedup']:.1f}x)")
+        if layout and layout.slots and args.system_tokens + SHARED_REPLY > layout.capacity // layout.slots:
+            note(f"shared {args.system_tokens}-token system prompt: left out (a slot holds "
+                 f"{layout.capacity // layout.slots} cells: raise --ctx or lower --system-tokens)")
+        else:
+            res["shared_prefix"] = p = asyncio.run(shared_prefix(url, system_prompt(rt.codec, args.system_tokens)))
+            note(f"shared {args.system_tokens}-token system prompt: first TTFT {p['first_ttft_ms']:.0f} ms, second "
+                 f"{p['second_ttft_ms']:.0f} ms ({p['speedup']:.1f}x)")
         before = rss_mib(pid)
         failed = asyncio.run(soak(url, args.soak))
         res["soak"] = {"requests": args.soak, "failed": failed, "rss_before_mib": before, "rss_after_mib": rss_mib(pid)}
