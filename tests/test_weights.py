@@ -368,7 +368,8 @@ def test_gguf_minimums_run_as_matmulnbits_zero_points(attention, gguf_bundle, mo
     with_zp = [n for n in nbits if len(n.input) > 3 and n.input[3]]
     assert len(nbits) == 2 * 4 + 1 and len(with_zp) == len(q41)
     assert all(inits[n.input[3]].data_type == TensorProto.UINT8 for n in with_zp)
-    sums = {n.output[0] for n in g.node if n.op_type == "ReduceSum"}  # blocksum(x): what a minimum term multiplies
+    # blocksum(x), what a minimum term multiplies: nbits' one MatMul by the shared block indicator
+    sums = {n.output[0] for n in g.node if n.op_type == "MatMul" and n.input[1].startswith("edgekv/blocksum_")}
     terms = [list(inits[n.input[1]].dims) for n in g.node if n.op_type == "MatMul" and n.input[0] in sums]
     e, f = b.model["hidden_size"], b.model["intermediate_size"]
     assert sorted(terms) == sorted([[e // 32, 2 * f], [f // 32, e]] * 2)  # gate|up and down: K/32 rows each
