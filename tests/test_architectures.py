@@ -267,18 +267,3 @@ def test_gemma3_windowed_cache_equals_the_full_cache_masked(folders):
             full = [torch.cat([x, y], 0) for x, y in zip(full, pres_a)]
             windowed = [torch.cat([x, y], 0) for x, y in zip(trimmed, out[1:])]
     assert min(x.shape[0] for x in windowed) == W  # the local layers held only their window
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", ["qwen3", "smollm3", "phi4-mini"])
-def test_fused_attention_refuses_what_it_cannot_express(name, folders, tmp_path):
-    """A static int8 cache is what onnxruntime's fused attention takes; its rewrite must refuse
-    the q/k norm, NoPE layers and partial rotary (it would rotate every layer, all of each head),
-    leaving the graph as written (which the exporter's parity check held to torch)."""
-    from edgekv.format.bundle import load_bundle
-    from edgekv.runtime.backends.fused import NotFusable, fuse_bundle
-    from tests.conftest import _export
-
-    bundle = load_bundle(_export(folders(name), tmp_path / "b", "int8-static", context_of(name)))
-    with pytest.raises(NotFusable, match="RoPE"):
-        fuse_bundle(bundle)
