@@ -73,6 +73,8 @@ ARCH = ("tests/test_architectures.py",)
 KQ = ("tests/test_gguf_kquants.py",)
 GEMMA = ("tests/test_gemma3.py",)
 NBITS = ("tests/test_nbits.py",)
+FUSED_ARCHS = ("tests/test_fused_archs.py",)
+FUSED_SERVE = ("tests/test_fused_serve.py",)
 
 MUTATIONS = [
     # -- this stop: 8-bit blocks, trt serving, AWQ
@@ -545,10 +547,10 @@ MUTATIONS = [
       "g.g.initializer.extend([nh.from_array(L.k_scale.astype(np.float32)",
       "g.g.initializer.extend([nh.from_array(L.v_scale.astype(np.float32)", FUSED + ("-k", "static_int8")),
     M("fused: any DxD matrix taken for rotate_half", "fused", "edgekv/runtime/backends/fused.py",
-      "if r is None or r.shape != (d, d) or not np.array_equal(r, rotate_half_matrix(d)):", "if r is None or r.shape != (d, d):",
+      "return n if 0 < n <= d and np.array_equal(r, rotate_half_matrix(d, n)) else None", "return n if 0 < n <= d else None",
       FUSED + ("-k", "unknown_rope")),
-    M("fused: float16 graphs not refused", "fused", "edgekv/runtime/backends/fused.py",
-      'if bundle.dtype != "float32":', "if False:", FUSED + ("-k", "float16")),
+    M("fused: a float16 manifest on a float32 graph", "fused", "edgekv/runtime/backends/fused.py",
+      "    if g.const(w).dtype != np.dtype(dtype):", "    if False:", FUSED + ("-k", "float16")),
     # issue 24: the fused graph in the runtime
     M("fused: a call written inside the past not moved", "fused", "edgekv/runtime/backends/ort.py", "        if at != write:", "        if False:", FUSED + ("-k", "run_cells")),
     M("fused: a first prompt's positions assumed to run on", "fused", "edgekv/runtime/backends/ort.py", "direct = write == past and (past > 0 or runs_on)", "direct = write == past", FUSED + ("-k", "run_cells")),
@@ -645,8 +647,33 @@ MUTATIONS = [
     M("enable_thinking not passed to the template", "serve", "edgekv/serve/app.py", 'codec = self.codec.with_thinking(kw["enable_thinking"]) if "enable_thinking" in kw else self.codec', "codec = self.codec", ("tests/test_reasoning.py",)),
     M("unknown chat_template_kwargs not refused", "serve", "edgekv/serve/app.py", "unknown = sorted(k for k in kw if k not in TEMPLATE_KWARGS)", "unknown = []", ("tests/test_reasoning.py",)),
     M("bench-serve counts no masks", "serve", "edgekv/serve/bench.py", "self.made.append(c)", "pass", ("tests/test_serve_bench.py",)),
+    # issue 24 item 5: every architecture through the fused path; item 4's float16 graph side
+    M("fused: q/k norm skipped", "fused", "edgekv/runtime/backends/fused.py", "    if qk == vsplit.output[0]:", "    if qk is not None:", FUSED_ARCHS + ("-k", "float_kv")),
+    M("fused: tables' sin negated", "fused", "edgekv/runtime/backends/fused.py", 'return "op", qk, (cos, sin, c[:, :h], s[:, :h])', 'return "op", qk, (cos, sin, c[:, :h], -s[:, :h])', FUSED_ARCHS + ("-k", "float_kv")),
+    M("fused: partial rotary's tables from the wrong half", "fused", "edgekv/runtime/backends/fused.py", 'return "op", qk, (cos, sin, c[:, :h], s[:, :h])', 'return "op", qk, (cos, sin, c[:, h:], s[:, h:])', FUSED_ARCHS + ("-k", "float_kv and d32")),
+    M("fused: rotary alignment of r ignored", "fused", "edgekv/runtime/backends/fused.py", "if D % GQA_ROTARY_ALIGN or r % GQA_ROTARY_ALIGN:", "if D % GQA_ROTARY_ALIGN:", FUSED_ARCHS + ("-k", "float_kv")),
+    M("fused: batch read off the BNSH cache", "fused", "edgekv/runtime/backends/fused.py", "    _batch_from_positions(g)\n", "    pass\n", FUSED_ARCHS + ("-k", "float_kv")),
+    M("fused: q|k|v packed slot-major", "fused", "edgekv/runtime/backends/fused.py", "perm=[1, 0, 2, 3])", "perm=[0, 1, 2, 3])", FUSED_ARCHS + ("-k", "float_kv")),
+    M("fused: float16 bias not cast", "fused", "edgekv/runtime/backends/fused.py", '    if dtype == "float32":', "    if True:", FUSED_ARCHS + ("-k", "float16")),
+    M("fused: float16 tables written float32", "fused", "edgekv/runtime/backends/fused.py", "np.ascontiguousarray(t, dtype), n)", "np.ascontiguousarray(t, np.float32), n)", FUSED_ARCHS + ("-k", "float16")),
+    M("fused: float16 norm's cast not looked through", "fused", "edgekv/runtime/backends/fused.py", "return _through_cast(g, x), w, float(eps)", "return x, w, float(eps)", FUSED_ARCHS + ("-k", "float16")),
+    # issue 24 item 3: serve on fused slots
+    M("fused slots: a free slot's prefix not used in place", "serve", "edgekv/runtime/batching/slots.py", "        if source in free:", "        if False:", FUSED_SERVE),
+    M("fused slots: a finished request's tokens not kept as its slot's prefix", "serve", "edgekv/runtime/batching/slots.py", "            self.entry[k] = keep", "            pass", FUSED_SERVE),
+    M("fused slots: the decode call placed at slot 0", "serve", "edgekv/runtime/batching/slots.py", "            yield SlotCall.of(first, entries)", "            yield SlotCall.of(0, entries)", FUSED_SERVE),
+    M("fused slots: seqlens_k one past the tokens", "serve", "edgekv/runtime/backends/ort.py", "        seqlens = np.maximum(lengths + query - 1, 0).astype(np.int32)", "        seqlens = np.maximum(lengths + query, 0).astype(np.int32)", FUSED_SERVE),
+    M("fused slots: a request's limit is the whole cache, not its slot", "serve", "edgekv/runtime/batching/slots.py", "        self.limit = min(length, cache.max_positions)", "        self.limit = min(cache.capacity, cache.max_positions)", FUSED_SERVE),
+    M("slot memory: a cell's position taken modulo the slots", "serve", "edgekv/runtime/memory.py", "        return cells // buf.shape[2], cells % buf.shape[2]", "        return cells // buf.shape[2], cells % buf.shape[0]", FUSED_SERVE),
+    M("serve --slots: no minimum slot size", "serve", "edgekv/serve/server.py", "    if per < MIN_SLOT:", "    if per < 1:", FUSED_SERVE),
+    M("fused graph without query_seqlens", "fused", "edgekv/runtime/backends/ort.py", "                with_query_lengths(self.fused.model)", "                pass", FUSED_SERVE),
+    M("bench-serve: an SSE error event counted as success", "serve", "edgekv/serve/bench.py", '                if "error" in ev:', "                if False:", ("tests/test_serve_bench_slots.py", "-k", "sse_error")),
+    M("bench-serve: serve's layout not followed", "serve", "edgekv/serve/bench.py", "slots=layout)", "slots=0)", ("tests/test_serve_bench_slots.py", "-k", "fused_slots")),
+    M("eval: another model's tokenizer accepted", "eval", "edgekv/tools/evaluate.py", "(json.dumps(b.model, sort_keys=True), _tokenizer_sha(b))", "(json.dumps(b.model, sort_keys=True),)", ("tests/test_eval_sources.py",)),
+    M("eval: another file of one model refused", "eval", "edgekv/tools/evaluate.py", "    if len({(json.dumps(b.model", "    if len({(b.manifest.get('source', {}).get('sha256'), json.dumps(b.model", ("tests/test_eval_sources.py",)),
+    # the remainder's blocksum as one shared MatMul
+    M("nbits: blocksum indicator in the wrong column", "weights", "edgekv/runtime/backends/nbits.py", "e[np.arange(k), np.arange(k) // block] = 1.0", "e[np.arange(k), np.arange(k) % (k // block)] = 1.0", NBITS),
+    M("nbits: blocksum MatMul not shared between matrices reading one x", "weights", "edgekv/runtime/backends/nbits.py", "        if x in self.outputs:", "        if False:", NBITS),
 ]
-
 _IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", "bundles", "*.egg-info",
                                  "bench-results", "eval-results")
 
