@@ -219,8 +219,7 @@ def cmd_bench_serve(args) -> int:
         batcher, app = build(rt, args.ctx, parallel=max(levels), max_queue=4 * max(levels), slots=layout)
         srv = BackgroundServer(app)
         url = srv.url
-    kv = f"{layout.slots} fused slots of {layout.capacity // layout.slots} cells" if layout and layout.slots else \
-        f"{batcher.capacity} cells" if batcher else ""
+    kv = kv_of(batcher) if batcher else ""
     res = {"server": args.url or f"edgekv serve ({rt.backend.name}, {kv})", "levels": []}
     try:
         asyncio.run(level(url, 1, 8))  # warm-up
@@ -259,6 +258,13 @@ def cmd_bench_serve(args) -> int:
     for r in res["levels"]:
         r["vs_one_client"] = r["aggregate_tps"] / base if base else 0.0
     return _report(res, args)
+
+
+def kv_of(batcher) -> str:
+    """Where the running server's requests keep their K/V, read off its cache."""
+    memory, cells = batcher.cache.memory, batcher.cache.capacity
+    slots = getattr(memory, "slots", 0)
+    return f"{slots} fused slots of {cells // slots} cells" if slots else f"{cells} cells"
 
 
 def _report(res: dict, args) -> int:
