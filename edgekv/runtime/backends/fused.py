@@ -43,6 +43,10 @@ MS = "com.microsoft"
 SEQLENS = "seqlens_k"
 TOTAL = "total_sequence_length"
 BIAS = "attention_bias"  # [1, 1, S, T] float: 0 where a token sees a key, -inf where not (the key mask)
+# the sliding-window layers' own bias (Gemma 3): local_key_mask as 0 / -inf, the same shape. Not the
+# op's local_window_size: that counts slots, and a pool's or a ring's cells are not in position order
+BIAS_LOCAL = "attention_bias.local"
+MASKS = ("key_mask", "local_key_mask")  # the plain graph's mask inputs, both replaced by the biases
 
 
 class NotFusable(BundleError):
@@ -119,8 +123,13 @@ class Layer:
     """What one layer's attention block was found to be in the plain graph, and how the op takes it."""
 
     def __init__(self, i: int, qkv: str, attn_out: str, k_scale, v_scale, rotary: str,
-                 qk: str | None = None, v: str | None = None, tables: tuple | None = None):
+                 qk: str | None = None, v: str | None = None, tables: tuple | None = None,
+                 scale: float | None = None, local: bool = False):
         self.i, self.qkv, self.attn_out = i, qkv, attn_out
+        # the op's score scale where the graph multiplies the queries by a gain after RoPE (Gemma 3's
+        # query_pre_attn_scalar): gain / sqrt(D); None: the op's own 1 / sqrt(D)
+        self.scale = scale
+        self.local = local  # a sliding-window layer: its keys through BIAS_LOCAL
         self.k_scale, self.v_scale = k_scale, v_scale  # [Hkv, D] constants (static int8), else None
         # "op": GroupQueryAttention rotates (tables: the graph's own cos/sin, by name); "graph":
         # the graph's RoPE stays, the op gets the rotated q|k (a rotation its kernel cannot do);
@@ -195,8 +204,7 @@ def _match_layer(g: _Graph, i: int, m: dict, kind: str, dtype: str, positions: i
         raise NotFusable(f"layer {i}: the keys are not the last {Hkv} heads of the RoPE'd q|k")
     if _split_sizes(g, vsplit) != [H + Hkv, Hkv] or list(vsplit.output).index(vname) != 1:
         raise NotFusable(f"layer {i}: the values are not the last {Hkv} heads of q|k|v")
-    if any(c.op_type != "Reshape" for c in g.consumers.get(ksplit.output[0], [])):
-        raise NotFusable(f"layer {i}: the queries are changed after RoPE (a query gain: the op scales by 1/sqrt(D) only)")
+    scale = _query_scale(g, i, ksplit.output[0], D)
     rotary, qk, tables = _match_rope(g, i, ksplit.input[0], D, positions)
     tr = g.op(vsplit.input[0], "Transpose")
     if tr is None or list(g.attr(tr, "perm", [])) != [1, 0, 2, 3]:
@@ -214,7 +222,22 @@ def _match_layer(g: _Graph, i: int, m: dict, kind: str, dtype: str, positions: i
             raise NotFusable(f"layer {i}: static scale of shape {s.shape}, expected {(Hkv, D)}")
     if qk == vsplit.output[0]:  # the projection's own q|k: its packed output is the op's input as it is
         qk = None
-    return Layer(i, qkv, attn_out, ks, vs, rotary, qk, vsplit.output[1], tables)
+    return Layer(i, qkv, attn_out, ks, vs, rotary, qk, vsplit.output[1], tables, scale, i in m.get("local_layers", ()))
+
+
+def _query_scale(g: _Graph, i: int, q: str, D: int) -> float | None:
+    """The queries q [S, B, H, D] go to attention as they are (None: the op's 1 / sqrt(D)) or
+    through one Mul by a constant scalar gain (Gemma 3's query_pre_attn_scalar, export/model.py's
+    q_gain): the op's `scale` is then gain / sqrt(D). Anything else is refused."""
+    readers = g.consumers.get(q, [])
+    if all(c.op_type == "Reshape" for c in readers):
+        return None
+    mul = readers[0] if len(readers) == 1 and readers[0].op_type == "Mul" else None
+    gain = mul and next((g.const(x) for x in mul.input if x != q), None)
+    if (gain is None or gain.size != 1 or q not in mul.input
+            or any(c.op_type != "Reshape" for c in g.consumers.get(mul.output[0], []))):
+        raise NotFusable(f"layer {i}: the queries are changed after RoPE other than by a constant gain")
+    return float(gain.reshape(())) / float(np.sqrt(D))
 
 
 # the graph dtypes the rewrite takes -> the op's T (onnx.TensorProto's FLOAT, FLOAT16); k/v scales stay float
@@ -360,7 +383,8 @@ def _attention_output(g: _Graph, i: int, h: str, wo_dims: list[int], dtype: str)
         if add.op_type != "Add":
             continue
         other = add.input[1] if add.input[0] == x else add.input[0]
-        a = _weight_matmul_input(g, other, wo_dims)
+        post = _rmsnorm_input(g, other)  # Gemma 3's post-attention norm: x + norm(wo(attention))
+        a = _weight_matmul_input(g, other if post is None else post[0], wo_dims)
         if a is not None:
             return a
     raise NotFusable(f"layer {i}: no residual Add of an output projection found")
@@ -412,9 +436,6 @@ def fuse_bundle(bundle: Bundle, max_positions: int | None = None, skip_norm: boo
     if kind not in ("float", "static"):
         raise NotFusable(f"{bundle.path}: the {bundle.manifest['kv']['scheme']} KV scheme has no GroupQueryAttention "
                          f"form (the op's int8 cache takes only constant per-tensor or per-channel scales)")
-    if bundle.model.get("local_layers"):  # local_window_size counts slots, not the keys' positions
-        raise NotFusable(f"{bundle.path}: sliding-window layers (GroupQueryAttention's local_window_size masks by "
-                         f"slot; a pool's or a ring's cells are not in position order)")
     if bundle.dtype not in FLOAT_TYPES:  # the op's T: its activations, RoPE tables and bias
         raise NotFusable(f"{bundle.path}: a {bundle.dtype} graph (the fused rewrite handles {', '.join(FLOAT_TYPES)})")
     model = onnx.load(str(bundle.onnx_path), load_external_data=False)
@@ -432,7 +453,8 @@ def fuse_bundle(bundle: Bundle, max_positions: int | None = None, skip_norm: boo
 def _emit_attention(g: _Graph, layers: list[Layer], m: dict, kind: str, dtype: str) -> None:
     onnx, helper, nh = g.onnx, g.onnx.helper, g.nh
     H, Hkv, D = m["n_heads"], m["n_kv_heads"], m["head_dim"]
-    bias = _bias_as(g, dtype)
+    # the global layers' bias, and the sliding-window layers' where there are any
+    bias = {local: _bias_as(g, BIAS_LOCAL if local else BIAS, dtype) for local in {False} | {L.local for L in layers}}
     base = dict(num_heads=H, kv_num_heads=Hkv, rotary_interleaved=0)
     if kind == "static":
         base.update(k_quant_type="PER_CHANNEL", v_quant_type="PER_CHANNEL", kv_cache_bit_width=8)
@@ -450,14 +472,16 @@ def _emit_attention(g: _Graph, layers: list[Layer], m: dict, kind: str, dtype: s
                 tables[L.tables[:2]] = names
             rotary = [*tables[L.tables[:2]], "position_ids"]
         packed = L.qkv if L.qk is None else _pack_qkv(g, new_nodes, i, L.qk, L.v)
-        ins = [packed, "", "", f"past.{i}.key", f"past.{i}.value", SEQLENS, TOTAL, *rotary, bias, ""]
+        ins = [packed, "", "", f"past.{i}.key", f"past.{i}.value", SEQLENS, TOTAL, *rotary, bias[L.local], ""]
         if kind == "static":
             ins += [f"fused.{i}.k_scale", f"fused.{i}.v_scale"]
             g.g.initializer.extend([nh.from_array(L.k_scale.astype(np.float32).reshape(1, Hkv, 1, D), ins[-2]),
                                     nh.from_array(L.v_scale.astype(np.float32).reshape(1, Hkv, 1, D), ins[-1])])
         out = f"fused.{i}.attn"
+        own = {} if L.scale is None else {"scale": L.scale}
         new_nodes.append(helper.make_node("GroupQueryAttention", ins, [out, f"fused.{i}.key", f"fused.{i}.value"],
-                                          name=f"fused.{i}.gqa", domain=MS, do_rotary=int(L.rotary == "op"), **base))
+                                          name=f"fused.{i}.gqa", domain=MS, do_rotary=int(L.rotary == "op"),
+                                          **base, **own))
         renames[L.attn_out] = out
     # consumers of the old attention outputs read the fused ones; the old present.* are renamed
     # away so the fused node's outputs can take the graph outputs' names
@@ -478,19 +502,20 @@ def _emit_attention(g: _Graph, layers: list[Layer], m: dict, kind: str, dtype: s
                         n.output[k] = old
     g.g.node.extend(new_nodes)
     _batch_from_positions(g)
+    _sizes_from_ids(g)
     _set_io(g, layers, m, kind)
     if not any(o.domain == MS for o in g.model.opset_import):
         g.model.opset_import.append(helper.make_opsetid(MS, 1))
     g.reindex()
 
 
-def _bias_as(g: _Graph, dtype: str) -> str:
-    """attention_bias in the op's T: the graph input stays float32 (what the runtime feeds for every
+def _bias_as(g: _Graph, bias: str, dtype: str) -> str:
+    """A bias input in the op's T: the graph input stays float32 (what the runtime feeds for every
     bundle); a float16 graph casts it once (0 and -inf are exact in float16)."""
     if dtype == "float32":
-        return BIAS
-    name = f"{BIAS}.{dtype}"
-    g.g.node.append(g.onnx.helper.make_node("Cast", [BIAS], [name], name=name, to=FLOAT_TYPES[dtype]))
+        return bias
+    name = f"{bias}.{dtype}"
+    g.g.node.append(g.onnx.helper.make_node("Cast", [bias], [name], name=name, to=FLOAT_TYPES[dtype]))
     return name
 
 
@@ -518,6 +543,16 @@ def _batch_from_positions(g: _Graph) -> None:
             n.attribute.extend([g.onnx.helper.make_attribute("start", 0), g.onnx.helper.make_attribute("end", 1)])
 
 
+def _sizes_from_ids(g: _Graph) -> None:
+    """The graph as exported may read the call's sizes off a mask (Gemma 3's: Shape(local_key_mask)[1:2],
+    the new tokens S); the fused graph has no mask input, so those read input_ids' [B, S] instead.
+    A read of the masks' last dim (P + S) has no input of its own: it must be the plain attention's
+    (pruned), else _check_fused refuses the graph."""
+    for n in g.g.node:
+        if n.op_type == "Shape" and n.input[0] in MASKS and (g.attr(n, "start", 0), g.attr(n, "end")) in ((0, 1), (1, 2)):
+            n.input[0] = "input_ids"
+
+
 def _rename(g: _Graph, old: str, new: str) -> None:
     for n in g.g.node:
         for k, x in enumerate(n.input):
@@ -539,8 +574,9 @@ def _set_io(g: _Graph, layers: list[Layer], m: dict, kind: str) -> None:
             elem = vi.type.tensor_type.elem_type
             vi.CopyFrom(helper.make_tensor_value_info(vi.name, elem, ["batch", Hkv, "cache", D]))
     g.g.input.extend([helper.make_tensor_value_info(SEQLENS, TP.INT32, ["batch"]),
-                      helper.make_tensor_value_info(TOTAL, TP.INT32, []),
-                      helper.make_tensor_value_info(BIAS, TP.FLOAT, [1, 1, "sequence", "total"])])
+                      helper.make_tensor_value_info(TOTAL, TP.INT32, [])]
+                     + [helper.make_tensor_value_info(b, TP.FLOAT, ["bias_batch", 1, "sequence", "total"])
+                        for b in (BIAS, BIAS_LOCAL) if b != BIAS_LOCAL or any(L.local for L in layers)])
 
 
 def _emit_skip_norms(g: _Graph) -> int:
@@ -655,5 +691,6 @@ def _check_fused(g: _Graph, n_layers: int) -> None:
     for name, readers in g.consumers.items():
         if name.startswith("past.") and any(r.op_type != "GroupQueryAttention" for r in readers):
             raise NotFusable(f"{name} is still read by plain ops")
-    if "key_mask" in g.consumers:
-        raise NotFusable("the key mask is still read")
+    for mask in MASKS:
+        if mask in g.consumers:
+            raise NotFusable(f"{mask} is still read")

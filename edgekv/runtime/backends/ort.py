@@ -16,7 +16,8 @@ import numpy as np
 from edgekv.errors import BackendUnavailable, BundleError, EdgeKVError, note
 from edgekv.format.bundle import LOCAL_MASK, Bundle
 from edgekv.runtime.backends.base import PREFILL_CHUNK, UNLIMITED, bound_past
-from edgekv.runtime.backends.fused import BIAS, MIN_ORT, SEQLENS, TOTAL, NotFusable, fuse_bundle, ort_version_ok
+from edgekv.runtime.backends.fused import (BIAS, BIAS_LOCAL, MIN_ORT, SEQLENS, TOTAL, NotFusable, fuse_bundle,
+                                           ort_version_ok)
 from edgekv.runtime.backends.nbits import fold_graph
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.memory import HeadMajorMemory, HostMemory, KVMemory, SlotMemory
@@ -345,9 +346,12 @@ def attention_default() -> str:
     return value
 
 
-def choose_attention(backend: "OrtBackend", bundle: Bundle, mode: str):
-    """(the fused graph or None, the load log's line: which attention runs and why). `fused`
-    where it cannot be built is an error; `auto` then keeps the graph as written."""
+def choose_attention(backend: "OrtBackend", bundle: Bundle, asked: str | None):
+    """(the fused graph or None, the load log's line: which attention runs and why) for the
+    attention `asked` (None: EDGEKV_ATTENTION's). `fused` where it cannot be built is an error;
+    `auto` then keeps the graph as written. The line names EDGEKV_ATTENTION=plain as the way out
+    only where the variable chose: a caller that asked (serve, by --slots) names its own."""
+    mode = attention_default() if asked is None else asked
     if mode not in ATTENTIONS:
         raise EdgeKVError(f"attention {mode!r}: choose one of {', '.join(ATTENTIONS)}")
     if mode == "plain":
@@ -368,9 +372,9 @@ def choose_attention(backend: "OrtBackend", bundle: Bundle, mode: str):
         except NotFusable as e:
             why = str(e)
         else:
+            way_out = f"; {ATTENTION_ENV}=plain runs the graph as written" if asked is None else ""
             return fused, (f"attention: fused (GroupQueryAttention in each of {len(fused.layers)} layers, "
-                           f"{fused.skip_norms} SkipSimplifiedLayerNormalization; "
-                           f"{ATTENTION_ENV}=plain runs the graph as written)")
+                           f"{fused.skip_norms} SkipSimplifiedLayerNormalization{way_out})")
     if mode == "fused":
         raise BackendUnavailable(f"fused attention: {why}")
     return None, f"attention: the bundle's graph as written ({why})"
@@ -406,6 +410,13 @@ def attention_bias(key_mask: np.ndarray | None, past: int, at: int, s: int) -> n
         bias[0, 0, :, :past][key_mask[0, :, :past]] = 0.0
         bias[0, 0, :, at:][key_mask[0, :, past:]] = 0.0
     return bias
+
+
+def slot_window_bias(positions: np.ndarray, slots: int, window: int) -> np.ndarray:
+    """The sliding-window layers' bias [B, 1, S, slots] for entries whose cell j holds position j
+    (serve's slots): 0 where q_pos - j < window, -inf where not (the op's causal rule hides j > q_pos)."""
+    d = positions[:, None, :, None] - np.arange(slots)[None, None, None, :]  # [B, 1, S, slots]
+    return np.where(d < window, np.float32(0.0), np.float32(-np.inf))
 
 
 def session_options(ort, threads: int | None, matmul_accuracy: int):
@@ -447,8 +458,7 @@ class OrtBackend:
         off = ["QDQPropagationTransformer"] if bundle.weights == "int4" else None
         # the graph this session runs: the fused one where it can (self.fused), else as written;
         # self.attention says which and why (the load log)
-        mode = attention_default() if attention is None else attention
-        self.fused, self.attention = choose_attention(self, bundle, mode)
+        self.fused, self.attention = choose_attention(self, bundle, attention)
         try:
             # serve's slots need query_seqlens (onnxruntime >= 1.32); without it the fused graph
             # still runs one stream, and run_slots says why it cannot run
@@ -477,13 +487,17 @@ class OrtBackend:
         if self.fused is not None:  # a path new to the user: the load log says it runs, and how to leave it
             note(self.attention)
         self.vocab = bundle.model["vocab_size"]
+        self.window = bundle.window  # the sliding-window layers' (None without them)
         self.io = self.session.io_binding()
         self.logits = np.empty((1, max(1, max_logits_rows), self.vocab), np.float32)
         graph_inputs = {i.name for i in self.session.get_inputs()}
         self.local_mask = LOCAL_MASK in graph_inputs  # a model with sliding-window layers: their mask is fed too
+        self.local_bias = BIAS_LOCAL in graph_inputs  # ... and, fused, their bias (docs/fused.md, "Architectures")
         expected = set(bundle.manifest["io"]["inputs"]) | set(bundle.manifest["io"]["past"])
-        if self.fused is not None:  # the cache's lengths and the bias in place of the key mask
-            expected = (expected - {"key_mask"}) | set(FUSED_INPUTS) | ({QUERY_LENGTHS} if self.query_lengths else set())
+        if self.fused is not None:  # the cache's lengths and the biases in place of the masks
+            local = {BIAS_LOCAL} if LOCAL_MASK in expected else set()
+            expected = ((expected - {"key_mask", LOCAL_MASK}) | set(FUSED_INPUTS) | local
+                        | ({QUERY_LENGTHS} if self.query_lengths else set()))
         if graph_inputs != expected:
             raise BundleError(f"{bundle.path}: corrupt bundle (graph inputs do not match the manifest)")
         self.memory = self.make_memory() if self.fused is None else HeadMajorMemory(FUSED_SPARE)
@@ -536,7 +550,8 @@ class OrtBackend:
         s = input_ids.shape[1]
         if self.fused is not None:  # a linear sequence appends; a ring overwriting masks its old slots
             mask = seq.key_mask(s, seq.n) if seq.w != seq.n else None
-            return self._run_fused(cache, seq.n, seq.w, input_ids, seq.positions(s), mask, logits_index)
+            local = seq.local_key_mask(s, seq.n) if self.local_bias else None  # the window: never the op's rule
+            return self._run_fused(cache, seq.n, seq.w, input_ids, seq.positions(s), mask, logits_index, local)
         past = self.past_slots(cache, seq)
         local = seq.local_key_mask(s, past) if self.local_mask else None
         return self._run(cache, past, seq.w, input_ids, seq.positions(s), seq.key_mask(s, past), logits_index, local)
@@ -583,7 +598,7 @@ class OrtBackend:
         binding as `run`: own small arrays, the past rebound only when `past` changes."""
         self._check_cache(cache)
         if self.fused is not None:
-            return self._run_fused(cache, past, write, input_ids, position_ids, key_mask, logits_index)
+            return self._run_fused(cache, past, write, input_ids, position_ids, key_mask, logits_index, local_key_mask)
         return self._run(cache, past, write, input_ids, position_ids, key_mask, logits_index, local_key_mask)
 
     # -- the fused graph (docs/fused.md, "The runtime"): the cache is head-major, one buffer per
@@ -591,14 +606,18 @@ class OrtBackend:
     # seqlens_k + 1 slots, adds attention_bias (the key mask as 0 / -inf) and writes the new
     # tokens at slot seqlens_k + 1 - S
     def _run_fused(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
-                   key_mask: np.ndarray | None, logits_index: np.ndarray) -> np.ndarray:
+                   key_mask: np.ndarray | None, logits_index: np.ndarray,
+                   local_key_mask: np.ndarray | None = None) -> np.ndarray:
         """past = slots [0, past) seen through key_mask [1, S, past + S] (None: all of them, the
         new block causally), the new tokens' K/V to slots [write, write + S). The op writes at
         the end of what it reads, so a call whose write slot is not `past` (a ring overwriting,
         a cell run elsewhere in a pool, or a first prompt whose positions do not run on: the op
         reads only position_ids[0] then) runs over the whole capacity with the rest masked,
-        writes to the spare slots after it and is moved to its cells."""
+        writes to the spare slots after it and is moved to its cells. local_key_mask [1, S, past + S]:
+        the sliding-window layers' keys (a graph with them needs it), their bias built the same way."""
         s = input_ids.shape[1]
+        if self.local_bias and local_key_mask is None:
+            raise EdgeKVError(f"{self.name}: this graph has sliding-window layers and needs their {LOCAL_MASK}")
         runs_on = bool(np.all(np.diff(position_ids[0]) == 1))
         direct = write == past and (past > 0 or runs_on)
         at = past if direct else cache.capacity  # where the op writes
@@ -610,6 +629,8 @@ class OrtBackend:
                  "logits_index": np.ascontiguousarray(logits_index, np.int64),
                  SEQLENS: np.array([at + s - 1], np.int32), TOTAL: np.array(at + s, np.int32),
                  BIAS: attention_bias(key_mask, past, at, s)}
+        if self.local_bias:
+            feeds[BIAS_LOCAL] = attention_bias(local_key_mask, past, at, s)
         if self.query_lengths:
             feeds[QUERY_LENGTHS] = np.array([s], np.int32)
         self._bind_fused(cache, feeds)
@@ -667,6 +688,8 @@ class OrtBackend:
                  # same in every call, so nothing in an entry's arithmetic depends on its batch
                  SEQLENS: seqlens, TOTAL: np.array(slot_len, np.int32), QUERY_LENGTHS: query,
                  BIAS: self._zero_bias(s, slot_len)}
+        if self.local_bias:  # a slot's cell j holds position j: the window by position is by cell here
+            feeds[BIAS_LOCAL] = slot_window_bias(feeds["position_ids"], slot_len, self.window)
         self._feeds = feeds  # kept alive: bound by address
         for name, a in feeds.items():
             self.io.bind_input(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
