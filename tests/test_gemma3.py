@@ -2,7 +2,7 @@
 built by the runtime from each key cell's position, against transformers (generate, a kept
 chat sequence over turns), against the same runtime alone (a serving batch), against a ring
 oracle whose slots remember their positions (chat's ring, wrapped), and the backends that feed
-it (trt's stand-in) or must refuse it (the fused rewrite). The tiny checkpoint's window is 8:
+it (trt's stand-in, the fused rewrite). The tiny checkpoint's window is 8:
 every prompt and reply here runs well past it."""
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from edgekv.errors import BackendUnavailable, BundleError
+from edgekv.errors import BundleError
 from edgekv.format.bundle import LOCAL_MASK, load_bundle
 from edgekv.runtime.assemble import open_runtime
 from edgekv.runtime.backends import OrtBackend
@@ -234,14 +234,12 @@ def test_the_trt_backend_feeds_the_local_mask_by_name(bundles, monkeypatch):
     assert req.out == want[0]
 
 
-def test_fused_attention_refuses_sliding_window_layers(bundles):
-    """GroupQueryAttention's local_window_size counts slots: a pool's or a ring's cells are not in
-    position order, so the rewrite refuses, and ort-cpu runs the graph as written."""
-    from edgekv.runtime.backends.fused import NotFusable, fuse_bundle
+def test_fused_attention_takes_sliding_window_layers_when_asked(bundles):
+    """The fused rewrite takes the local layers (their own bias from local_key_mask: the fused =
+    plain oracles are tests/test_fused_gemma3.py); a float cache still runs as written under auto."""
+    from edgekv.runtime.backends.fused import fuse_bundle
 
     b = load_bundle(bundles("float"))
-    with pytest.raises(NotFusable, match="sliding-window"):
-        fuse_bundle(b)
-    with pytest.raises(BackendUnavailable, match="sliding-window"):  # asked for: one line saying why not
-        OrtBackend(b, threads=1, attention="fused")
+    assert sum(L.local for L in fuse_bundle(b).layers) == len(b.manifest["model"]["local_layers"])
+    assert OrtBackend(b, threads=1, attention="fused").fused is not None
     assert OrtBackend(b, threads=1, attention="auto").fused is None
