@@ -632,7 +632,11 @@ MUTATIONS = [
     M("gemma runner mask ignores the window", "engine", "edgekv/runtime/batching/runner.py", "        return local & mask", "        return mask", GEMMA),
     M("gemma wrapped ring's cells at slot positions", "engine", "edgekv/runtime/batching/poolseq.py", "        out[self._sinks or 0:] += gone", "        pass", GEMMA),
     M("gemma single stream without the window", "engine", "edgekv/runtime/sequence.py", "        m[0] &= (q[:, None] - k[None, :]) < self.window", "        pass", GEMMA),
-    M("gemma fused not refused", "fused", "edgekv/runtime/backends/fused.py", '    if bundle.model.get("local_layers"):  # local_window_size', '    if False:  # local_window_size', GEMMA),
+    M("fused: Gemma's local layers read the global bias", "fused", "edgekv/runtime/backends/fused.py", '*rotary, bias[L.local], ""]', '*rotary, bias[False], ""]', ("tests/test_fused_gemma3.py",)),
+    M("fused: the query gain's scale dropped", "fused", "edgekv/runtime/backends/fused.py", 'own = {} if L.scale is None else {"scale": L.scale}', 'own = {}', ("tests/test_fused_gemma3.py",)),
+    M("fused: the local bias built from key_mask", "fused", "edgekv/runtime/backends/ort.py", "feeds[BIAS_LOCAL] = attention_bias(local_key_mask, past, at, s)", "feeds[BIAS_LOCAL] = attention_bias(key_mask, past, at, s)", ("tests/test_fused_gemma3.py",)),
+    M("fused slots: the window one key too wide", "fused", "edgekv/runtime/backends/ort.py", "np.where(d < window,", "np.where(d <= window,", ("tests/test_fused_gemma3.py",)),
+    M("fused: the load line names EDGEKV_ATTENTION where the caller chose", "fused", "edgekv/runtime/backends/ort.py", 'way_out = f"; {ATTENTION_ENV}=plain runs the graph as written" if asked is None else ""', 'way_out = f"; {ATTENTION_ENV}=plain runs the graph as written"', ("tests/test_fused_gemma3.py",)),
     M("trt local mask not fed", "trt", "edgekv/runtime/backends/trt.py", "            small.append((LOCAL_MASK, self.d_local, local_key_mask.shape))", "            pass", GEMMA),
     # issue 23/24: a GGUF minimum folded into MatMulNBits' zero points at load
     M("nbits: remainder drops the zero point's share", "weights", "edgekv/runtime/backends/nbits.py", "r = m64 + s64 * zp", "r = m64 + s64 * 0", NBITS),
