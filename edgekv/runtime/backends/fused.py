@@ -18,6 +18,7 @@ The fused graph's I/O differs from the plain contract (docs/graph.md) in the cac
   inputs   input_ids, position_ids, logits_index (as before), seqlens_k int32 [B] (tokens in
            the cache after this call, minus 1), total_sequence_length int32 [] (their maximum),
            attention_bias float [1, 1, S, T] (T = total_sequence_length: the key mask as 0 / -inf),
+           attention_bias.local (models with sliding-window layers: their local_key_mask as 0 / -inf),
            past.{i}.key / .value [B, Hkv, C, D] (BNSH, the whole buffer of capacity C)
   outputs  logits; present.{i}.key / .value [B, Hkv, C, D]: the same buffer (bound at the same
            address as past: GroupQueryAttention writes the new tokens in place)
