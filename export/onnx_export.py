@@ -98,12 +98,40 @@ def _const(name: str, value, dtype) -> TensorProto:
     return numpy_helper.from_array(np.array(value, dtype=dtype), name)
 
 
+WEIGHT_BYTES = 1024  # initializers above this size are weights: shape inference needs their type and dims only
+
+
+def infer_shapes_without_weights(m: onnx.ModelProto) -> onnx.ModelProto:
+    """onnx.shape_inference.infer_shapes(m), the weights' bytes kept out of it: inference serializes
+    the whole model into C++ (about a second per 140 MB of float weights) and reads initializer
+    values only for shape-like integer inputs (Reshape's shape, Slice's starts), which stay. The
+    bytes move from `m` to the inferred copy (no second copy of the weights is held)."""
+    kept = {}
+    for init in m.graph.initializer:
+        if init.data_type not in (TensorProto.INT64, TensorProto.INT32) and len(init.raw_data) > WEIGHT_BYTES:
+            kept[init.name] = init.raw_data
+            init.ClearField("raw_data")
+    try:
+        inferred = onnx.shape_inference.infer_shapes(m)
+    except Exception:
+        _restore_bytes(m, kept)
+        raise
+    _restore_bytes(inferred, kept)
+    return inferred
+
+
+def _restore_bytes(m: onnx.ModelProto, kept: dict) -> None:
+    for init in m.graph.initializer:
+        if init.name in kept:
+            init.raw_data = kept[init.name]
+
+
 def int8_casts_to_qdq(m: onnx.ModelProto) -> onnx.ModelProto:
     """Rewrite every Cast to INT8 as QuantizeLinear(x, 1.0, 0) and every Cast from INT8 as
     DequantizeLinear(x, 1.0, 0). TensorRT's parser takes INT8 only through Q/DQ with a constant
     scale; a unit per-tensor scale is legal in every TensorRT 10.x and exact in onnxruntime
     (the graph already rounds and clips to [-127, 127] before the cast)."""
-    m = onnx.shape_inference.infer_shapes(m)
+    m = infer_shapes_without_weights(m)
     types = {v.name: v.type.tensor_type.elem_type for v in list(m.graph.input) + list(m.graph.value_info) + list(m.graph.output)}
     for init in m.graph.initializer:
         types[init.name] = init.data_type
