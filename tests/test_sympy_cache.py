@@ -1,4 +1,4 @@
-"""export.model imports sympy with no bound on its cache (torch.export's symbolic shapes rebuild
+"""The export package imports sympy with no bound on its cache (torch.export's symbolic shapes rebuild
 evicted expressions otherwise: a slower ONNX step), leaving the environment as it was and a
 SYMPY_CACHE_SIZE the user set in force. In a fresh interpreter: sympy reads it once, on import."""
 import json
