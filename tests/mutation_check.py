@@ -677,7 +677,13 @@ MUTATIONS = [
     # the remainder's blocksum as one shared MatMul
     M("nbits: blocksum indicator in the wrong column", "weights", "edgekv/runtime/backends/nbits.py", "e[np.arange(k), np.arange(k) // block] = 1.0", "e[np.arange(k), np.arange(k) % (k // block)] = 1.0", NBITS),
     M("nbits: blocksum MatMul not shared between matrices reading one x", "weights", "edgekv/runtime/backends/nbits.py", "        if x in self.outputs:", "        if False:", NBITS),
+    # export speed: sympy's cache, the QDQ pass's shape inference without the weights' bytes
+    M("qdq shape inference given the weights' bytes", "export", "export/onnx_export.py", 'init.ClearField("raw_data")', "init.raw_data = init.raw_data", ("tests/test_qdq_inference.py",)),
+    M("weights not restored into the inferred graph", "export", "export/onnx_export.py", "_restore_bytes(inferred, kept)", "_restore_bytes(m, kept)", ("tests/test_qdq_inference.py",)),
+    M("sympy cache left at its default", "export", "export/__init__.py", 'os.environ["SYMPY_CACHE_SIZE"] = "None"', 'os.environ["SYMPY_CACHE_SIZE"] = "1000"', ("tests/test_sympy_cache.py",)),
+    M("SYMPY_CACHE_SIZE leaked into the environment", "export", "export/__init__.py", 'del os.environ["SYMPY_CACHE_SIZE"]', "pass", ("tests/test_sympy_cache.py",)),
 ]
+
 _IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", "bundles", "*.egg-info",
                                  "bench-results", "eval-results")
 
