@@ -27,8 +27,14 @@ def rt(rt_int8):
 
 
 @pytest.fixture(scope="module")
-def served(rt):
-    with built(rt, ctx=256, parallel=4, max_queue=64, prefill_chunk=32) as s:
+def served(tiny_bundle_int8):
+    """The server on a runtime of its own (rt's twin: the same bundle, cells and threads): the
+    oracle's alone runs on `rt` never share a backend with a step the server may still be taking
+    (a reply cut by a stop string returns before its engine's last step is done)."""
+    from edgekv.runtime.assemble import open_runtime
+
+    with open_runtime(tiny_bundle_int8, ctx=256, backend="ort-cpu", threads=1) as own, \
+            built(own, ctx=256, parallel=4, max_queue=64, prefill_chunk=32) as s:
         yield s.batcher, s.url
 
 
