@@ -11,6 +11,11 @@ from pathlib import Path
 
 import pytest
 
+try:  # first, before transformers or torch import sympy: the export package sets sympy's cache (export/__init__.py)
+    import export  # noqa: F401
+except ImportError:  # the runtime-only install: no exporter
+    pass
+
 ROOT = Path(__file__).resolve().parent.parent
 CHAT_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

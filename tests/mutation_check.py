@@ -682,6 +682,11 @@ MUTATIONS = [
     M("weights not restored into the inferred graph", "export", "export/onnx_export.py", "_restore_bytes(inferred, kept)", "_restore_bytes(m, kept)", ("tests/test_qdq_inference.py",)),
     M("sympy cache left at its default", "export", "export/__init__.py", 'os.environ["SYMPY_CACHE_SIZE"] = "None"', 'os.environ["SYMPY_CACHE_SIZE"] = "1000"', ("tests/test_sympy_cache.py",)),
     M("SYMPY_CACHE_SIZE leaked into the environment", "export", "export/__init__.py", 'del os.environ["SYMPY_CACHE_SIZE"]', "pass", ("tests/test_sympy_cache.py",)),
+    # the turn's rollback, caught by the Ctrl-C tests at conftest's interrupt_points
+    M("turns: a rollback leaves the overwritten rows", "engine", "edgekv/runtime/batching/turns.py", "        for start, rows in turn.rows:", "        for start, rows in turn.rows[:0]:", ("tests/test_chat_engine.py", "-k", "interrupt_at_every")),
+    M("turns: a cell copied again after its first write", "engine", "edgekv/runtime/batching/turns.py", "        turn.saved[w: w + s] |= todo", "        pass", ("tests/test_chat_engine.py", "-k", "interrupt_at_every")),
+    M("turns: kept sequences not restored", "engine", "edgekv/runtime/batching/turns.py", "            seq._restore_state(state)", "            pass", ("tests/test_chat_engine.py", "-k", "interrupt_at_every")),
+    M("batcher: a rollback keeps the waiting requests", "engine", "edgekv/runtime/batching/batcher.py", "            self.waiting.clear()", "            pass", ("tests/test_chat_engine.py", "-k", "interrupt_at_every")),
 ]
 
 _IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", "bundles", "*.egg-info",
