@@ -11,6 +11,7 @@ The main thread owns this sequence and the signals; uvicorn never installs its o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import json
 import logging
@@ -342,15 +343,20 @@ class Stop(BaseException):
 
 
 class Signals:
-    """SIGTERM and SIGINT on the main thread. While `urgent` (loading, draining) a signal raises
-    Stop where the main thread is; while serving, the first one only wakes `wait_first`."""
+    """SIGTERM and SIGINT on the main thread. While urgent (starting, warming up, draining) a
+    signal is kept and `check()`, called between those steps, raises Stop - never inside them
+    (half through starting a thread or holding a lock it left serve hung or crashing at exit) -
+    except `immediately()`, around loading the runtime (nothing of ours half-made there), where
+    it raises Stop at once; while serving, the first one only wakes `wait_first`."""
 
     HANDLED = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
         self.urgent = True
+        self.defer = True  # an urgent signal waits for check(), but inside immediately()
         self.stopped = False
         self.first: int | None = None
+        self.pending: int | None = None  # a signal that came while urgent: check() stops on it
         self._got = threading.Event()
         self._old: dict = {}
 
@@ -365,11 +371,29 @@ class Signals:
     def _handle(self, signum, frame) -> None:
         if self.stopped:
             return  # already stopping at once: let the cleanup finish
-        if self.urgent:
+        if self.urgent and not self.defer:
             self.stopped = True
             raise Stop(signum)
-        self.first = signum
+        if self.urgent:
+            self.stopped, self.pending = True, signum
+        else:
+            self.first = signum
         self._got.set()
+
+    @contextlib.contextmanager
+    def immediately(self):
+        """Inside: a signal raises Stop where it lands (loading the runtime: minutes on a board)."""
+        self.check()
+        self.defer = False
+        try:
+            yield
+        finally:
+            self.defer = True
+
+    def check(self) -> None:
+        """A safe point while loading or draining: a signal that came stops here."""
+        if self.pending is not None:
+            raise Stop(self.pending)
 
     def serving(self) -> None:
         self.urgent = False
@@ -378,10 +402,11 @@ class Signals:
         """From now on signals change nothing (the cleanup at exit is short and must finish)."""
         self.stopped = True
 
-    def wait_first(self) -> int:
+    def wait_first(self) -> int | None:
         while not self._got.wait(0.5):
             pass
-        self.urgent = True  # from now on (draining) a signal stops at once
+        self.urgent = True  # from now on (draining) a signal stops at the next check
+        self.check()  # one that came before serving began: nothing is being served, stop
         return self.first
 
 
@@ -405,7 +430,7 @@ WARM_UP_PARAMS = (SamplingParams(temperature=0.0),  # greedy
 WARM_UP_TENANT = "edgekv-warm-up"  # its own prefixes: no client is told of cached tokens it never sent
 
 
-def warm_up(batcher, codec) -> int:
+def warm_up(batcher, codec, check=lambda: None) -> int:
     """One short prefill and decode through every path a request takes, before /health says ready:
     the chat template and the tokenizer, the batcher's batched step (two sequences in one call),
     greedy and filtered sampling, the detokenizer. The first call of each costs seconds on a board
@@ -416,8 +441,8 @@ def warm_up(batcher, codec) -> int:
     for p, run in zip(WARM_UP_PARAMS, runs):
         batcher.submit(Request(prompt, 2, p, stop_ids=codec.stop_ids, tenant=WARM_UP_TENANT, emit=run.event))
     for run in runs:
-        while not run.ended.wait(0.2):  # short waits: a signal's handler runs between them
-            pass
+        while not run.ended.wait(0.2):  # short waits: check() stops on a signal between them
+            check()
     for run in runs:
         if run.reason not in ("stop", "length"):
             raise EdgeKVError(f"the warm-up request ended with {run.reason!r} (see the lines above): "
@@ -451,15 +476,17 @@ def busy(batcher, http: BackgroundServer) -> int:
     return max(s["active"] + s["waiting"], http.in_flight())
 
 
-def drain(server, batcher, http: BackgroundServer, seconds: float) -> None:
-    """No new requests (503 "draining"), running ones finish within `seconds`, the rest are cut."""
+def drain(server, batcher, http: BackgroundServer, seconds: float, check=lambda: None) -> None:
+    """No new requests (503 "draining"), running ones finish within `seconds`, the rest are cut;
+    `check()` raises Stop on a second signal."""
     server.set_state("draining")
     notify("STOPPING=1\nSTATUS=draining")
     note(f"edgekv serve: draining: {busy(batcher, http)} requests running, up to {seconds:g} s "
          "(signal again to stop now)")
     deadline = time.monotonic() + seconds
     while busy(batcher, http) and time.monotonic() < deadline:
-        time.sleep(0.05)  # a second signal raises Stop here
+        time.sleep(0.05)
+        check()  # a second signal stops here
     left = busy(batcher, http)
     if left:
         note(f"edgekv serve: {left} requests still running after {seconds:g} s were cut")
@@ -523,15 +550,17 @@ def cmd_serve(args) -> int:
             print(f"edgekv serve: {url_of(args.host, http.port)}/v1 (loading {args.bundle})", flush=True)
             notify("STATUS=loading")
             t0 = time.perf_counter()
-            rt = open_serve_runtime(bundle, args.ctx, args.backend, args.threads, args.slots)
+            with signals.immediately():
+                rt = open_serve_runtime(bundle, args.ctx, args.backend, args.threads, args.slots)
             layout = serve_layout(rt, args.slots, args.parallel, args.ctx)
             note(f"edgekv serve: {layout.why}")
             batcher, server = build_server(rt, args.ctx, args.parallel, args.queue, slots=layout, api_keys=keys,
                                           max_body_bytes=args.max_body, bind_host=args.host)
             server.set_state("loading")
             gate.open(server.app())  # the app answers "loading" itself until ready
+            signals.check()
             t1 = time.perf_counter()
-            warm_up(batcher, rt.codec)
+            warm_up(batcher, rt.codec, signals.check)
             server.set_state("ready")
             signals.serving()
             t2 = time.perf_counter()
@@ -540,7 +569,7 @@ def cmd_serve(args) -> int:
                   f"parallel, queue {args.queue})", flush=True)
             notify("READY=1\nSTATUS=ready")
             signals.wait_first()
-            drain(server, batcher, http, args.drain_seconds)
+            drain(server, batcher, http, args.drain_seconds, signals.check)
             note("edgekv serve: stopped")
             return 0
         except Stop as s:
