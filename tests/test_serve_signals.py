@@ -31,6 +31,35 @@ def test_immediately_a_signal_raises_where_it_lands():
                 pytest.fail("no Stop")
 
 
+def test_a_stop_swallowed_while_loading_is_raised_after():
+    """pybind11 turns an exception raised inside onnxruntime's module init into an ImportError and the
+    backend falls back to the next provider: the load ends normally, the signal must still stop."""
+    with Signals() as s:
+        with pytest.raises(Stop) as e:
+            with s.immediately():
+                try:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(1)
+                except Stop:
+                    pass  # what a fallback that catches the converted error does
+        assert e.value.signum == signal.SIGTERM
+        s.serving()
+        with pytest.raises(Stop):
+            s.wait_first()  # and serving would not wait for a second signal either
+
+
+def test_an_error_a_swallowed_stop_left_behind_is_the_stop():
+    """The fallback's own import then fails ("onnxruntime is not installed"): a signal, not an error."""
+    with Signals() as s:
+        with pytest.raises(Stop):
+            with s.immediately():
+                try:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(1)
+                except Stop:
+                    raise ImportError("initialization failed") from None
+
+
 def test_a_signal_before_serving_began_stops_wait_first():
     with Signals() as s:
         os.kill(os.getpid(), signal.SIGINT)

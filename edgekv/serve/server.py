@@ -28,6 +28,7 @@ from typing import NamedTuple
 from edgekv.errors import BackendUnavailable, EdgeKVError, note
 from edgekv.format.bundle import load_bundle
 from edgekv.runtime.assemble import Runtime, open_runtime
+from edgekv.runtime.backends import import_native
 from edgekv.runtime.backends.base import PREFILL_CHUNK
 from edgekv.runtime.batching import Batcher, Done, Request, Token
 from edgekv.runtime.cache import KVCache
@@ -371,24 +372,31 @@ class Signals:
     def _handle(self, signum, frame) -> None:
         if self.stopped:
             return  # already stopping at once: let the cleanup finish
-        if self.urgent and not self.defer:
-            self.stopped = True
-            raise Stop(signum)
         if self.urgent:
-            self.stopped, self.pending = True, signum
+            self.stopped, self.pending = True, signum  # kept even where Stop is raised: see immediately()
         else:
             self.first = signum
         self._got.set()
+        if self.urgent and not self.defer:
+            raise Stop(signum)
 
     @contextlib.contextmanager
     def immediately(self):
-        """Inside: a signal raises Stop where it lands (loading the runtime: minutes on a board)."""
+        """Inside: a signal raises Stop where it lands (loading the runtime: minutes on a board). Code
+        inside may swallow it (pybind11 turns an exception raised during onnxruntime's module init into
+        an ImportError, and the backend falls back to the next provider or reports onnxruntime missing),
+        so after a signal whatever the load ends with is this Stop."""
         self.check()
         self.defer = False
         try:
             yield
+        except BaseException:
+            if self.pending is None:
+                raise
+            raise Stop(self.pending) from None
         finally:
             self.defer = True
+        self.check()
 
     def check(self) -> None:
         """A safe point while loading or draining: a signal that came stops here."""
@@ -542,6 +550,7 @@ def cmd_serve(args) -> int:
     if args.host not in LOCAL_HOSTS and not keys:
         note(f"edgekv serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
              "port can use the model")
+    import_native(args.backend)  # never interrupted by our handlers: see import_native
     http = rt = batcher = None
     with Signals() as signals:
         try:

@@ -11,6 +11,25 @@ from edgekv.runtime.backends.ort import MATMUL_ACCURACY, OrtBackend, OrtCudaBack
 from edgekv.runtime.cache import default_capacity
 
 BACKENDS = ("auto", "ort-cpu", "ort-cuda", "trt")
+# the native packages each backend loads (absent ones are the backend's own one-line error later)
+ORT_MODULES = ("onnxruntime", "onnx")
+TRT_MODULES = ("tensorrt", "cuda.bindings.runtime")
+NATIVE_MODULES = {"ort-cpu": ORT_MODULES, "ort-cuda": ORT_MODULES, "trt": TRT_MODULES,
+                  "auto": TRT_MODULES + ORT_MODULES}
+
+
+def import_native(name: str) -> None:
+    """Import the native packages backend `name` will load, where installed. An exception raised
+    inside an extension module's own initialization (a signal handler's, serve's Stop) leaves it half
+    made: pybind11 reports an ImportError, and a later import of onnx crashed the process. serve calls
+    this before its signal handlers are installed, where a signal simply ends the process."""
+    import importlib
+
+    for module in NATIVE_MODULES.get(name, ()):
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            pass
 
 
 def default_threads() -> int:
