@@ -97,3 +97,20 @@ def test_sigterm_at_any_moment_of_startup_ends_serve(tiny_bundle_int8):
             pytest.fail(f"serve hung after SIGTERM {delay:.1f} s into its start")
         assert p.returncode in (0, -signal.SIGTERM), (delay, p.returncode, err[-800:])
         assert "Traceback" not in err, (delay, err[-800:])
+
+
+def test_a_signal_during_a_native_import_waits_until_it_is_in(tmp_path, monkeypatch):
+    """Ctrl-C (or SIGTERM under serve) inside onnxruntime's module init left it half made (an
+    ImportError, a nanobind abort, a segfault in the next import): import_native holds it, then
+    raises it where its own handler can run."""
+    from edgekv.runtime import backends
+
+    (tmp_path / "slow_native_mod.py").write_text(
+        "import os, signal, time\nos.kill(os.getpid(), signal.SIGINT)\ntime.sleep(0.05)\ndone = True\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setitem(backends.NATIVE_MODULES, "test-backend", ("slow_native_mod",))
+    monkeypatch.delitem(sys.modules, "slow_native_mod", raising=False)
+    with pytest.raises(KeyboardInterrupt):
+        backends.import_native("test-backend")
+    assert sys.modules["slow_native_mod"].done  # the import finished before the interrupt
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

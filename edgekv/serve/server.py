@@ -28,7 +28,6 @@ from typing import NamedTuple
 from edgekv.errors import BackendUnavailable, EdgeKVError, note
 from edgekv.format.bundle import load_bundle
 from edgekv.runtime.assemble import Runtime, open_runtime
-from edgekv.runtime.backends import import_native
 from edgekv.runtime.backends.base import PREFILL_CHUNK
 from edgekv.runtime.batching import Batcher, Done, Request, Token
 from edgekv.runtime.cache import KVCache
@@ -550,7 +549,6 @@ def cmd_serve(args) -> int:
     if args.host not in LOCAL_HOSTS and not keys:
         note(f"edgekv serve: warning: listening on {args.host} without --api-key: anyone who can reach this "
              "port can use the model")
-    import_native(args.backend)  # never interrupted by our handlers: see import_native
     http = rt = batcher = None
     with Signals() as signals:
         try:

@@ -19,21 +19,33 @@ NATIVE_MODULES = {"ort-cpu": ORT_MODULES, "ort-cuda": ORT_MODULES, "trt": TRT_MO
 
 
 def import_native(name: str) -> None:
-    """Import the native packages backend `name` will load, where installed. An exception raised
-    inside an extension module's own initialization (a signal handler's, serve's Stop) leaves it half
-    made: pybind11 reports an ImportError, and a later import of onnx crashed the process. serve calls
-    this before its signal handlers are installed, where a signal simply ends the process."""
+    """Import the native packages backend `name` will load, where installed, with SIGINT and SIGTERM
+    held until they are in. An exception raised inside an extension module's own initialization
+    (Ctrl-C's KeyboardInterrupt, serve's Stop) leaves it half made: pybind11 reports an ImportError
+    ("onnxruntime is not installed", or `auto` quietly falling back), nanobind aborts, or a later
+    import of onnx crashes. Held, the first signal is raised again once the imports are done, where
+    its own handler runs. (Masking the signal is not enough: another thread receives it and Python
+    runs the handler on the main thread all the same.)"""
     import importlib
+    import signal
+    import threading
 
-    for module in NATIVE_MODULES.get(name, ()):
-        try:
-            importlib.import_module(module)
-        except ImportError:
-            pass
-
-
-def default_threads() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    came: list[int] = []
+    old = {}
+    if threading.current_thread() is threading.main_thread():  # only the main thread sets handlers
+        old = {s: signal.signal(s, lambda signum, frame: came.append(signum))
+               for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for module in NATIVE_MODULES.get(name, ()):
+            try:
+                importlib.import_module(module)
+            except ImportError:
+                pass
+    finally:
+        for s, handler in old.items():
+            signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+    if came:
+        signal.raise_signal(came[0])
 
 
 def make_backend(name: str, bundle: Bundle, threads: int | None = None, max_logits_rows: int = 1,
@@ -43,6 +55,7 @@ def make_backend(name: str, bundle: Bundle, threads: int | None = None, max_logi
     covers `ctx`, else ort-cuda when onnxruntime has CUDA, else ort-cpu. `log` gets one line
     saying why a better backend was passed over. `matmul_accuracy`, `attention`: OrtBackend's
     (attention None: EDGEKV_ATTENTION's choice)."""
+    import_native(name)
     if name == "ort-cpu":
         return check_graph(OrtBackend(bundle, threads, max_logits_rows, matmul_accuracy=matmul_accuracy,
                                       attention=attention), bundle)
