@@ -8,6 +8,9 @@ result to `gguf.quants.dequantize` bit for bit. Every stored scale is a float32 
 fp16 and a small integer (d·sc: at most 11 + 7 significant bits), so it is exact; `exact_product`
 checks it rather than trusting it.
 
+The scales of Q4_0, Q4_1, Q5_0, Q5_1 and Q8_0 are the file's fp16 fields widened (HALF_SCALES): the
+bundle stores them as fp16 again (export/weights.py: `QuantWeight.half_scales`).
+
 Codes keep the file's unsigned values where an 8-bit carrier holds them as they are (Q5_1, Q5_K:
 0..31 with their minimum), and are made signed where the file's own formula subtracts an offset
 (Q4_0: q - 8, Q5_0: q - 16, Q6_K: q - 32). Q4_1 and Q4_K (unsigned 0..15 with a minimum) are
@@ -122,6 +125,10 @@ DECODERS = {
 }
 # the carrier's code width: 4-bit codes go as INT4, the 5- and 6-bit ones (and Q8_0) as INT8
 CODE_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 8, "Q5_1": 8, "Q5_K": 8, "Q6_K": 8}
+# the types whose block scale d (and minimum m) is the file's own fp16 field: the bundle can store
+# those as fp16 too. A K-quant's effective scale d·sc (and -dmin·mn) is a product of an fp16 and a
+# 6- or 8-bit integer, 17-18 significant bits in general: float32 there
+HALF_SCALES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"})
 
 
 def decode(kind: str, raw: np.ndarray, shape: tuple[int, int]):

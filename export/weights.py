@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
 from edgekv.format.bundle import WEIGHT_FORMATS  # the runtime's list of what it reads
-from export.gguf_blocks import CODE_BITS, decode
+from export.gguf_blocks import CODE_BITS, HALF_SCALES, decode
 GROUPS = (32, 64, 128)
 METHODS = ("awq", "clip", "rtn")  # requantizing float to INT4: AWQ scales + clip search, clip search, round-to-nearest
 CLIP_RATIOS = tuple(np.round(np.arange(1.0, 0.49, -0.05), 2))  # searched per group, best error kept
@@ -65,13 +66,33 @@ class QuantWeight:
         if self.block is None:
             return f"INT{self.bits} per output channel"
         return (f"INT{self.bits} blocks of {self.block}" + (f", codes q - {self.shift}" if self.shift else "")
-                + (" + blocksum(x)·min" if self.mins is not None else ""))
+                + (" + blocksum(x)·min" if self.mins is not None else "")
+                + (", fp16 scales" + (" and minimums" if self.mins is not None else "") + " (the file's)"
+                   if self.half_scales else ""))
+
+    @cached_property
+    def half_scales(self) -> bool:
+        """Whether the bundle stores the scales (and minimums) as fp16, Cast to float32 in the graph:
+        where every part's type keeps them as fp16 in the file (HALF_SCALES; a fused matrix with a
+        K-quant part is float32), checked exact rather than trusted (a Q4_0 part's -8·d minimum
+        beside Q4_1 is an fp16 too, unless it overflows)."""
+        if not self.source or self.block is None or not set(self.source.split("|")) <= HALF_SCALES:
+            return False
+        return all(exact_in_half(a) for a in (self.scales, self.mins) if a is not None)
 
     @property
     def nbytes(self) -> int:
-        """Bytes in the bundle: packed codes + float32 scales (+ the Q4_1 term)."""
+        """Bytes in the bundle: packed codes + the scales (+ the minimums), fp16 where half_scales."""
         codes = self.codes.size * self.bits // 8
-        return codes + 4 * self.scales.size + (4 * self.mins.size if self.mins is not None else 0)
+        side = 2 if self.half_scales else 4
+        return codes + side * (self.scales.size + (self.mins.size if self.mins is not None else 0))
+
+
+def exact_in_half(a: np.ndarray) -> bool:
+    """Every value of the float32 array `a` is an fp16 (finite), so storing it as one loses nothing."""
+    with np.errstate(over="ignore"):
+        h = a.astype(np.float16)
+    return bool(np.isfinite(h).all() and np.array_equal(h.astype(np.float32), a))
 
 
 def to_eight_bit(q: QuantWeight) -> QuantWeight:
@@ -329,6 +350,26 @@ def _int_tensor(name: str, codes: np.ndarray, bits: int):
     return helper.make_tensor(name, TensorProto.INT4, list(codes.shape), packed.tobytes(), raw=True)
 
 
+HALF = "_f16"  # the fp16 initializer behind a scale or minimum tensor X: X_f16 -> Cast -> X
+
+
+def _side(name: str, values: np.ndarray, dtype, half: bool, inits: list) -> list:
+    """The scale or minimum tensor `name` in the graph's dtype: an initializer, or where the bundle
+    keeps it as fp16 in a float32 graph (`half`: QuantWeight.half_scales) the fp16 initializer
+    name + HALF and a Cast to float32 named `name`. Not the fp16 scale itself: DequantizeLinear's
+    output type is its scale's (opset 21), so it would round every s*q to fp16; Cast to float32 it
+    is exact (onnxruntime folds the Cast at load, TensorRT's staging too: edgekv/format/trt_graph.py).
+    Returns the Cast (or no node)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    values = np.ascontiguousarray(values)
+    if not half or np.dtype(dtype) != np.float32:
+        inits.append(numpy_helper.from_array(values.astype(dtype), name))
+        return []
+    inits.append(numpy_helper.from_array(values.astype(np.float16), name + HALF))
+    return [helper.make_node("Cast", [name + HALF], [name], to=TensorProto.FLOAT, name=name + "_widen")]
+
+
 def _quantized_matmul(node, name: str, q: QuantWeight, dtype, inits: list) -> list:
     """DQ(codes^T [K, N]) -> MatMul (+ the Q4_1 term)."""
     from onnx import helper, numpy_helper
@@ -339,13 +380,14 @@ def _quantized_matmul(node, name: str, q: QuantWeight, dtype, inits: list) -> li
         inits.append(numpy_helper.from_array(q.scales.astype(dtype), base + "_scale"))
         dq = helper.make_node("DequantizeLinear", [base + "_q", base + "_scale"], [base + "_dq"], axis=1,
                               name=base + "_dq")
+        nodes = []
     else:
-        inits.append(numpy_helper.from_array(np.ascontiguousarray(q.scales.T.astype(dtype)), base + "_scale"))
+        nodes = _side(base + "_scale", q.scales.T, dtype, q.half_scales, inits)
         dq = helper.make_node("DequantizeLinear", [base + "_q", base + "_scale"], [base + "_dq"], axis=0,
                               block_size=q.block, name=base + "_dq")
     out = node.output[0]
     mm_out = out if q.mins is None else out + "_codes"
-    nodes = [dq, helper.make_node("MatMul", [node.input[0], base + "_dq"], [mm_out], name=node.name or base + "_mm")]
+    nodes += [dq, helper.make_node("MatMul", [node.input[0], base + "_dq"], [mm_out], name=node.name or base + "_mm")]
     if q.mins is not None:
         nodes += _min_term(node.input[0], mm_out, out, base, q, dtype, inits)
     return nodes
@@ -363,8 +405,8 @@ def _min_term(x: str, mm_out: str, out: str, base: str, q: QuantWeight, dtype, i
     nb = k // q.block
     inits.append(numpy_helper.from_array(np.array([0, 0, nb, q.block], np.int64), base + "_blocks"))
     inits.append(numpy_helper.from_array(np.array([-1], np.int64), base + "_last"))
-    inits.append(numpy_helper.from_array(np.ascontiguousarray(q.mins.T.astype(dtype)), base + "_min"))
-    nodes = [helper.make_node("Reshape", [x, base + "_blocks"], [base + "_xblocks"], name=base + "_xblocks"),
+    nodes = _side(base + "_min", q.mins.T, dtype, q.half_scales, inits)
+    nodes += [helper.make_node("Reshape", [x, base + "_blocks"], [base + "_xblocks"], name=base + "_xblocks"),
              helper.make_node("ReduceSum", [base + "_xblocks", base + "_last"], [base + "_xsum"], keepdims=0,
                               name=base + "_xsum")]
     xs, mins = base + "_xsum", base + "_min"
@@ -409,18 +451,18 @@ def _shared_gather(node, head: str, q: QuantWeight, dtype, inits: list) -> list:
     ids, out = node.input[1], node.output[0]
     n, k = q.codes.shape
     b = q.block or k
-    scales = q.scales.T if q.block else q.scales  # as the head's DequantizeLinear holds them
+    scales = q.scales.T if q.block else q.scales  # as the head's DequantizeLinear holds them (fp16 alike)
+    widen = _side(base + "_scale", scales, dtype, q.half_scales, inits)
+    if q.mins is not None:
+        widen += _side(base + "_min", q.mins.T, dtype, q.half_scales, inits)
     inits += [_int_tensor(base + "_q", q.codes.T, 8),
-              numpy_helper.from_array(np.ascontiguousarray(scales.astype(dtype)), base + "_scale"),
               numpy_helper.from_array(np.array(1.0, dtype), base + "_unit"),
               numpy_helper.from_array(np.array(0, np.int8), base + "_zero"),
               numpy_helper.from_array(np.array([-3], np.int64), base + "_axis"),
               numpy_helper.from_array(np.array([k // b, b, 1, 1], np.int64), base + "_blocks"),
               numpy_helper.from_array(np.array([k], np.int64), base + "_k")]
-    if q.mins is not None:
-        inits.append(numpy_helper.from_array(np.ascontiguousarray(q.mins.T.astype(dtype)), base + "_min"))
     # axis 1, not -1: onnxruntime's Gather is ~40x slower given the same axis as -1 (431 vs 10 us here)
-    nodes = [helper.make_node("Gather", [base + "_q", ids], [base + "_rows_q"], axis=1, name=base + "_gather_q"),
+    nodes = widen + [helper.make_node("Gather", [base + "_q", ids], [base + "_rows_q"], axis=1, name=base + "_gather_q"),
              helper.make_node("DequantizeLinear", [base + "_rows_q", base + "_unit", base + "_zero"], [base + "_rows"],
                               name=base + "_rows_dq"),
              helper.make_node("Shape", [ids], [base + "_ids_shape"], name=base + "_ids_shape"),
@@ -456,19 +498,19 @@ def _quantized_gather(node, name: str, q: QuantWeight, dtype, inits: list) -> li
     inits.append(_int_tensor(base + "_q", q.codes.reshape(n, nb, k // nb) if q.block else q.codes, 8))
     inits.append(numpy_helper.from_array(np.array(1.0, dtype), base + "_unit"))
     inits.append(numpy_helper.from_array(np.array(0, np.int8), base + "_zero"))
-    inits.append(numpy_helper.from_array(q.scales.astype(dtype).reshape(n, nb, 1) if q.block
-                                         else q.scales.astype(dtype).reshape(n, 1), base + "_scale"))
+    nodes = _side(base + "_scale", q.scales.reshape(n, nb, 1) if q.block else q.scales.reshape(n, 1), dtype,
+                  q.half_scales, inits)
     if q.shift:
         raise ValueError("the embedding's codes are 8-bit, never shifted")
     scaled = out if q.block is None else base + "_rows_bs"
-    nodes = [helper.make_node("Gather", [base + "_q", ids], [base + "_rows_q"], axis=0, name=base + "_gather_q"),
+    nodes += [helper.make_node("Gather", [base + "_q", ids], [base + "_rows_q"], axis=0, name=base + "_gather_q"),
              helper.make_node("DequantizeLinear", [base + "_rows_q", base + "_unit", base + "_zero"], [base + "_rows"],
                               name=base + "_rows_dq"),
              helper.make_node("Gather", [base + "_scale", ids], [base + "_rows_scale"], axis=0, name=base + "_gather_s"),
              helper.make_node("Mul", [base + "_rows", base + "_rows_scale"],
                               [scaled if q.mins is None else base + "_rows_bs_nomin"], name=base + "_scale_rows")]
     if q.mins is not None:  # a type with a minimum (Q4_K, Q5_1, ...): + the rows' block minimums
-        inits.append(numpy_helper.from_array(q.mins.astype(dtype).reshape(n, nb, 1), base + "_min"))
+        nodes += _side(base + "_min", q.mins.reshape(n, nb, 1), dtype, q.half_scales, inits)
         nodes += [helper.make_node("Gather", [base + "_min", ids], [base + "_rows_min"], axis=0, name=base + "_gather_m"),
                   helper.make_node("Add", [base + "_rows_bs_nomin", base + "_rows_min"], [scaled], name=base + "_min_rows")]
     if q.block is not None:

@@ -187,9 +187,13 @@ def mixed_bundle(kfolder, tmp_path_factory):
 def test_mixed_file_exports_with_its_blocks_bit_for_bit(mixed_bundle):
     """`--weights auto` on a Q4_K_M-style file: int4, parity passed, and the bundle's weights read
     back from its ONNX initializers through the graph's own DQ arithmetic (codes + shift) * scale
-    + min equal the gguf package's dequantization of the file bit for bit; the manifest says per
-    matrix what the file held and how it is carried."""
+    + min (its fp16 scales widened as the runtime's pre-pass does) equal the gguf package's
+    dequantization of the file bit for bit; the manifest says per matrix what the file held and how
+    it is carried."""
+    import onnx
+
     from edgekv.format.bundle import load_bundle
+    from edgekv.runtime.backends.scales import float32_scales
     from tests.test_weights import decoded_weights
 
     path, bundle = mixed_bundle
@@ -197,7 +201,9 @@ def test_mixed_file_exports_with_its_blocks_bit_for_bit(mixed_bundle):
     man = b.manifest
     assert man["weights"]["format"] == "int4" and man["parity"]["passed"]
     ref = file_weights(path)
-    got = decoded_weights(b.onnx_path)
+    m = onnx.load(str(b.onnx_path))
+    assert float32_scales(m, str(b.onnx_path.parent))
+    got = decoded_weights(m)
     assert set(got) == set(ref)
     for name in got:
         np.testing.assert_array_equal(got[name].astype(np.float32), ref[name], err_msg=name)
@@ -209,12 +215,44 @@ def test_mixed_file_exports_with_its_blocks_bit_for_bit(mixed_bundle):
     assert mats["embed.weight"]["source"] == "Q4_K" and "min" in mats["embed.weight"]["carried"]
 
 
+def test_kquant_scales_stay_float32_and_the_files_fp16_ones_go_fp16(mixed_bundle):
+    """A matrix all of whose parts keep fp16 scales in the file (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) stores
+    them as fp16 behind a Cast; one with a K-quant part (its d·sc products are not fp16) keeps
+    float32 initializers, read by the DequantizeLinear directly."""
+    import onnx
+    from onnx import TensorProto
+
+    from edgekv.format.bundle import load_bundle
+    from export.gguf_blocks import HALF_SCALES
+
+    b = load_bundle(mixed_bundle[1])
+    m = onnx.load(str(b.onnx_path), load_external_data=False)
+    inits = {i.name: i for i in m.graph.initializer}
+    made = {o: n for n in m.graph.node for o in n.output}
+    kinds = {True: 0, False: 0}
+    for name, rec in b.manifest["weights"]["matrices"].items():
+        if name == "embed.weight":  # the table's lookup: no DequantizeLinear of its own
+            continue
+        half = set(rec["source"].split("|")) <= HALF_SCALES
+        scale = made[name.replace(".", "_") + "_dq"].input[1]
+        if half:
+            cast = made[scale]
+            assert cast.op_type == "Cast" and inits[cast.input[0]].data_type == TensorProto.FLOAT16, name
+        else:
+            assert scale not in made and inits[scale].data_type == TensorProto.FLOAT, name
+        assert ("fp16 scales" in rec["carried"]) == half, name
+        kinds[half] += 1
+    assert kinds[True] == 3 and kinds[False] == 6  # half: layer 0 q|k|v (Q5_0|Q5_0|Q8_0), layer 1 o (Q5_1) and down (Q4_1)
+
+
 def test_mixed_file_fuses_and_passes_tensorrt_rules(mixed_bundle, monkeypatch, tmp_path):
     """onnxruntime runs every projection and the head as MatMulNBits (none dequantized per call,
-    no float table), and the graph the engine build hands TensorRT passes every parser rule."""
+    no float table), and the graph the engine build hands TensorRT (fp16 scales widened, then the
+    per-channel rewrite) passes every parser rule."""
     import onnx
 
     from edgekv.format.bundle import load_bundle
+    from edgekv.format.trt_graph import widen_half_scales
     from edgekv.runtime.backends.engines import tensorrt_graph
     from edgekv.format.trt_rules import check_model
     from tests.test_weights import optimized_ops
@@ -223,5 +261,6 @@ def test_mixed_file_fuses_and_passes_tensorrt_rules(mixed_bundle, monkeypatch, t
     assert ops["MatMulNBits"] == 2 * 4 + 1 and ops["float tables"] == 0
     b = load_bundle(mixed_bundle[1])
     m = onnx.load(str(b.onnx_path))
+    assert widen_half_scales(m, b.onnx_path.parent)
     converted = tensorrt_graph(m, b.onnx_path.parent)  # the INT8 blocks (here 5 of the 9) go per channel
     assert len(converted) == 5 and check_model(m, "10.3") == []

@@ -148,3 +148,28 @@ def test_exported_int4_graph_passes_only_because_of_its_int4(fmt, tmp_path, tiny
     victim.CopyFrom(numpy_helper.from_array(np.zeros(dims, np.int8), victim.name))
     v = check_model(m)
     assert any("only for INT4" in x.rule for x in v)
+
+
+def _half_scale_matmul():
+    """INT4 block DQ -> MatMul whose scale is an fp16 initializer Cast to float32 (a bundle's form for
+    a GGUF's fp16 block scales)."""
+    m = block_matmul()
+    s = next(i for i in m.graph.initializer if i.name == "s")
+    s.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(s).astype(np.float16), "s_f16"))
+    m.graph.node.insert(0, helper.make_node("Cast", ["s_f16"], ["s"], to=TensorProto.FLOAT, name="widen_s"))
+    return m
+
+
+def test_cast_fed_scale_named_and_folded_by_the_staging(tmp_path):
+    """As written, the DQ's scale is a Cast's output: refused (TensorRT 10.3 wants the scale itself
+    a constant) by a rule naming the Cast of the fp16 constant; checked as the engine build stages
+    it (the Cast folded into a float32 initializer), every rule passes."""
+    import onnx
+
+    from edgekv.format.trt_rules import check_as_built
+
+    m = _half_scale_matmul()
+    v = check_model(m)
+    assert names(v) == {"dq_w"} and "is a Cast of the fp16 constant s_f16" in v[0].rule
+    onnx.save(m, str(tmp_path / "model.onnx"))
+    assert check_as_built(tmp_path / "model.onnx", "10.3", lambda model, folder: []) == ([], [])

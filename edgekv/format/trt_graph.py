@@ -1,6 +1,8 @@
 """What TensorRT's parser rules (edgekv/format/trt_rules.py) see of an ONNX graph: its tensors'
 element types, build-time constants and their shapes, who makes and who reads each tensor; the
-graph read from a file without its weights."""
+graph read from a file without its weights; and the one staging step every graph TensorRT gets
+goes through before the engine build's own rewrite: fp16 block scales Cast to float32 folded into
+float32 initializers (widen_half_scales; onnxruntime folds the same Casts itself at load)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -62,6 +64,49 @@ def graph_facts(g) -> GraphFacts:
         for o in n.output:
             f.producers[o] = n
     return f
+
+
+def half_scale_casts(g) -> list:
+    """The Casts to float32 of an fp16 initializer that nothing else reads (a bundle's fp16 block
+    scales and minimums: export/weights.py writes X_f16 -> Cast -> X where X was a float32
+    initializer; TensorRT 10.3 takes a DequantizeLinear's scale only as a build-time constant)."""
+    from onnx import TensorProto
+
+    inits = {i.name: i for i in g.initializer}
+    readers: dict[str, int] = {}
+    for n in g.node:
+        for i in n.input:
+            readers[i] = readers.get(i, 0) + 1
+    outputs = {o.name for o in g.output}
+    return [n for n in g.node if n.op_type == "Cast" and n.domain in ("", "ai.onnx") and len(n.input) == 1
+            and n.input[0] in inits and inits[n.input[0]].data_type == TensorProto.FLOAT16
+            and readers[n.input[0]] == 1 and n.input[0] not in outputs
+            and any(a.name == "to" and a.i == TensorProto.FLOAT for a in n.attribute)]
+
+
+def widen_half_scales(model, folder) -> list[str]:
+    """Replace each of half_scale_casts' Casts in `model` (in place) by a float32 initializer of the
+    Cast's output name and the same values (fp16 -> float32 is exact): the graph a float32-scale
+    exporter wrote, name for name. The fp16 values are read from `folder` where they are external.
+    Returns the widened tensors' names (none: the model is untouched)."""
+    from onnx import numpy_helper
+
+    g = model.graph
+    casts = half_scale_casts(g)
+    if not casts:
+        return []
+    inits = {i.name: i for i in g.initializer}
+    drop = {c.input[0] for c in casts}
+    wide = [numpy_helper.from_array(numpy_helper.to_array(inits[c.input[0]], str(folder)).astype("float32"), c.output[0])
+            for c in casts]
+    gone = {id(c) for c in casts}
+    kept_nodes = [n for n in g.node if id(n) not in gone]
+    del g.node[:]
+    g.node.extend(kept_nodes)
+    kept = [i for i in g.initializer if i.name not in drop]
+    del g.initializer[:]
+    g.initializer.extend(kept + wide)
+    return [c.output[0] for c in casts]
 
 
 def read_onnx(path: Path):

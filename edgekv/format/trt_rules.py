@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from edgekv.format.trt_graph import TYPES, GraphFacts, Violation, block_size, graph_facts, read_onnx
+from edgekv.format.trt_graph import TYPES, GraphFacts, Violation, block_size, graph_facts, read_onnx, widen_half_scales
 
 DATA = Path(__file__).parent.parent / "data" / "trt_onnx_ops.json"
 
@@ -84,7 +84,7 @@ def _check_node(n, name: str, f: GraphFacts, table: dict, ver: dict, trt: str, o
     if op == "Cast":
         return out + _check_cast(n, name, f.types, rule)
     if op in ("QuantizeLinear", "DequantizeLinear"):
-        return out + _check_qdq(n, name, op, f.types, f.constants, f.shapes, ver, trt, opset)
+        return out + _check_qdq(n, name, op, f, ver, trt, opset)
     if op == "Gather" and f.types.get(n.input[0]) == "INT8":
         return out + _check_int8_gather(n, name, f.constants, f.consumers)
     if op in _SKIP_TYPES:
@@ -170,7 +170,21 @@ def _check_blocked_dq(n, name, op, types, constants, shapes, ver, trt, opset) ->
     return out
 
 
-def _check_qdq(n, name, op, types, constants, shapes, ver, trt, opset=0) -> list[Violation]:
+def _scale_rule(scale: str, f: GraphFacts, trt: str) -> str:
+    """Why a Q/DQ scale that is not a build-time constant is refused; a bundle's fp16 scale behind
+    its Cast to float32 is named as such: the TensorRT staging (widen_half_scales) folds it."""
+    prod = f.producers.get(scale)
+    if prod is not None and prod.op_type == "Cast" and prod.input and f.types.get(prod.input[0]) == "FP16" \
+            and prod.input[0] in f.constants:
+        return (f"scale {scale} is a Cast of the fp16 constant {prod.input[0]}; TensorRT {trt} needs the scale "
+                "itself constant: the engine build's staging folds the Cast (check the bundle, not its bare "
+                "model.onnx: edgekv check-trt BUNDLE)")
+    return (f"scale {scale} is computed at run time; TensorRT {trt} needs a build-time constant "
+            "(runtime scales arrive in 10.13)")
+
+
+def _check_qdq(n, name, op, f: GraphFacts, ver, trt, opset=0) -> list[Violation]:
+    types, constants, shapes = f.types, f.constants, f.shapes
     out = []
     src = types.get(n.input[0])
     if src == "INT4" and opset < ver["int4_opset"]:
@@ -180,8 +194,7 @@ def _check_qdq(n, name, op, types, constants, shapes, ver, trt, opset=0) -> list
     scale = n.input[1] if len(n.input) > 1 else ""
     zp = n.input[2] if len(n.input) > 2 else ""
     if ver["qdq_scale_must_be_constant"] and scale not in constants:
-        out.append(Violation(name, op, f"scale {scale} is computed at run time; TensorRT {trt} needs a build-time "
-                                       "constant (runtime scales arrive in 10.13)"))
+        out.append(Violation(name, op, _scale_rule(scale, f, trt)))
     if zp and zp not in constants:
         out.append(Violation(name, op, f"zero point {zp} must be a build-time constant"))
     per_channel = scale in shapes and len(shapes[scale]) > 0 and int(_prod(shapes[scale])) > 1 and not block_size(n)
@@ -204,7 +217,8 @@ def _prod(xs):
 
 
 def check_as_built(path: Path, trt: str, rewrite) -> tuple[list[Violation], list[str]]:
-    """Check the graph at `path` as the engine build hands it to TensorRT: `rewrite(model, folder)`
+    """Check the graph at `path` as the engine build hands it to TensorRT: its fp16 block scales'
+    Casts folded into float32 initializers (widen_half_scales), then `rewrite(model, folder)`
     (edgekv/runtime/backends/engines.py's tensorrt_graph: 8-bit block-wise weights requantized per
     channel) changes it in place and returns the converted weights' names. Returns the violations
     and those names. The rewrite is passed in: it is the runtime's, a layer above this one."""
@@ -212,6 +226,7 @@ def check_as_built(path: Path, trt: str, rewrite) -> tuple[list[Violation], list
 
     model = read_onnx(path)
     try:
+        widen_half_scales(model, path.parent)  # fp16 scales -> float32 initializers, as the engine build's staging
         converted = rewrite(model, path.parent)
     except (OSError, ValueError, RuntimeError) as e:  # the weights beside the graph missing or unreadable
         raise EdgeKVError(f"{path}: cannot read its weights to check them as the engine build would "
