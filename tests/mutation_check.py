@@ -410,7 +410,7 @@ MUTATIONS = [
     # the service: start-up, warm-up, drain, slow clients, the unit installer
     M("serve: a busy port is a generic error", "serve", SERVER, "if e.errno == errno.EADDRINUSE:", "if e.errno == -1:",
       LIFE + ("-k", "busy_port")),
-    M("serve: ready without the warm-up", "serve", SERVER, "warm_up(batcher, rt.codec)", "None", LIFE + ("-k", "loading_until")),
+    M("serve: ready without the warm-up", "serve", SERVER, "warm_up(batcher, rt.codec, signals.check)", "None", LIFE + ("-k", "loading_until")),
     M("serve: the warm-up in the clients' tenant", "serve", SERVER, "tenant=WARM_UP_TENANT", 'tenant=""',
       LIFE + ("-k", "loading_until")),
     M("serve: the gate answers 200 while loading", "serve", SERVER,
@@ -687,6 +687,9 @@ MUTATIONS = [
     M("turns: a cell copied again after its first write", "engine", "edgekv/runtime/batching/turns.py", "        turn.saved[w: w + s] |= todo", "        pass", ("tests/test_chat_engine.py", "-k", "interrupt_at_every")),
     M("turns: kept sequences not restored", "engine", "edgekv/runtime/batching/turns.py", "            seq._restore_state(state)", "            pass", ("tests/test_chat_engine.py", "-k", "interrupt_at_every")),
     M("batcher: a rollback keeps the waiting requests", "engine", "edgekv/runtime/batching/batcher.py", "            self.waiting.clear()", "            pass", ("tests/test_chat_engine.py", "-k", "interrupt_at_every")),
+    M("serve: a Stop swallowed while loading is not raised again", "serve", SERVER, "            self.defer = True\n        self.check()", "            self.defer = True", ("tests/test_serve_signals.py", "-k", "swallowed")),
+    M("serve: an error a swallowed Stop left is reported as the error", "serve", SERVER, "            if self.pending is None:\n                raise", "            raise", ("tests/test_serve_signals.py", "-k", "left_behind")),
+    M("backends: a signal during a native import not held", "serve", "edgekv/runtime/backends/__init__.py", "    if threading.current_thread() is threading.main_thread():", "    if False:", ("tests/test_serve_signals.py", "-k", "native_import")),
 ]
 
 _IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", "bundles", "*.egg-info",
