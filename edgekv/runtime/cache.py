@@ -34,8 +34,12 @@ class KVCache:
         if capacity < 1:
             raise EdgeKVError(f"the cache capacity must be at least 1 (got {capacity})", setting="capacity",
                               fix="raise {}")
-        if capacity > bundle.max_context:
-            raise EdgeKVError(f"a cache of {capacity} slots exceeds the {bundle.max_context} tokens this bundle was "
+        self.memory = memory or HostMemory()
+        span = capacity // self.memory.slots  # the most cells one sequence can use
+        if span > bundle.max_context:
+            cells = f"a cache of {capacity} slots" if self.memory.slots == 1 else \
+                f"a sequence slot of {span} cells ({capacity} in {self.memory.slots} slots)"
+            raise EdgeKVError(f"{cells} exceeds the {bundle.max_context} tokens this bundle was "
                               f"verified for", setting="max_context", fix="re-export with a larger {}")
         m = bundle.model
         self.capacity = capacity
@@ -50,7 +54,6 @@ class KVCache:
             dtype = NP_DTYPES[float_dtype if spec.dtype == "float" else spec.dtype]
             shapes[name] = (spec.shape(capacity, 1, m["n_kv_heads"], m["head_dim"]), dtype)
         need = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in shapes.values())
-        self.memory = memory or HostMemory()
         free = self.memory.free_bytes()
         if free is not None and need > free:
             raise EdgeKVError(f"a KV cache of {capacity} slots needs {need / 2**20:.1f} MiB, only "

@@ -16,6 +16,7 @@ import numpy as np
 class KVMemory(Protocol):
     """Memory a KV cache is allocated from: every buffer once, zero-filled, addressed by pointer."""
     device: str  # "cpu" or "cuda": a backend binds only buffers on its own device
+    slots: int  # the equal sequence slots the cells are split into (1: one sequence may span them all)
 
     def free_bytes(self) -> int | None:
         """Bytes that can still be allocated, or None where unknown."""
@@ -68,6 +69,7 @@ class HostMemory:
     """KV buffers in host RAM as numpy arrays."""
     device = "cpu"
     layout = "slots"  # slot i of a buffer is its i-th row (cache.ptr's arithmetic); HeadMajorMemory: "heads"
+    slots = 1
 
     def free_bytes(self) -> int | None:
         return available_memory()

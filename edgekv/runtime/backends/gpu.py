@@ -17,6 +17,7 @@ class OrtValueMemory:
     "cpu" the same code runs in CI."""
 
     layout = "slots"  # cache.ptr's slot arithmetic holds (the graph as written; ort-cuda does not fuse)
+    slots = 1
 
     def __init__(self, ort, device: str = "cuda"):
         self.ort, self.device = ort, device
@@ -87,6 +88,7 @@ class CudaBuffer:
 class CudaMemory:
     device = "cuda"
     layout = "slots"
+    slots = 1
 
     def __init__(self):
         self.cudart = cudart()
