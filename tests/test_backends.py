@@ -29,6 +29,7 @@ class Opaque:
 class OpaqueMemory:
     """Host memory that behaves like device memory: the backend gets addresses, never arrays."""
     device = "cpu"
+    slots = 1
 
     def free_bytes(self):
         return None

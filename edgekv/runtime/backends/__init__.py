@@ -48,6 +48,10 @@ def import_native(name: str) -> None:
         signal.raise_signal(came[0])
 
 
+def default_threads() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def make_backend(name: str, bundle: Bundle, threads: int | None = None, max_logits_rows: int = 1,
                  ctx: int | None = None, log=None, matmul_accuracy: int = MATMUL_ACCURACY,
                  attention: str | None = None) -> Backend:
