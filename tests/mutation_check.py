@@ -276,7 +276,7 @@ MUTATIONS = [
       "        self.memory = memory or HostMemory()\n",
       "        self.memory = memory or HostMemory(); [self.memory.alloc(s, d) for s, d in shapes.values()]\n", GUARDS),
     M("--ctx one past max_context", "guards", "edgekv/runtime/cache.py",
-      "if capacity > bundle.max_context:", "if capacity > bundle.max_context + 1:", GUARDS),
+      "if span > bundle.max_context:", "if span > bundle.max_context + 1:", GUARDS),
     M("prompt as long as the cache accepted", "guards", "edgekv/tools/generate.py",
       "if len(ids) >= gen.cache.capacity:", "if len(ids) > gen.cache.capacity:", GUARDS),
     M("cache room one too many", "guards", "edgekv/runtime/sequence.py",
@@ -313,7 +313,7 @@ MUTATIONS = [
       "            self.prefixes[key] = perm[cells]", "            pass", SERVE_ENGINE),
     M("compaction leaves a running request's cells unrenamed", 'serve', 'edgekv/runtime/batching/poolseq.py',
       'self._cells = perm[self._cells].tolist() if self._cells else []', 'self._cells = self._cells', ('tests/test_serve_engine.py', '-k', 'not real')),
-    M("a half-done past binding taken for done", "perf", "edgekv/runtime/backends/ort.py",
+    M("a half-done past binding taken for done", "perf", "edgekv/runtime/backends/binding.py",
       '        self._bound.pop("past", None)  # a Ctrl-C half-way through leaves some bound, some not: rebind all next time\n',
       "", ("tests/test_decode_step.py",)),
     # -- the ort backend's Cast for the cache reads (issue 11)

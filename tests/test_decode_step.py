@@ -60,7 +60,7 @@ def test_a_decode_step_inside_a_bucket_binds_nothing(tiny_bundle_int8):
             f = getattr(self.io, name)
             return (lambda *a, **k: (binds.append(a[0]), f(*a, **k))[1]) if name.startswith("bind") else f
 
-    g.backend.io = CountingBinding(g.backend.io)
+    g.backend.binding.io = CountingBinding(g.backend.binding.io)
     tok = int(np.argmax(g.prefill(ids(5))))
     g.decode_step(tok)  # the first step binds its shapes
     binds.clear()
@@ -90,7 +90,7 @@ def test_a_past_binding_interrupted_half_way_is_redone_at_the_next_call(tiny_bun
         return ptr(name, slot)
     monkeypatch.setattr(g.cache, "ptr", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        g.backend._bind_past(g.cache, 48)  # interrupted while binding a longer past
+        g.backend.binding.past(g.cache, 48)  # interrupted while binding a longer past
     monkeypatch.setattr(g.cache, "ptr", ptr)
     got += [g.decode_step(t).copy() for t in seq[21:]]  # past 32 again
     np.testing.assert_allclose(np.stack(got), want, atol=1e-5, rtol=1e-5)

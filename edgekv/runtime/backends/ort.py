@@ -16,6 +16,7 @@ import numpy as np
 from edgekv.errors import BackendUnavailable, BundleError, EdgeKVError, note
 from edgekv.format.bundle import LOCAL_MASK, Bundle
 from edgekv.runtime.backends.base import PREFILL_CHUNK, UNLIMITED, bound_past
+from edgekv.runtime.backends.binding import Binding
 from edgekv.runtime.backends.fused import (BIAS, BIAS_LOCAL, MIN_ORT, SEQLENS, TOTAL, NotFusable, fuse_bundle,
                                            ort_version_ok)
 from edgekv.runtime.backends.nbits import fold_graph
@@ -488,8 +489,7 @@ class OrtBackend:
             note(self.attention)
         self.vocab = bundle.model["vocab_size"]
         self.window = bundle.window  # the sliding-window layers' (None without them)
-        self.io = self.session.io_binding()
-        self.logits = np.empty((1, max(1, max_logits_rows), self.vocab), np.float32)
+        self.binding = Binding(self.session, self.device, self.vocab, max_logits_rows)
         graph_inputs = {i.name for i in self.session.get_inputs()}
         self.local_mask = LOCAL_MASK in graph_inputs  # a model with sliding-window layers: their mask is fed too
         self.local_bias = BIAS_LOCAL in graph_inputs  # ... and, fused, their bias (docs/fused.md, "Architectures")
@@ -505,9 +505,7 @@ class OrtBackend:
         self.past_bucket = past_bucket if self.fused is None else 1
         if self.fused is not None:
             self.max_tokens_per_call = FUSED_SPARE
-        self._small: dict[str, np.ndarray] = {}  # the small inputs' arrays, bound as they are
-        self._bound: dict[str, tuple] = {}  # what the binding holds now, per part: small, past, present, logits
-        self._stage: tuple = (None,)  # the last cache, its present.* staging arrays [1, 1, Hkv, D|-], their copies
+        self._zero: np.ndarray | None = None  # run_slots' attention_bias of zeros, for its last shape
 
     # -- what differs between providers
     def check_available(self, ort) -> None:
@@ -524,21 +522,6 @@ class OrtBackend:
 
     def close(self) -> None:
         pass  # onnxruntime frees its session and the host buffers with the objects
-
-    def _bind_logits(self, b: int, k: int) -> np.ndarray:
-        logits = self._ensure_logits(b, k)
-        key = (logits.ctypes.data, logits.shape)
-        if self._bound.get("logits") != key:
-            self._bound.pop("logits", None)
-            self.io.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
-            self._bound["logits"] = key
-        return logits
-
-    def _ensure_logits(self, b: int, k: int) -> np.ndarray:
-        if self.logits.shape[0] < b or self.logits.shape[1] < k:
-            self.logits = np.empty((max(b, self.logits.shape[0]), max(k, self.logits.shape[1]), self.vocab), np.float32)
-        # a contiguous [b, k, V] block at the start of the buffer
-        return self.logits.reshape(-1)[: b * k * self.vocab].reshape(b, k, self.vocab)
 
     def past_slots(self, cache: KVCache, seq: Sequence) -> int:
         """Slots bound as the past: the filled ones rounded up to the bucket (capped at the
@@ -566,7 +549,7 @@ class OrtBackend:
              key_mask: np.ndarray, logits_index: np.ndarray, local_key_mask: np.ndarray | None = None) -> np.ndarray:
         """One graph call: past = slots [0, past), present to slots [write, write + S)."""
         b, s = input_ids.shape
-        small = self._bind_small(s, logits_index.shape[1], past)
+        small = self.binding.small(s, logits_index.shape[1], past, self.local_mask)
         np.copyto(small["input_ids"], input_ids)
         np.copyto(small["position_ids"], position_ids)
         np.copyto(small["logits_index"], logits_index)
@@ -575,14 +558,14 @@ class OrtBackend:
             if local_key_mask is None:
                 raise EdgeKVError(f"{self.name}: this graph has sliding-window layers and needs their {LOCAL_MASK}")
             np.copyto(small[LOCAL_MASK], local_key_mask)
-        self._bind_past(cache, past)
+        self.binding.past(cache, past)
         staged = s == 1 and self.stage_present
         if staged:
-            stage = self._bind_staged_present(cache)
+            stage = self.binding.staged_present(cache)
         else:
-            self._bind_present_at(cache, write, s)
-        logits = self._bind_logits(b, logits_index.shape[1])
-        self.session.run_with_iobinding(self.io)
+            self.binding.present_at(cache, write, s)
+        logits = self.binding.logits_for(b, logits_index.shape[1])
+        self.binding.run(self.session)
         if staged:  # by address: the cache's memory may be any host memory (numpy, OrtValues)
             for base, row, src in stage:
                 ctypes.memmove(base + write * row, src, row)
@@ -633,26 +616,14 @@ class OrtBackend:
             feeds[BIAS_LOCAL] = attention_bias(local_key_mask, past, at, s)
         if self.query_lengths:
             feeds[QUERY_LENGTHS] = np.array([s], np.int32)
-        self._bind_fused(cache, feeds)
-        logits = self._bind_logits(1, logits_index.shape[1])
-        self.session.run_with_iobinding(self.io)
+        self.binding.feeds(feeds)
+        self.binding.whole_cache(cache)
+        logits = self.binding.logits_for(1, logits_index.shape[1])
+        self.binding.run(self.session)
         if at != write:
             for buf in cache.buffers.values():  # [1, Hkv, slots, D]: the new tokens to their cells
                 buf[0, :, write: write + s] = buf[0, :, at: at + s]
         return logits
-
-    def _bind_fused(self, cache: KVCache, feeds: dict[str, np.ndarray]) -> None:
-        self._feeds = feeds  # kept alive: bound by address
-        for name, a in feeds.items():
-            self.io.bind_input(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
-        bound = self._bound.get("past")
-        if bound and bound[0] is cache:
-            return
-        self._bound.pop("past", None)
-        for name, buf in cache.buffers.items():  # past and present: one buffer, one address
-            self.io.bind_input(name, "cpu", 0, buf.dtype, list(buf.shape), buf.ctypes.data)
-            self.io.bind_output("present" + name[4:], "cpu", 0, buf.dtype, list(buf.shape), buf.ctypes.data)
-        self._bound["past"] = (cache,)
 
     # -- serve's slots (docs/serve.md, "Fused slots"): the cache is SlotMemory's [K, Hkv, L, D];
     # a call is entries of consecutive slots, each appending its own tokens at its own length
@@ -690,82 +661,17 @@ class OrtBackend:
                  BIAS: self._zero_bias(s, slot_len)}
         if self.local_bias:  # a slot's cell j holds position j: the window by position is by cell here
             feeds[BIAS_LOCAL] = slot_window_bias(feeds["position_ids"], slot_len, self.window)
-        self._feeds = feeds  # kept alive: bound by address
-        for name, a in feeds.items():
-            self.io.bind_input(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
-        self._bind_slots(cache, first, b)
-        logits = self._bind_logits(b, logits_index.shape[1])
-        self.session.run_with_iobinding(self.io)
+        self.binding.feeds(feeds)
+        self.binding.slot_block(cache, first, b)
+        logits = self.binding.logits_for(b, logits_index.shape[1])
+        self.binding.run(self.session)
         return logits
 
     def _zero_bias(self, s: int, total: int) -> np.ndarray:
         """attention_bias [1, 1, S, T] of zeros (a slot's entry sees its own cells, causally: the op's rule)."""
-        bias = self._small.get(BIAS)
-        if bias is None or bias.shape != (1, 1, s, total):
-            bias = self._small[BIAS] = np.zeros((1, 1, s, total), np.float32)
-        return bias
-
-    def _bind_slots(self, cache: KVCache, first: int, count: int) -> None:
-        """past.* and present.* as slots [first, first + count) of every buffer (one address each)."""
-        key = (cache, first, count)
-        if self._bound.get("past") == key:
-            return
-        self._bound.pop("past", None)
-        for name, buf in cache.buffers.items():
-            view = buf[first: first + count]  # [count, Hkv, L, D]: consecutive slots are one block
-            self.io.bind_input(name, "cpu", 0, buf.dtype, list(view.shape), view.ctypes.data)
-            self.io.bind_output("present" + name[4:], "cpu", 0, buf.dtype, list(view.shape), view.ctypes.data)
-        self._bound["past"] = key
-
-    # -- the binding, changed only where what it holds changed
-    def _bind_small(self, s: int, k: int, past: int) -> dict[str, np.ndarray]:
-        """The small inputs' own arrays for this call's shapes, bound once per shape."""
-        if self._bound.get("small") != (s, k, past):
-            self._bound.pop("small", None)  # an interrupt half-way must not leave a stale key
-            self._small = {"input_ids": np.zeros((1, s), np.int64), "position_ids": np.zeros((1, s), np.int64),
-                           "logits_index": np.zeros((1, k), np.int64), "key_mask": np.zeros((1, s, past + s), np.bool_)}
-            if self.local_mask:
-                self._small[LOCAL_MASK] = np.zeros((1, s, past + s), np.bool_)
-            for name, a in self._small.items():  # by address: the arrays are overwritten in place
-                self.io.bind_input(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
-            self._bound["small"] = (s, k, past)
-        return self._small
-
-    def _bind_past(self, cache: KVCache, past: int) -> None:
-        """past.* as the first `past` slots of every buffer (the cache is held in the key, so
-        its identity cannot be taken by another one while bound)."""
-        bound = self._bound.get("past")
-        if bound and bound[0] is cache and bound[1] == past:
-            return
-        self._bound.pop("past", None)  # a Ctrl-C half-way through leaves some bound, some not: rebind all next time
-        for name in cache.names:
-            self.io.bind_input(name, self.device, 0, cache.dtypes[name], cache.slots_shape(name, past),
-                               cache.ptr(name, 0))
-        self._bound["past"] = (cache, past)
-
-    def _bind_present_at(self, cache: KVCache, w: int, s: int) -> None:
-        """present.* straight into the cache at the write slot: the graph writes it in place."""
-        self._bound["present"] = None  # before: a half-done rebinding must not pass for the staged one
-        for name in cache.names:
-            self.io.bind_output("present" + name[4:], self.device, 0, cache.dtypes[name], cache.slots_shape(name, s),
-                                cache.ptr(name, w))
-
-    def _bind_staged_present(self, cache: KVCache) -> list[tuple[int, int, int]]:
-        """present.* of a one-token call into staging arrays, bound once per cache; returns what
-        the copy after the run needs: (buffer address, bytes per slot, staging address) each."""
-        if self._stage[0] is not cache:
-            arrays = {name: np.zeros(cache.slots_shape(name, 1), cache.dtypes[name]) for name in cache.names}
-            copies = [(cache.ptr(name, 0), cache.row_bytes[name], a.ctypes.data) for name, a in arrays.items()]
-            self._stage = (cache, arrays, copies)
-        _, arrays, copies = self._stage
-        bound = self._bound.get("present")
-        if not (bound and bound[0] is cache):
-            self._bound.pop("present", None)
-            for name, st in arrays.items():
-                self.io.bind_output("present" + name[4:], "cpu", 0, st.dtype, list(st.shape), st.ctypes.data)
-            self._bound["present"] = (cache,)
-        return copies
-
+        if self._zero is None or self._zero.shape != (1, 1, s, total):
+            self._zero = np.zeros((1, 1, s, total), np.float32)
+        return self._zero
 
 class OrtCudaBackend(OrtBackend):
     """onnxruntime's CUDA provider; the KV buffers are device memory bound by address."""

@@ -1,0 +1,122 @@
+"""Binding: what an onnxruntime IOBinding holds for one backend, changed only where it changed
+(docs/runtime.md, "The decode step"). It owns the binding and every array bound by address: the
+small inputs, the one-token call's present.* staging arrays, the logits, the fused calls' feeds.
+Each part is keyed by what it holds; a key is dropped before rebinding, so a Ctrl-C half-way
+through leaves that part to be bound whole on the next call, never taken for done."""
+from __future__ import annotations
+
+import numpy as np
+
+from edgekv.format.bundle import LOCAL_MASK
+from edgekv.runtime.cache import KVCache
+
+
+class Binding:
+    def __init__(self, session, device: str, vocab: int, rows: int):
+        self.io = session.io_binding()
+        self.device = device  # where the cache's buffers are (the small inputs and logits are host arrays)
+        self.vocab = vocab
+        self.logits = np.empty((1, max(1, rows), vocab), np.float32)
+        self._bound: dict[str, tuple | None] = {}  # part -> what it holds: small, past, present, logits
+        self._small: dict[str, np.ndarray] = {}
+        self._stage: tuple = (None,)  # the last cache, its present.* staging arrays [1, 1, Hkv, D|-], their copies
+        self._feeds: dict[str, np.ndarray] = {}
+
+    def run(self, session) -> None:
+        session.run_with_iobinding(self.io)
+
+    def _host_input(self, name: str, a: np.ndarray) -> None:
+        self.io.bind_input(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
+
+    def _host_output(self, name: str, a: np.ndarray) -> None:
+        self.io.bind_output(name, "cpu", 0, a.dtype, list(a.shape), a.ctypes.data)
+
+    # -- logits [b, k, V]: a contiguous block at the start of one buffer, grown when needed
+    def logits_for(self, b: int, k: int) -> np.ndarray:
+        if self.logits.shape[0] < b or self.logits.shape[1] < k:
+            self.logits = np.empty((max(b, self.logits.shape[0]), max(k, self.logits.shape[1]), self.vocab), np.float32)
+        logits = self.logits.reshape(-1)[: b * k * self.vocab].reshape(b, k, self.vocab)
+        key = (logits.ctypes.data, logits.shape)
+        if self._bound.get("logits") != key:
+            self._bound.pop("logits", None)
+            self._host_output("logits", logits)
+            self._bound["logits"] = key
+        return logits
+
+    # -- the graph as written
+    def small(self, s: int, k: int, past: int, local_mask: bool) -> dict[str, np.ndarray]:
+        """The small inputs' own arrays for this call's shapes, bound once per shape."""
+        if self._bound.get("small") != (s, k, past):
+            self._bound.pop("small", None)  # an interrupt half-way must not leave a stale key
+            self._small = {"input_ids": np.zeros((1, s), np.int64), "position_ids": np.zeros((1, s), np.int64),
+                           "logits_index": np.zeros((1, k), np.int64), "key_mask": np.zeros((1, s, past + s), np.bool_)}
+            if local_mask:
+                self._small[LOCAL_MASK] = np.zeros((1, s, past + s), np.bool_)
+            for name, a in self._small.items():  # by address: the arrays are overwritten in place
+                self._host_input(name, a)
+            self._bound["small"] = (s, k, past)
+        return self._small
+
+    def past(self, cache: KVCache, past: int) -> None:
+        """past.* as the first `past` slots of every buffer (the cache is held in the key, so
+        its identity cannot be taken by another one while bound)."""
+        bound = self._bound.get("past")
+        if bound and bound[0] is cache and bound[1] == past:
+            return
+        self._bound.pop("past", None)  # a Ctrl-C half-way through leaves some bound, some not: rebind all next time
+        for name in cache.names:
+            self.io.bind_input(name, self.device, 0, cache.dtypes[name], cache.slots_shape(name, past),
+                               cache.ptr(name, 0))
+        self._bound["past"] = (cache, past)
+
+    def present_at(self, cache: KVCache, w: int, s: int) -> None:
+        """present.* straight into the cache at the write slot: the graph writes it in place."""
+        self._bound["present"] = None  # before: a half-done rebinding must not pass for the staged one
+        for name in cache.names:
+            self.io.bind_output("present" + name[4:], self.device, 0, cache.dtypes[name], cache.slots_shape(name, s),
+                                cache.ptr(name, w))
+
+    def staged_present(self, cache: KVCache) -> list[tuple[int, int, int]]:
+        """present.* of a one-token call into staging arrays, bound once per cache; returns what
+        the copy after the run needs: (buffer address, bytes per slot, staging address) each."""
+        if self._stage[0] is not cache:
+            arrays = {name: np.zeros(cache.slots_shape(name, 1), cache.dtypes[name]) for name in cache.names}
+            copies = [(cache.ptr(name, 0), cache.row_bytes[name], a.ctypes.data) for name, a in arrays.items()]
+            self._stage = (cache, arrays, copies)
+        _, arrays, copies = self._stage
+        bound = self._bound.get("present")
+        if not (bound and bound[0] is cache):
+            self._bound.pop("present", None)
+            for name, st in arrays.items():
+                self._host_output("present" + name[4:], st)
+            self._bound["present"] = (cache,)
+        return copies
+
+    # -- the fused graph: host arrays of each call, and the cache bound as past and present at once
+    def feeds(self, feeds: dict[str, np.ndarray]) -> None:
+        self._feeds = feeds  # kept alive: bound by address
+        for name, a in feeds.items():
+            self._host_input(name, a)
+
+    def whole_cache(self, cache: KVCache) -> None:
+        """Every buffer whole as both its past and its present (one buffer, one address)."""
+        bound = self._bound.get("past")
+        if bound and bound[0] is cache:
+            return
+        self._bound.pop("past", None)
+        for name, buf in cache.buffers.items():
+            self._host_input(name, buf)
+            self._host_output("present" + name[4:], buf)
+        self._bound["past"] = (cache,)
+
+    def slot_block(self, cache: KVCache, first: int, count: int) -> None:
+        """past.* and present.* as slots [first, first + count) of every buffer (one address each)."""
+        key = (cache, first, count)
+        if self._bound.get("past") == key:
+            return
+        self._bound.pop("past", None)
+        for name, buf in cache.buffers.items():
+            view = buf[first: first + count]  # [count, Hkv, L, D]: consecutive slots are one block
+            self._host_input(name, view)
+            self._host_output("present" + name[4:], view)
+        self._bound["past"] = key
