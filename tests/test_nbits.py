@@ -12,6 +12,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from edgekv.runtime.backends.nbits import FoldReport, fold_minimums, fold_weights
+from edgekv.runtime.backends.scales import float32_scales
 from export.weights import QuantWeight, _quantized_matmul
 
 B = 32
@@ -50,7 +51,14 @@ def matrix_graph(q: QuantWeight) -> onnx.ModelProto:
     nodes = _quantized_matmul(node, "layers.0.mlp.up.weight", q, np.float32, inits)
     g = helper.make_graph(nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "s", k])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "s", n])], inits)
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    return as_loaded(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]))
+
+
+def as_loaded(model: onnx.ModelProto) -> onnx.ModelProto:
+    """The graph as the runtime hands it to the fold: the exporter's fp16 scales and minimums
+    (X_f16 -> Cast) widened to float32 initializers by the load's pre-pass (backends/scales.py)."""
+    float32_scales(model, ".")
+    return model
 
 
 def session(model: onnx.ModelProto, accuracy: int, report: FoldReport | None = None, **options):
@@ -172,7 +180,7 @@ def test_matrices_share_their_input_blocksum(tmp_path):
                                        for x, k in (("x", 128), ("x2", 64))],
                           [helper.make_tensor_value_info(y, TensorProto.FLOAT, [1, "s", q.codes.shape[0]])
                            for y, (q, _) in qs.items()], inits)
-    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
+    m = as_loaded(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]))
     assert sum(n.op_type == "ReduceSum" for n in m.graph.node) == 3
     report = fold_minimums(m, ".")
     assert report.folded == 3 and not report.kept and not any(n.op_type in ("ReduceSum", "Reshape") for n in m.graph.node)
