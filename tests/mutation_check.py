@@ -73,6 +73,7 @@ ARCH = ("tests/test_architectures.py",)
 KQ = ("tests/test_gguf_kquants.py",)
 GEMMA = ("tests/test_gemma3.py",)
 NBITS = ("tests/test_nbits.py",)
+FP16 = ("tests/test_fp16_scales.py",)
 FUSED_ARCHS = ("tests/test_fused_archs.py",)
 FUSED_SERVE = ("tests/test_fused_serve.py",)
 
@@ -689,6 +690,17 @@ MUTATIONS = [
     M("batcher: a rollback keeps the waiting requests", "engine", "edgekv/runtime/batching/batcher.py", "            self.waiting.clear()", "            pass", ("tests/test_chat_engine.py", "-k", "interrupt_at_every")),
     M("serve: a Stop swallowed while loading is not raised again", "serve", SERVER, "            self.defer = True\n        self.check()", "            self.defer = True", ("tests/test_serve_signals.py", "-k", "swallowed")),
     M("serve: an error a swallowed Stop left is reported as the error", "serve", SERVER, "            if self.pending is None:\n                raise", "            raise", ("tests/test_serve_signals.py", "-k", "left_behind")),
+    M("fp16 scales counted as float32", "export", "export/weights.py", "side = 2 if self.half_scales else 4", "side = 4", FP16),
+    M("half-scale widen takes a shared fp16 source", "format", "edgekv/format/trt_graph.py", "and readers[n.input[0]] == 1 and n.input[0] not in outputs", "and n.input[0] not in outputs", FP16),
+    M("half-scale widen takes any Cast", "format", "edgekv/format/trt_graph.py", '            and any(a.name == "to" and a.i == TensorProto.FLOAT for a in n.attribute)]', "            ]", FP16),
+    M("half-scale widen keeps fp16", "format", "edgekv/format/trt_graph.py", '.astype("float32"), c.output[0])', ", c.output[0])", FP16),
+    M("check-trt stages without widening", "format", "edgekv/format/trt_rules.py", "        widen_half_scales(model, path.parent)  # fp16 scales -> float32 initializers, as the engine build's staging\n", "", TRT_W),
+    M("Cast-fed scale rule misses fp16", "format", "edgekv/format/trt_rules.py", 'f.types.get(prod.input[0]) == "FP16"', 'f.types.get(prod.input[0]) == "FP32"', TRT_W),
+    M("K-quant scales stored fp16", "export", "export/gguf_blocks.py", 'HALF_SCALES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"})', 'HALF_SCALES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"})', KQ),
+    M("Q8_0 scales float32", "export", "export/gguf_blocks.py", 'HALF_SCALES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"})', 'HALF_SCALES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1"})', FP16),
+    M("ort-cpu: fp16 scales not widened before the fold", "weights", "edgekv/runtime/backends/ort.py", "                graph = float32_scales_graph(graph, str(bundle.onnx_path.parent))\n", "", FP16 + ("-k", "tokens_unchanged")),
+    M("engine build: fp16 scales not widened", "trt", "edgekv/runtime/backends/engines.py", "    widen_half_scales(model, folder)  # fp16 block scales", "    pass  # fp16 block scales", ("tests/test_weights.py", "-k", "engine_build")),
+    M("nbits: every remainder dropped (the term's speed for +20 % PPL)", "weights", "edgekv/runtime/backends/nbits.py", "        if r.any():", "        if False:", NBITS),
     M("backends: a signal during a native import not held", "serve", "edgekv/runtime/backends/__init__.py", "    if threading.current_thread() is threading.main_thread():", "    if False:", ("tests/test_serve_signals.py", "-k", "native_import")),
 ]
 

@@ -196,28 +196,17 @@ def test_tensorrt_checks_the_graph_with_its_casts_folded(bundles):
                                            and n.input[1].endswith("_scale") and n.input[0].endswith("_q")}
 
 
-def _with_prepass(monkeypatch):
-    """The runtime as ort.py runs it with the pre-pass in front of the minimum fold (the one line
-    docs/weights.md names)."""
-    import edgekv.runtime.backends.ort as ortmod
-    from edgekv.runtime.backends.scales import float32_scales_graph
-
-    fold = ortmod.fold_graph
-    monkeypatch.setattr(ortmod, "fold_graph", lambda graph, base: fold(float32_scales_graph(graph, base), base))
-
-
 @pytest.mark.parametrize("attention", ["plain", "fused"])
 def test_tokens_unchanged_against_the_float32_scale_bundle(attention, bundles, monkeypatch):
     """The same file's two bundles on ort-cpu (int8 activations, the runtime's default): the same
     logits and greedy tokens, run as written (onnxruntime folding the Casts itself) and with the
-    pre-pass in front of the minimum fold (every minimum then folded into MatMulNBits as the
-    float32-scale bundle's are)."""
+    runtime's pre-pass in front of the minimum fold (ort.py: every minimum then folded into
+    MatMulNBits as the float32-scale bundle's are)."""
     from edgekv.runtime.assemble import open_runtime
     from edgekv.runtime.backends.ort import MATMUL_ACCURACY, OrtBackend
     from tests.test_weights import greedy_logits
 
     half, wide = bundles[1], bundles[2]
-    _with_prepass(monkeypatch)
     with open_runtime(half, 64, "ort-cpu", threads=1, log=None, attention=attention) as a, \
             open_runtime(wide, 64, "ort-cpu", threads=1, log=None, attention=attention) as b:
         assert a.backend.minimums.folded == b.backend.minimums.folded == 5  # every matrix with a minimum

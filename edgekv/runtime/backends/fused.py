@@ -37,6 +37,7 @@ import numpy as np
 
 from edgekv.errors import BundleError
 from edgekv.format.bundle import Bundle
+from edgekv.runtime.backends.scales import float32_scales
 
 # GroupQueryAttention's CPU kernel takes an int8 cache from onnxruntime 1.27 (docs/fused.md)
 MIN_ORT = (1, 27)
@@ -440,6 +441,7 @@ def fuse_bundle(bundle: Bundle, max_positions: int | None = None, skip_norm: boo
     if bundle.dtype not in FLOAT_TYPES:  # the op's T: its activations, RoPE tables and bias
         raise NotFusable(f"{bundle.path}: a {bundle.dtype} graph (the fused rewrite handles {', '.join(FLOAT_TYPES)})")
     model = onnx.load(str(bundle.onnx_path), load_external_data=False)
+    float32_scales(model, str(bundle.onnx_path.parent))  # fp16 block scales as the matcher and the fold read them
     g = _Graph(model, str(bundle.onnx_path.parent))
     m = bundle.model
     positions = max_positions or bundle.max_context
