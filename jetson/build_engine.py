@@ -23,6 +23,7 @@ from pathlib import Path
 from edgekv.errors import EdgeKVError, note
 from edgekv.format.bundle import load_bundle
 from edgekv.format.files import replace_dir
+from edgekv.format.trt_graph import widen_half_scales
 from edgekv.runtime.backends.engines import (META, PLAN, PROFILES_VERSION, bundle_fingerprint, engine_dir, engine_key, is_fresh,
                                              profile_shapes, tensorrt_graph)
 from edgekv.runtime.backends.gpu import check, cudart
@@ -44,15 +45,18 @@ def free_memory(rt) -> int:
 
 
 def parse(trt, parser, bundle, scratch: Path) -> None:
-    """Parse the bundle's graph as TensorRT takes it: the file itself, or, when it holds 8-bit
-    block-wise weights, its per-channel rewrite (engines.tensorrt_graph) written to `scratch`."""
+    """Parse the bundle's graph as TensorRT takes it: the file itself, or, when it holds fp16 block
+    scales or 8-bit block-wise weights, its rewrite (engines.tensorrt_graph: the scales widened,
+    the 8-bit weights per channel) written to `scratch`."""
     import onnx
 
     path = bundle.onnx_path
     model = onnx.load(str(path), load_external_data=False)
+    widened = widen_half_scales(model, path.parent)  # also tensorrt_graph's first step: here to know it changed
     converted = tensorrt_graph(model, path.parent)
     if converted:
         note(f"  {len(converted)} 8-bit block-wise weight(s) requantized per output channel for TensorRT")
+    if widened or converted:
         path = scratch / "model.onnx"
         onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                         location="model.onnx.data", size_threshold=1024)
