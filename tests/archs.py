@@ -78,12 +78,30 @@ ARCHS = {
 }
 
 
+# two configs with the real models' head shapes at a tiny size, where GroupQueryAttention's CPU
+# kernel rotates (head_dim % 16, rotary dims % 16: tests/test_fused_archs.py): Qwen3 (head_dim 128)
+# with head_dim 32, Phi-4-mini (96 of 128 dims rotate) with 16 of 32
+_Q, _P = ARCHS["qwen3"], ARCHS["phi4-mini"]
+VARIANTS = {
+    "qwen3-d32": (_Q[0], _Q[1], {**_Q[2], "head_dim": 32}, _Q[3]),
+    "phi4-mini-d32": (_P[0], _P[1], {**_P[2], "hidden_size": 128, "partial_rotary_factor": 0.5, "rope_scaling": {
+        "rope_type": "longrope", "short_factor": [1.0, 1.05, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0],
+        "long_factor": [1.0, 1.5, 2.0, 4.0, 8.0, 12.0, 16.0, 20.0]}}, _P[3]),
+}
+
+
+# the tiny Gemma 3's exports (tests/test_gemma3.py, test_fused_gemma3.py: one bundle per KV
+# scheme for both): a parity check of a prompt and this many decode steps, well past its window of 8
+GEMMA_PARITY_STEPS = 32
+
+
 def make_arch_folder(path: Path, name: str) -> Path:
-    """ARCHS[name] as a random checkpoint written by transformers (config.json + safetensors)."""
+    """ARCHS[name] (or VARIANTS[name]) as a random checkpoint written by transformers (config.json
+    + safetensors)."""
     import torch
     import transformers
 
-    cfg_cls, model_cls, overrides, template = ARCHS[name]
+    cfg_cls, model_cls, overrides, template = {**ARCHS, **VARIANTS}[name]
     torch.manual_seed(0)
     cfg = getattr(transformers, cfg_cls)(**{**COMMON, **overrides})
     model = getattr(transformers, model_cls)(cfg)

@@ -285,6 +285,29 @@ def tiny_qwen_bundle_int8_static(tiny_qwen, tmp_path_factory) -> Path:
     return tiny_export(tmp_path_factory, tiny_qwen, "tiny-qwen-int8-static", "int8-static")
 
 
+@pytest.fixture(scope="session")
+def arch_folders(tmp_path_factory):
+    """name -> tests/archs.py's tiny checkpoint of that architecture (ARCHS or VARIANTS), made
+    once per run (test_architectures, test_gemma3 and the fused tests share them)."""
+    from tests.archs import make_arch_folder
+
+    return lambda name: made_once(run_dir(tmp_path_factory) / f"arch-{name}", lambda p: make_arch_folder(p, name))
+
+
+@pytest.fixture(scope="session")
+def arch_bundles(arch_folders, tmp_path_factory):
+    """(name, kv, context, steps=8, dtype) -> arch_folders(name) exported so, once per run, keyed
+    by all of them (export_bundle raises unless its parity check over `steps` decode steps and
+    check-trt pass)."""
+    from export.bundle import export_bundle
+
+    def get(name: str, kv: str, context: int, steps: int = 8, dtype: str = "float32") -> Path:
+        def make(path: Path) -> None:
+            export_bundle(str(arch_folders(name)), kv=kv, out=str(path), max_context=context, steps=steps, dtype=dtype)
+        return made_once(run_dir(tmp_path_factory) / f"arch-{name}-{kv}-{dtype}-ctx{context}-steps{steps}", make)
+    return get
+
+
 REAL_NAME = "smollm2-135m-instruct-int8"
 TEST_CACHE = ROOT / "models" / "bundles" / ".test-cache"
 

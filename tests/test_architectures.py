@@ -12,21 +12,15 @@ import torch
 
 from export.loaders import load_gguf, load_hf_folder
 from export.model import Transformer, UnsupportedModel, causal_mask
-from tests.archs import ARCHS, make_arch_folder, write_arch_gguf
+from tests.archs import ARCHS, write_arch_gguf
 
 S = 72  # past original_max_position_embeddings (llama3 and phi: 64), gemma's window 8
 EXPORTED = ["llama3.2", "qwen2.5", "qwen3", "smollm3", "phi4-mini"]  # gemma3: tests/test_gemma3.py
 
 
 @pytest.fixture(scope="session")
-def folders(tmp_path_factory):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cache[name] = make_arch_folder(tmp_path_factory.mktemp(name.replace(".", "-")), name)
-        return cache[name]
-    return get
+def folders(arch_folders):
+    return arch_folders  # conftest's: made once per run, shared with test_gemma3 and the fused tests
 
 
 def ours_from(src, context: int | None = None):
@@ -122,16 +116,10 @@ def context_of(name):
 
 
 @pytest.fixture(scope="session")
-def int8_bundles(folders, tmp_path_factory):
-    from tests.conftest import _export
-
-    cache = {}
-
-    def get(name):
-        if name not in cache:  # _export: export_bundle, which raises unless parity and check-trt pass
-            cache[name] = _export(folders(name), tmp_path_factory.mktemp("b") / name, "int8", context_of(name))
-        return cache[name]
-    return get
+def int8_bundles(arch_bundles):
+    """name -> its int8-KV bundle (conftest's arch_bundles: export_bundle, which raises unless
+    parity and check-trt pass)."""
+    return lambda name: arch_bundles(name, "int8", context_of(name))
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_EXPORTS else n

@@ -18,30 +18,19 @@ import pytest
 ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
-import tests.archs as archs  # noqa: E402
 from edgekv.errors import BackendUnavailable  # noqa: E402
 from edgekv.format.bundle import file_sha256, load_bundle  # noqa: E402
 from edgekv.runtime.backends.ort import ATTENTION_ENV, OrtBackend  # noqa: E402
 from edgekv.runtime.cache import KVCache  # noqa: E402
-from test_fused import (CALLS, CAPACITY, LOGITS_ATOL, ONE_STEP_SHARE, Stream, clamp_only,  # noqa: E402
-                        needs_gqa, optimized_graph, random_cells_call)
-from tests.conftest import _export  # noqa: E402
+from test_fused import (CALLS, CAPACITY, LOGITS_ATOL, Stream, needs_gqa, optimized_graph,  # noqa: E402
+                        random_cells_call, static_int8_clean_prompts)
 
 pytestmark = needs_gqa
 
-# tests/archs.py's configs, and two with the real models' head shapes at a tiny size, where the
-# op rotates (GroupQueryAttention's CPU kernel: head_dim % 16, rotary dims % 16): Qwen3 (head_dim
-# 128) with head_dim 32, Phi-4-mini (96 of 128 dims rotate) with 16 of 32
-_Q, _P = archs.ARCHS["qwen3"], archs.ARCHS["phi4-mini"]
-VARIANTS = {
-    "qwen3-d32": (_Q[0], _Q[1], {**_Q[2], "head_dim": 32}, _Q[3]),
-    "phi4-mini-d32": (_P[0], _P[1], {**_P[2], "hidden_size": 128, "partial_rotary_factor": 0.5, "rope_scaling": {
-        "rope_type": "longrope", "short_factor": [1.0, 1.05, 1.1, 1.3, 1.6, 2.0, 2.5, 3.0],
-        "long_factor": [1.0, 1.5, 2.0, 4.0, 8.0, 12.0, 16.0, 20.0]}}, _P[3]),
-}
-
-# how each layer reaches the op: "op" rotates inside it, "graph" keeps the graph's RoPE before it,
-# "none" has no RoPE; the q|k norm ("norm") means the op is fed the normed q|k, not the projection
+# how each layer reaches the op (tests/archs.py's ARCHS, and VARIANTS: two with the real models'
+# head shapes at a tiny size, where the op rotates): "op" rotates inside it, "graph" keeps the
+# graph's RoPE before it, "none" has no RoPE; the q|k norm ("norm") means the op is fed the normed
+# q|k, not the projection
 EXPECTED = {
     "qwen3-d32": (["op", "op"], True),
     "smollm3": (["op", "op", "op", "none"], False),  # no_rope_layers: every 4th layer
@@ -61,26 +50,10 @@ def context_of(name):
 
 
 @pytest.fixture(scope="module")
-def bundles(tmp_path_factory):
-    """(arch, kv) -> the tiny checkpoint exported once in this module (the exporter's parity
-    check and check-trt passed, or _export raised)."""
-    from export.bundle import export_bundle
-
-    cache = {}
-
-    def get(name, kv, dtype="float32"):
-        if (name, kv, dtype) not in cache:
-            with pytest.MonkeyPatch.context() as mp:
-                for k, v in VARIANTS.items():
-                    mp.setitem(archs.ARCHS, k, v)
-                if name not in cache:
-                    cache[name] = archs.make_arch_folder(tmp_path_factory.mktemp(name.replace(".", "-")), name)
-            out = tmp_path_factory.mktemp("b") / f"{name}-{kv}-{dtype}"
-            cache[(name, kv, dtype)] = (_export(cache[name], out, kv, context_of(name)) if dtype == "float32" else
-                                        export_bundle(str(cache[name]), kv=kv, out=str(out), max_context=context_of(name),
-                                                      steps=8, dtype=dtype))
-        return cache[(name, kv, dtype)]
-    return get
+def bundles(arch_bundles):
+    """(arch, kv, dtype) -> the tiny checkpoint exported so (conftest's arch_bundles: once per run;
+    the exporter's parity check and check-trt passed)."""
+    return lambda name, kv, dtype="float32": arch_bundles(name, kv, context_of(name), dtype=dtype)
 
 
 def assert_layers_as_expected(backend, name):
@@ -135,43 +108,13 @@ def test_fused_run_cells_equals_plain(name, bundles):
 
 @pytest.mark.parametrize("name", STATIC)
 def test_static_int8_same_codes_and_tokens(name, bundles):
-    """tests/test_fused.py's int8 oracle: layer 0's codes equal but for GroupQueryAttention's
-    -128 (the plain graph clamps to -127); a prompt whose fused cache holds no -128 never met that
-    difference, and there every code of every layer is the plain graph's (at most one step on a
-    rounding boundary) and the greedy tokens are the same. Short prompts: the calibrated scales
-    put a clamp in most longer ones."""
+    """tests/test_fused.py's int8 oracle (static_int8_clean_prompts) on each architecture. Short
+    prompts: the calibrated scales put a clamp in most longer ones."""
     b = load_bundle(bundles(name, "int8-static"))
     plain_b = OrtBackend(b, threads=1, max_logits_rows=1, attention="plain")
     fused_b = OrtBackend(b, threads=1, max_logits_rows=1, attention="fused")
     assert_layers_as_expected(fused_b, name)
-    clean = 0
-    for seed in range(48):
-        plain, fused = (KVCache(b, CAPACITY, memory=be.memory) for be in (plain_b, fused_b))
-        seqs = plain.new_sequence(), fused.new_sequence()
-        ids = np.random.default_rng(seed).integers(0, b.model["vocab_size"], (1, 3))
-        want_tokens, got_tokens = [], []
-        for _ in range(4):  # the prompt, then greedy decode steps
-            row = np.array([[ids.shape[1] - 1]])
-            want = plain_b.run(plain, seqs[0], ids, row).copy()
-            got = fused_b.run(fused, seqs[1], ids, row).copy()
-            for q in seqs:
-                q.advance(ids[0])
-            want_tokens.append(int(want[0, -1].argmax()))
-            got_tokens.append(int(got[0, -1].argmax()))
-            ids = np.array([[want_tokens[-1]]])
-        a_all, f_all = plain.read(seqs[0].n), fused.read(seqs[1].n)
-        codes = {(i, kv): (a_all[f"past.{i}.{kv}"], f_all[f"past.{i}.{kv}"])
-                 for i in range(b.model["n_layers"]) for kv in ("key", "value")}
-        for kv in ("key", "value"):
-            assert clamp_only(*codes[(0, kv)]), f"seed {seed}: layer 0 {kv} codes differ beyond the clamp"
-        if not any((f == -128).any() for _, f in codes.values()):
-            clean += 1
-            for (i, kv), (a, f) in codes.items():
-                d = np.abs(a.astype(np.int16) - f.astype(np.int16))
-                assert d.max() <= 1 and (d > 0).mean() <= ONE_STEP_SHARE, \
-                    f"seed {seed}: layer {i} {kv} codes differ with no clamp in reach ({int((d > 0).sum())} of {d.size})"
-            assert got_tokens == want_tokens, f"seed {seed}"
-    assert clean >= 4, clean  # the strict half of the test ran
+    assert static_int8_clean_prompts(b, plain_b, fused_b, range(48), 3, 4) >= 4  # the strict half ran
 
 
 @pytest.mark.parametrize("name", ["qwen3-d32", "smollm3", "phi4-mini"])

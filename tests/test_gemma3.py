@@ -20,7 +20,7 @@ from edgekv.runtime.backends import OrtBackend
 from edgekv.runtime.batching import Request
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.generate import Generator
-from tests.archs import make_arch_folder
+from tests.archs import GEMMA_PARITY_STEPS
 from tests.conftest import chat_engine
 from tests.ring_reference import RingSequence
 
@@ -33,24 +33,16 @@ def ids(n, seed=0):
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return make_arch_folder(tmp_path_factory.mktemp("gemma3"), "gemma3")
+def folder(arch_folders):
+    return arch_folders("gemma3")
 
 
 @pytest.fixture(scope="module")
-def bundles(folder, tmp_path_factory):
-    """kv -> the tiny Gemma 3 exported with it (export_bundle raises unless parity, over a prompt
-    and 32 decode steps past the window, and check-trt pass)."""
-    from export.bundle import export_bundle
-
-    made = {}
-
-    def get(kv):
-        if kv not in made:
-            made[kv] = export_bundle(str(folder), kv=kv, out=str(tmp_path_factory.mktemp("b") / kv),
-                                     max_context=CONTEXT, steps=32)
-        return made[kv]
-    return get
+def bundles(arch_bundles):
+    """kv -> the tiny Gemma 3 exported with it (conftest's arch_bundles, shared with
+    test_fused_gemma3: export_bundle raises unless parity, over a prompt and 32 decode steps past
+    the window, and check-trt pass)."""
+    return lambda kv: arch_bundles("gemma3", kv, CONTEXT, steps=GEMMA_PARITY_STEPS)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +80,7 @@ def test_the_bundle_records_its_local_layers_and_passed_parity_past_the_window(k
     assert m["format_version"] == 3 and m["model"]["local_layers"] == [0, 1] and m["model"]["sliding_window"] == WINDOW
     assert m["io"]["inputs"][-1] == LOCAL_MASK and b.window == WINDOW
     assert m["parity"]["passed"] and m["trt_check"] == {"10.3": "pass"}
-    assert m["parity"]["prompt_tokens"] > 2 * WINDOW and m["parity"]["decode_steps"] == 32
+    assert m["parity"]["prompt_tokens"] > 2 * WINDOW and m["parity"]["decode_steps"] == GEMMA_PARITY_STEPS
     import onnx
 
     graph = onnx.load(str(b.onnx_path), load_external_data=False)
