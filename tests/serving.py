@@ -1,11 +1,13 @@
 """One way for the serve tests to run a server: a started batcher and an app on 127.0.0.1, both
 stopped at the end (tests/test_serve_http.py, test_serve_hardening.py, test_serve_structured.py,
-test_reasoning.py)."""
+test_reasoning.py); and one schedule of requests joining and leaving a batch, stepped by hand
+(tests/test_serve_engine.py, test_fused_serve.py)."""
 from __future__ import annotations
 
 from contextlib import contextmanager
 from typing import NamedTuple
 
+from edgekv.runtime.batching import Request
 from edgekv.serve.app import Server
 from edgekv.serve.server import BackgroundServer, build
 
@@ -49,3 +51,47 @@ def serving(rt, codec=None, with_bundle: bool = True, capacity: int = 256, paral
 def built(rt, **build_kw):
     """The app `edgekv serve` builds (serve/server.py's build), served."""
     return served_app(*build(rt, **build_kw))
+
+
+def run_until_done(engine, reqs, max_steps=2000):
+    """Step `engine` until every request in `reqs` has finished (a bound: one that never does fails)."""
+    for _ in range(max_steps):
+        if all(r.finish_reason for r in reqs):
+            return
+        engine.step()
+    raise AssertionError("requests did not finish")
+
+
+class Staggered(NamedTuple):
+    reqs: dict  # name -> its Request (logits recorded)
+    mixed: bool  # a step after C joined prefilled it beside A's decode
+    first_cells: dict  # name -> its first cell one step after it joined (on slots: its slot's); None: not admitted
+
+
+def staggered(engine, spec: dict, prefill_steps: int) -> Staggered:
+    """spec: name -> (prompt, max_tokens) for A, B, C, D. A alone first, B joins after 3 steps,
+    C one step later with a prompt longer than a chunk, prefilled over the `prefill_steps` steps
+    watched beside A's and B's decodes; B finishes early, D joins after; run until all are done."""
+    reqs = {k: Request(p, n, record_logits=True) for k, (p, n) in spec.items()}
+    first, c_len = {}, len(spec["C"][0])
+
+    def join(name, steps):
+        """Submit `name` and step `steps` times: whether one of them prefilled C beside A's decode."""
+        engine.submit(reqs[name])
+        mixed = False
+        for k in range(steps):
+            engine.step()
+            if k == 0:
+                seq = reqs[name].seq
+                first[name] = seq.cells[0] if seq is not None else None
+            mixed |= 0 < reqs["C"].fed < c_len and reqs["A"].next_token is not None
+        return mixed
+
+    join("A", 3)
+    join("B", 1)
+    mixed = join("C", prefill_steps)
+    while not reqs["B"].finish_reason:
+        engine.step()
+    join("D", 1)
+    run_until_done(engine, list(reqs.values()))
+    return Staggered(reqs, mixed, first)

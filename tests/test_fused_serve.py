@@ -18,6 +18,7 @@ from edgekv.runtime.backends.ort import QUERY_LENGTHS, QUERY_LENGTHS_ORT, ort_at
 from edgekv.runtime.batching import Batcher, Request  # noqa: E402
 from edgekv.runtime.cache import KVCache  # noqa: E402
 from edgekv.serve.server import engine, open_serve_runtime, serve_layout  # noqa: E402
+from tests.serving import run_until_done, staggered  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not ort_at_least(ort.__version__, QUERY_LENGTHS_ORT),
                                 reason=f"onnxruntime {ort.__version__} has no GroupQueryAttention query_seqlens")
@@ -46,43 +47,19 @@ def ids(n, seed):
     return [int(t) for t in np.random.default_rng(seed).integers(3, 300, n)]
 
 
-def run_until_done(engine, reqs, max_steps=1000):
-    for _ in range(max_steps):
-        if all(r.finish_reason for r in reqs):
-            return
-        engine.step()
-    raise AssertionError("requests did not finish")
-
-
 SPEC = {"Z": (ids(5, 9), 1), "A": (ids(7, 1), 20), "B": (ids(12, 2), 5), "C": (ids(25, 3), 8), "D": (ids(9, 4), 10)}
 
 
 def schedule(engine):
     """Z comes and goes (on slots its cached prefix keeps slot 0 until needed: A and B decode
-    in slots 1 and 2, the step's call not starting at slot 0); A alone first, B joins, C joins
-    with a prompt prefilled over several steps (chunks of 8) while A and B decode, B finishes
-    early, D joins after and gets B's slot."""
-    reqs = {k: Request(p, n, record_logits=True) for k, (p, n) in SPEC.items()}
-    engine.submit(reqs["Z"])
-    run_until_done(engine, [reqs["Z"]])
-    engine.submit(reqs["A"])
-    for _ in range(3):
-        engine.step()
-    engine.submit(reqs["B"])
-    engine.step()
-    engine.submit(reqs["C"])
-    mixed = False
-    for _ in range(3):
-        engine.step()
-        mixed |= 0 < reqs["C"].fed < 25 and reqs["A"].next_token is not None
-    a_first, b_first = reqs["A"].seq.cells[0], reqs["B"].seq.cells[0]  # on slots: the first cell of its slot
-    while not reqs["B"].finish_reason:
-        engine.step()
-    engine.submit(reqs["D"])
-    engine.step()
-    d_first = reqs["D"].seq.cells[0]
-    run_until_done(engine, list(reqs.values()))
-    return reqs, mixed, (a_first, b_first, d_first)
+    in slots 1 and 2, the step's call not starting at slot 0); then tests/serving.py's staggered
+    schedule: A alone first, B joins, C joins with a prompt prefilled over several steps (chunks
+    of 8) while A and B decode, B finishes early, D joins after and gets B's slot."""
+    z = Request(*SPEC["Z"], record_logits=True)
+    engine.submit(z)
+    run_until_done(engine, [z])
+    run = staggered(engine, {k: SPEC[k] for k in "ABCD"}, prefill_steps=3)
+    return {"Z": z, **run.reqs}, run.mixed, run.first_cells
 
 
 def alone(rt, prompt, n):
@@ -98,8 +75,8 @@ def test_slots_batched_equals_alone_bit_for_bit(fused_rt):
     reads only its own slot from cell 0, whatever else runs beside it, in which slot, in chunks
     of what size (B's slot reused by D; C's prompt chunked beside A's and B's decode steps)."""
     eng = slots_engine(fused_rt)
-    reqs, mixed, (a_first, b_first, d_first) = schedule(eng)
-    assert mixed and a_first == 40 and d_first == b_first == 80
+    reqs, mixed, first = schedule(eng)
+    assert mixed and first["A"] == 40 and first["D"] == first["B"] == 80
     for k, (prompt, n) in SPEC.items():
         want = alone(fused_rt, prompt, n)
         got = reqs[k]

@@ -7,6 +7,7 @@ import pytest
 from edgekv.errors import ContextOverflow, EdgeKVError, QueueFull
 from edgekv.runtime.assemble import open_runtime
 from edgekv.runtime.batching import Batcher, Request
+from tests.serving import run_until_done, staggered
 
 
 def ids(n, seed=0, vocab=300):
@@ -27,35 +28,12 @@ def alone(rt, prompt, n):
     return toks, rows
 
 
-def run_until_done(engine, reqs, max_steps=2000):
-    for _ in range(max_steps):
-        if all(r.finish_reason for r in reqs):
-            return
-        engine.step()
-    raise AssertionError("requests did not finish")
-
-
 def batch_schedule(engine):
-    """Four requests: A alone first, B joins, C joins with a prompt prefilled over several steps
-    while A and B decode, B leaves early, D joins after B left."""
+    """tests/serving.py's staggered schedule: A alone first, B joins, C joins with a prompt
+    prefilled over several steps while A and B decode, B leaves early, D joins after B left."""
     spec = {"A": (ids(7, 1), 20), "B": (ids(12, 2), 5), "C": (ids(30, 3), 12), "D": (ids(9, 4), 10)}
-    reqs = {k: Request(p, n, record_logits=True) for k, (p, n) in spec.items()}
-    engine.submit(reqs["A"])
-    for _ in range(3):
-        engine.step()
-    engine.submit(reqs["B"])
-    engine.step()
-    engine.submit(reqs["C"])
-    saw_mixed = False
-    for _ in range(4):
-        engine.step()
-        # C still prefilling while A and B decode in the same step
-        saw_mixed |= 0 < reqs["C"].fed < 30 and reqs["A"].next_token is not None
-    while not reqs["B"].finish_reason:
-        engine.step()
-    engine.submit(reqs["D"])
-    run_until_done(engine, list(reqs.values()))
-    return spec, reqs, saw_mixed
+    run = staggered(engine, spec, prefill_steps=4)
+    return spec, run.reqs, run.mixed
 
 
 def test_batched_equals_alone_float_logits(rt_float):
