@@ -149,6 +149,31 @@ def static_calibrated(folder, kv: str):
     return m, calibrate_static(m, ref, calib_ids(folder), window=STATIC_WINDOW)
 
 
+@pytest.fixture(scope="session")
+def static_calibrations(outlier_model):
+    """kv -> static_calibrated(outlier_model, kv), once per run (the tests read the model and the
+    report, never change them)."""
+    made = {}
+
+    def get(kv):
+        if kv not in made:
+            made[kv] = static_calibrated(outlier_model, kv)
+        return made[kv]
+    return get
+
+
+@pytest.fixture(scope="session")
+def int4_calibrations(outlier_model):
+    """kv -> calibrated(outlier_model, kv) for an int4 scheme (its key offsets), once per run."""
+    made = {}
+
+    def get(kv):
+        if kv not in made:
+            made[kv] = calibrated(outlier_model, kv)
+        return made[kv]
+    return get
+
+
 def hf_absmax(windows, layer: int, skip_first: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Channel absmax [Hkv, D] of K and V over these windows' positions from skip_first on."""
     k = torch.stack([w[layer][1][skip_first:].abs().amax(0) for w in windows]).amax(0)
@@ -157,10 +182,10 @@ def hf_absmax(windows, layer: int, skip_first: int) -> tuple[torch.Tensor, torch
 
 
 @pytest.mark.parametrize("kv", ["int8-static", "int8-tensor"])
-def test_static_scales_are_the_chosen_headroom_times_absmax(outlier_model, hf_windows, kv):
+def test_static_scales_are_the_chosen_headroom_times_absmax(static_calibrations, hf_windows, kv):
     from export.calibrate import HEADROOM
 
-    m, info = static_calibrated(outlier_model, kv)
+    m, info = static_calibrations(kv)
     for i, layer in enumerate(m.layers):
         ks, vs = layer.attn.k_scale, layer.attn.v_scale
         hkv, d = hf_windows[0][i][1].shape[1:]
@@ -201,13 +226,13 @@ def oracle_error(held, layer: int, k_scale: torch.Tensor, v_scale: torch.Tensor)
     return total
 
 
-def test_chosen_headroom_has_the_least_output_error(outlier_model, hf_windows):
+def test_chosen_headroom_has_the_least_output_error(static_calibrations, hf_windows):
     """The oracle: for each layer, every candidate's error recomputed here (statistics from one
     fold of windows, error on the other, both ways); the calibration's choice must be the least
     (V first with K at its absmax, then K, first token counted or not, with the chosen V)."""
     from export.calibrate import HEADROOM
 
-    _, info = static_calibrated(outlier_model, "int8-static")
+    _, info = static_calibrations("int8-static")
     folds = [(hf_windows[0::2], hf_windows[1::2]), (hf_windows[1::2], hf_windows[0::2])]
     for i in range(len(hf_windows[0])):
         def err(ak, av, k_sink=True):
@@ -245,8 +270,8 @@ def test_first_token_left_out_of_key_statistics_when_asked():
 
 
 @pytest.mark.parametrize("kv", ["int4", "int4-norot"])
-def test_int4_key_offsets_are_channel_means_after_rope_and_rotation(outlier_model, hf_kv, kv):
-    m = calibrated(outlier_model, kv)
+def test_int4_key_offsets_are_channel_means_after_rope_and_rotation(int4_calibrations, hf_kv, kv):
+    m = int4_calibrations(kv)
     for layer, (k, _) in zip(m.layers, hf_kv):
         mean = k.double().mean(0).float()  # [Hkv, D]
         want = mean @ torch.from_numpy(hadamard(mean.shape[-1])) if kv == "int4" else mean
@@ -277,8 +302,8 @@ def kld_vs_float(folder, model) -> float:
 # scale 1.0; int4 0.106 with its keys centered vs 0.169 at offset 0 (the rest of int4's error is the
 # x20 variance outliers, which no offset removes). Margins: int8-static at least 5x better, int4 20 %.
 @pytest.mark.parametrize("kv, margin", [("int8-static", 0.2), ("int4", 0.8)])
-def test_calibration_beats_no_calibration(outlier_model, kv, margin):
-    cal_model = static_calibrated(outlier_model, kv)[0] if kv == "int8-static" else calibrated(outlier_model, kv)
+def test_calibration_beats_no_calibration(outlier_model, static_calibrations, int4_calibrations, kv, margin):
+    cal_model = static_calibrations(kv)[0] if kv == "int8-static" else int4_calibrations(kv)
     cal = kld_vs_float(outlier_model, cal_model)
     raw = kld_vs_float(outlier_model, calibrated(outlier_model, kv, calibrate=False))
     assert cal < margin * raw, (cal, raw)
