@@ -698,7 +698,7 @@ MUTATIONS = [
     M("Cast-fed scale rule misses fp16", "format", "edgekv/format/trt_rules.py", 'f.types.get(prod.input[0]) == "FP16"', 'f.types.get(prod.input[0]) == "FP32"', TRT_W),
     M("K-quant scales stored fp16", "export", "export/gguf_blocks.py", 'HALF_SCALES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"})', 'HALF_SCALES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"})', KQ),
     M("Q8_0 scales float32", "export", "export/gguf_blocks.py", 'HALF_SCALES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"})', 'HALF_SCALES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1"})', FP16),
-    M("ort-cpu: fp16 scales not widened before the fold", "weights", "edgekv/runtime/backends/ort.py", "                graph = float32_scales_graph(graph, str(bundle.onnx_path.parent))\n", "", FP16 + ("-k", "tokens_unchanged")),
+    M("nbits: an fp16 scale's Cast not taken for a constant", "weights", "edgekv/runtime/backends/fused.py", "        return name in self.inits or self._half_cast(self.producer.get(name))", "        return name in self.inits", FP16 + ("-k", "tokens_unchanged")),
     M("engine build: fp16 scales not widened", "trt", "edgekv/runtime/backends/engines.py", "    widen_half_scales(model, folder)  # fp16 block scales", "    pass  # fp16 block scales", ("tests/test_weights.py", "-k", "engine_build")),
     M("nbits: every remainder dropped (the term's speed for +20 % PPL)", "weights", "edgekv/runtime/backends/nbits.py", "        if r.any():", "        if False:", NBITS),
     M("backends: a signal during a native import not held", "serve", "edgekv/runtime/backends/__init__.py", "    if threading.current_thread() is threading.main_thread():", "    if False:", ("tests/test_serve_signals.py", "-k", "native_import")),

@@ -124,8 +124,8 @@ def test_the_bundles_dequantize_is_the_files_values_bit_for_bit(bundles):
     DQ output is the weight), through the bundle's own Cast: the gguf package's dequantization bit
     for bit. The fp16 scale fed to the same DequantizeLinear directly is not (its output is fp16):
     why the Cast. Every matrix, minimums included, read back through the graph's arithmetic (the
-    pre-pass's float32 scales): bit for bit too."""
-    from edgekv.runtime.backends.scales import float32_scales
+    TensorRT staging's float32 scales): bit for bit too."""
+    from edgekv.format.trt_graph import widen_half_scales
     from tests.test_gguf_kquants import file_weights
     from tests.test_weights import decoded_weights
 
@@ -146,7 +146,7 @@ def test_the_bundles_dequantize_is_the_files_values_bit_for_bit(bundles):
                                   axis=0, block_size=32)
         rounded += int((_run_nodes(m, [direct], "w16", TensorProto.FLOAT16).astype(np.float32).T != ref[name]).sum())
     assert rounded > 0
-    assert float32_scales(m, str(bundle))
+    assert widen_half_scales(m, str(bundle))
     assert not any(t.data_type == TensorProto.FLOAT16 for t in m.graph.initializer)
     got = decoded_weights(m)
     assert set(got) == set(ref)
@@ -232,24 +232,17 @@ def _graph(cast_to=TensorProto.FLOAT, half=True, second_reader=False):
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])
 
 
-def test_prepass_widens_only_a_cast_of_an_fp16_initializer_to_float32():
-    from edgekv.runtime.backends.scales import float32_scales, float32_scales_graph
+def test_widening_takes_only_a_cast_of_an_fp16_initializer_to_float32():
+    """The TensorRT staging's widen (and what the runtime's fold reads as a constant): only a Cast
+    to float32 of an fp16 initializer read by nothing else."""
+    from edgekv.format.trt_graph import widen_half_scales
 
     m = _graph()
-    assert float32_scales(m, ".") == ["s"]
+    assert widen_half_scales(m, ".") == ["s"]
     assert [n.op_type for n in m.graph.node] == ["Mul"]
     (t,) = m.graph.initializer
     assert t.name == "s" and t.data_type == TensorProto.FLOAT
     np.testing.assert_array_equal(numpy_helper.to_array(t), [[0.5, 0.25]])
     for keep in (_graph(cast_to=TensorProto.FLOAT16), _graph(half=False), _graph(second_reader=True)):
-        graph = keep.SerializeToString()
-        assert float32_scales_graph(graph, ".") is graph  # not ours to fold: the same bytes back
-
-
-def test_a_float32_scale_bundle_loads_as_it_is(bundles):
-    """An older bundle (float32 scales): the pre-pass hands its graph back untouched."""
-    from edgekv.format.bundle import load_bundle
-    from edgekv.runtime.backends.scales import float32_scales_graph
-
-    graph = load_bundle(bundles[2]).onnx_path.read_bytes()
-    assert float32_scales_graph(graph, str(bundles[2])) is graph
+        before = keep.SerializeToString()
+        assert widen_half_scales(keep, ".") == [] and keep.SerializeToString() == before

@@ -187,13 +187,13 @@ def mixed_bundle(kfolder, tmp_path_factory):
 def test_mixed_file_exports_with_its_blocks_bit_for_bit(mixed_bundle):
     """`--weights auto` on a Q4_K_M-style file: int4, parity passed, and the bundle's weights read
     back from its ONNX initializers through the graph's own DQ arithmetic (codes + shift) * scale
-    + min (its fp16 scales widened as the runtime's pre-pass does) equal the gguf package's
+    + min (its fp16 scales widened as the TensorRT staging does) equal the gguf package's
     dequantization of the file bit for bit; the manifest says per matrix what the file held and how
     it is carried."""
     import onnx
 
     from edgekv.format.bundle import load_bundle
-    from edgekv.runtime.backends.scales import float32_scales
+    from edgekv.format.trt_graph import widen_half_scales
     from tests.test_weights import decoded_weights
 
     path, bundle = mixed_bundle
@@ -202,7 +202,7 @@ def test_mixed_file_exports_with_its_blocks_bit_for_bit(mixed_bundle):
     assert man["weights"]["format"] == "int4" and man["parity"]["passed"]
     ref = file_weights(path)
     m = onnx.load(str(b.onnx_path))
-    assert float32_scales(m, str(b.onnx_path.parent))
+    assert widen_half_scales(m, str(b.onnx_path.parent))
     got = decoded_weights(m)
     assert set(got) == set(ref)
     for name in got:

@@ -37,7 +37,6 @@ import numpy as np
 
 from edgekv.errors import BundleError
 from edgekv.format.bundle import Bundle
-from edgekv.runtime.backends.scales import float32_scales
 
 # GroupQueryAttention's CPU kernel takes an int8 cache from onnxruntime 1.27 (docs/fused.md)
 MIN_ORT = (1, 27)
@@ -86,7 +85,9 @@ class _Graph:
                     self.consumers.setdefault(i, []).append(n)
 
     def const(self, name: str) -> np.ndarray | None:
-        """The value of a constant tensor (initializer or Constant node), else None."""
+        """The value of a constant tensor (initializer, Constant node, or an fp16 block scale's
+        Cast to float32: export/weights.py keeps the GGUF's fp16 behind one; fp16 -> float32 is
+        exact), else None."""
         t = self.inits.get(name)
         if t is not None:
             if t.data_location == self.onnx.TensorProto.EXTERNAL:
@@ -95,7 +96,18 @@ class _Graph:
         n = self.producer.get(name)
         if n is not None and n.op_type == "Constant":
             return self.nh.to_array(n.attribute[0].t) if n.attribute[0].name == "value" else None
+        if self._half_cast(n):
+            return self.const(n.input[0]).astype(np.float32)
         return None
+
+    def is_const(self, name: str) -> bool:
+        """An initializer, or the float32 Cast of an fp16 one (a constant onnxruntime folds at load)."""
+        return name in self.inits or self._half_cast(self.producer.get(name))
+
+    def _half_cast(self, n) -> bool:
+        TP = self.onnx.TensorProto
+        return (n is not None and n.op_type == "Cast" and self.attr(n, "to") == TP.FLOAT
+                and n.input[0] in self.inits and self.inits[n.input[0]].data_type == TP.FLOAT16)
 
     def const_dims(self, name: str) -> list[int] | None:
         """Dims of a weight: an initializer, or the DequantizeLinear of one (quantized weights)."""
@@ -441,7 +453,6 @@ def fuse_bundle(bundle: Bundle, max_positions: int | None = None, skip_norm: boo
     if bundle.dtype not in FLOAT_TYPES:  # the op's T: its activations, RoPE tables and bias
         raise NotFusable(f"{bundle.path}: a {bundle.dtype} graph (the fused rewrite handles {', '.join(FLOAT_TYPES)})")
     model = onnx.load(str(bundle.onnx_path), load_external_data=False)
-    float32_scales(model, str(bundle.onnx_path.parent))  # fp16 block scales as the matcher and the fold read them
     g = _Graph(model, str(bundle.onnx_path.parent))
     m = bundle.model
     positions = max_positions or bundle.max_context

@@ -103,18 +103,18 @@ def _match(g: _Graph, add) -> MinTerm | None:
         if dq is None or mt is None or dq.input[0] not in g.inits or (len(dq.input) > 2 and dq.input[2]):
             continue
         block, x = g.attr(dq, "block_size", 0), mm.input[0]
-        if not block or g.attr(dq, "axis", 1) != 0 or dq.input[1] not in g.inits:
+        if not block or g.attr(dq, "axis", 1) != 0 or not g.is_const(dq.input[1]):
             continue
         if not (_only_reader(g, dq.output[0], mm) and _only_reader(g, mm.output[0], add)
                 and _only_reader(g, mt.output[0], add)):
             continue
-        if mt.input[1] in g.inits:  # blocksum(x) @ m
+        if g.is_const(mt.input[1]):  # blocksum(x) @ m
             xs, mins, shift = mt.input[0], mt.input[1], 0.0
         else:  # [shift * blocksum(x), blocksum(x)] @ [s; m]
             cx, cw = g.op(mt.input[0], "Concat"), g.op(mt.input[1], "Concat")
             mul = cx and g.op(cx.input[0], "Mul")
             if cw is None or mul is None or len(cx.input) != 2 or len(cw.input) != 2 or cw.input[0] != dq.input[1] \
-                    or cw.input[1] not in g.inits or g.attr(cw, "axis") != 0 or g.attr(cx, "axis") != -1:
+                    or not g.is_const(cw.input[1]) or g.attr(cw, "axis") != 0 or g.attr(cx, "axis") != -1:
                 continue
             xs, mins = cx.input[1], cw.input[1]
             shift = next((_scalar(g, i) for i in mul.input if i != xs), None)

@@ -20,7 +20,6 @@ from edgekv.runtime.backends.binding import Binding
 from edgekv.runtime.backends.fused import (BIAS, BIAS_LOCAL, MIN_ORT, SEQLENS, TOTAL, NotFusable, fuse_bundle,
                                            ort_version_ok)
 from edgekv.runtime.backends.nbits import fold_graph
-from edgekv.runtime.backends.scales import float32_scales_graph
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.memory import HeadMajorMemory, HostMemory, KVMemory, SlotMemory
 from edgekv.runtime.sequence import Sequence
@@ -475,8 +474,7 @@ class OrtBackend:
                 want = self.exact_attention and (exact_default() if exact is None else exact)
                 graph, self.exact = exact_graph(graph, bundle.max_context) if want else (graph, False)
             self.minimums = None  # what the fold did (None: not tried), derived here, nothing written
-            if self.fold_minimums:  # the fold reads float32 scale initializers: fp16 ones widened first
-                graph = float32_scales_graph(graph, str(bundle.onnx_path.parent))
+            if self.fold_minimums:
                 graph, self.minimums = fold_graph(graph, str(bundle.onnx_path.parent))
                 self._handed = self.minimums.hand_to(ort, opts)  # the remainders, by reference
             # the rewritten graph comes as bytes: its weights are still found beside model.onnx
