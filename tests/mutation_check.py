@@ -701,6 +701,7 @@ MUTATIONS = [
     M("nbits: an fp16 scale's Cast not taken for a constant", "weights", "edgekv/runtime/backends/fused.py", "        return name in self.inits or self._half_cast(self.producer.get(name))", "        return name in self.inits", FP16 + ("-k", "tokens_unchanged")),
     M("engine build: fp16 scales not widened", "trt", "edgekv/runtime/backends/engines.py", "    widen_half_scales(model, folder)  # fp16 block scales", "    pass  # fp16 block scales", ("tests/test_weights.py", "-k", "engine_build")),
     M("nbits: every remainder dropped (the term's speed for +20 % PPL)", "weights", "edgekv/runtime/backends/nbits.py", "        if r.any():", "        if False:", NBITS),
+    M("fused: later layers' key scale off", "fused", "edgekv/runtime/backends/fused.py", "nh.from_array(L.k_scale.astype(np.float32).reshape(1, Hkv, 1, D), ins[-2])", "nh.from_array(L.k_scale.astype(np.float32).reshape(1, Hkv, 1, D) * (1.01 if i else 1.0), ins[-2])", FUSED + ("-k", "static_int8")),
     M("backends: a signal during a native import not held", "serve", "edgekv/runtime/backends/__init__.py", "    if threading.current_thread() is threading.main_thread():", "    if False:", ("tests/test_serve_signals.py", "-k", "native_import")),
 ]
 
