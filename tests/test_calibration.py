@@ -9,6 +9,8 @@ channels scaled x20, and one key channel with a large constant bias, as real LLM
 - int4 key offsets = channel means of K after RoPE and the rotation;
 - the accuracy: int8-static and int4 calibrated beat their uncalibrated selves on other text, and
   (slow) the real model's int8-static stays within a bound of the float cache on held-out text."""
+import functools
+
 import pytest
 import torch
 
@@ -149,29 +151,22 @@ def static_calibrated(folder, kv: str):
     return m, calibrate_static(m, ref, calib_ids(folder), window=STATIC_WINDOW)
 
 
+def once_per_kv(make, model):
+    """kv -> make(model, kv), made the first time it is asked for (the tests read the model and
+    the report, never change them)."""
+    return functools.cache(lambda kv: make(model, kv))
+
+
 @pytest.fixture(scope="session")
 def static_calibrations(outlier_model):
-    """kv -> static_calibrated(outlier_model, kv), once per run (the tests read the model and the
-    report, never change them)."""
-    made = {}
-
-    def get(kv):
-        if kv not in made:
-            made[kv] = static_calibrated(outlier_model, kv)
-        return made[kv]
-    return get
+    """kv -> static_calibrated(outlier_model, kv), once per run."""
+    return once_per_kv(static_calibrated, outlier_model)
 
 
 @pytest.fixture(scope="session")
 def int4_calibrations(outlier_model):
     """kv -> calibrated(outlier_model, kv) for an int4 scheme (its key offsets), once per run."""
-    made = {}
-
-    def get(kv):
-        if kv not in made:
-            made[kv] = calibrated(outlier_model, kv)
-        return made[kv]
-    return get
+    return once_per_kv(calibrated, outlier_model)
 
 
 def hf_absmax(windows, layer: int, skip_first: int) -> tuple[torch.Tensor, torch.Tensor]:

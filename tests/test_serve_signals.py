@@ -110,7 +110,12 @@ def test_a_signal_during_a_native_import_waits_until_it_is_in(tmp_path, monkeypa
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setitem(backends.NATIVE_MODULES, "test-backend", ("slow_native_mod",))
     monkeypatch.delitem(sys.modules, "slow_native_mod", raising=False)
-    with pytest.raises(KeyboardInterrupt):
-        backends.import_native("test-backend")
-    assert sys.modules["slow_native_mod"].done  # the import finished before the interrupt
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    # Python's own Ctrl-C handler (an xdist worker ignores SIGINT: nothing would be raised after)
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            backends.import_native("test-backend")
+        assert sys.modules["slow_native_mod"].done  # the import finished before the interrupt
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the caller's handler back
+    finally:
+        signal.signal(signal.SIGINT, before)
