@@ -77,8 +77,14 @@ CALLS = [6, 5] + [1] * 8  # a prefill, a chunk after it (P > 0, S > 1), 8 decode
 def test_fused_equals_plain_float_kv(which, tiny_bundle_float, qwen_float):
     b, plain, fused = both(tiny_bundle_float if which == "llama" else qwen_float)
     assert fused.backend.fused is not None and fused.cache.layout == "heads"
+    float_kv_matches(b, plain, fused, CALLS)
+
+
+def float_kv_matches(b, plain: "Stream", fused: "Stream", calls: list[int]) -> None:
+    """The same random calls (token counts `calls`) on both streams of a float-KV bundle: the plain
+    graph's logits to float tolerance on every row, then every cached K/V slot for slot."""
     rng = np.random.default_rng(3)
-    for s in CALLS:
+    for s in calls:
         ids = rng.integers(0, b.model["vocab_size"], (1, s))
         rows = np.arange(s)[None]  # every row: the chunk's causal mask is checked too
         want, got = plain.run(ids, rows), fused.run(ids, rows)
@@ -299,19 +305,26 @@ def test_fused_run_cells_equals_plain(which, tiny_bundle_float, qwen_float):
     positions do not run on (the op reads only position_ids[0] there) and writes at, inside and
     beyond the past."""
     b = load_bundle(tiny_bundle_float if which == "llama" else qwen_float)
+    cases = [(0, 4, 0), (0, 1, 7), (20, 3, 20), (20, 3, 5), (20, 3, 40), (CAPACITY - 2, 2, 3),
+             (CAPACITY, 5, CAPACITY - 9), (CAPACITY - 1, 1, CAPACITY - 1)]
+    run_cells_match(b, cases, lambda rng, past, s, write: random_cells_call(rng, b, CAPACITY, past, s, write))
+
+
+def run_cells_match(b, cases, call) -> None:
+    """The engine's calls `cases` ((past, s, write) each; call(rng, past, s, write) -> ids,
+    positions, key_mask[, local_key_mask]) on the plain and the fused backend over the same random
+    past: the plain graph's logits, and every cell of the two caches the same after each call."""
     plain_b, fused_b = (OrtBackend(b, threads=1, max_logits_rows=8, attention=a) for a in ("plain", "fused"))
     plain, fused = (KVCache(b, CAPACITY, memory=be.memory) for be in (plain_b, fused_b))
     rng = np.random.default_rng(5)
     seed = {n: rng.standard_normal(plain.slots_shape(n, CAPACITY)).astype(np.float32) for n in plain.names}
     plain.write(seed)
     fused.write(seed)  # the same (random) past in both layouts
-    cases = [(0, 4, 0), (0, 1, 7), (20, 3, 20), (20, 3, 5), (20, 3, 40), (CAPACITY - 2, 2, 3),
-             (CAPACITY, 5, CAPACITY - 9), (CAPACITY - 1, 1, CAPACITY - 1)]
     for past, s, write in cases:
-        ids, pos, mask = random_cells_call(rng, b, CAPACITY, past, s, write)
+        ids, pos, mask, *local = call(rng, past, s, write)
         rows = np.arange(s)[None]
-        want = plain_b.run_cells(plain, past, write, ids, pos, mask, rows).copy()
-        got = fused_b.run_cells(fused, past, write, ids, pos, mask, rows).copy()
+        want = plain_b.run_cells(plain, past, write, ids, pos, mask, rows, *local).copy()
+        got = fused_b.run_cells(fused, past, write, ids, pos, mask, rows, *local).copy()
         np.testing.assert_allclose(got, want, atol=LOGITS_ATOL, rtol=0, err_msg=f"{(past, s, write)}")
         a, f = plain.read(CAPACITY), fused.read(CAPACITY)
         for n in plain.names:

@@ -22,8 +22,8 @@ from edgekv.errors import BackendUnavailable  # noqa: E402
 from edgekv.format.bundle import file_sha256, load_bundle  # noqa: E402
 from edgekv.runtime.backends.ort import ATTENTION_ENV, OrtBackend  # noqa: E402
 from edgekv.runtime.cache import KVCache  # noqa: E402
-from test_fused import (CALLS, CAPACITY, LOGITS_ATOL, Stream, needs_gqa, optimized_graph,  # noqa: E402
-                        random_cells_call, static_int8_clean_prompts)
+from test_fused import (CALLS, CAPACITY, Stream, float_kv_matches, needs_gqa, optimized_graph,  # noqa: E402
+                        random_cells_call, run_cells_match, static_int8_clean_prompts)
 
 pytestmark = needs_gqa
 
@@ -71,16 +71,7 @@ def test_fused_equals_plain_float_kv(name, bundles):
     b = load_bundle(bundles(name, "float"))
     plain, fused = Stream(b, "plain"), Stream(b, "fused")
     assert_layers_as_expected(fused.backend, name)
-    rng = np.random.default_rng(3)
-    for s in CALLS:
-        ids = rng.integers(0, b.model["vocab_size"], (1, s))
-        rows = np.arange(s)[None]
-        want, got = plain.run(ids, rows), fused.run(ids, rows)
-        assert np.abs(want).max() > 0.1
-        np.testing.assert_allclose(got, want, atol=LOGITS_ATOL, rtol=0)
-    for i in range(b.model["n_layers"]):
-        for kv in ("key", "value"):
-            np.testing.assert_allclose(fused.codes(i, kv), plain.codes(i, kv), atol=1e-5, rtol=0)
+    float_kv_matches(b, plain, fused, CALLS)
 
 
 @pytest.mark.parametrize("name", ["qwen3-d32", "phi4-mini"])
@@ -89,21 +80,8 @@ def test_fused_run_cells_equals_plain(name, bundles):
     the op's RoPE (qwen3-d32: it reads position_ids) and the graph's (phi4-mini): the plain graph's
     logits and the same K/V in the same cells, the cells around them untouched."""
     b = load_bundle(bundles(name, "float"))
-    plain_b, fused_b = (OrtBackend(b, threads=1, max_logits_rows=8, attention=a) for a in ("plain", "fused"))
-    plain, fused = (KVCache(b, CAPACITY, memory=be.memory) for be in (plain_b, fused_b))
-    rng = np.random.default_rng(5)
-    seed = {n: rng.standard_normal(plain.slots_shape(n, CAPACITY)).astype(np.float32) for n in plain.names}
-    plain.write(seed)
-    fused.write(seed)
-    for past, s, write in [(0, 4, 0), (0, 1, 7), (20, 3, 20), (20, 3, 5), (CAPACITY, 5, CAPACITY - 9)]:
-        ids, pos, mask = random_cells_call(rng, b, CAPACITY, past, s, write)
-        rows = np.arange(s)[None]
-        want = plain_b.run_cells(plain, past, write, ids, pos, mask, rows).copy()
-        got = fused_b.run_cells(fused, past, write, ids, pos, mask, rows).copy()
-        np.testing.assert_allclose(got, want, atol=LOGITS_ATOL, rtol=0, err_msg=f"{(past, s, write)}")
-        a, f = plain.read(CAPACITY), fused.read(CAPACITY)
-        for n in plain.names:
-            np.testing.assert_allclose(f[n], a[n], atol=1e-5, rtol=0, err_msg=f"{n} after {(past, s, write)}")
+    cases = [(0, 4, 0), (0, 1, 7), (20, 3, 20), (20, 3, 5), (CAPACITY, 5, CAPACITY - 9)]
+    run_cells_match(b, cases, lambda rng, past, s, write: random_cells_call(rng, b, CAPACITY, past, s, write))
 
 
 @pytest.mark.parametrize("name", STATIC)

@@ -18,7 +18,7 @@ from edgekv.runtime.backends.fused import BIAS_LOCAL  # noqa: E402
 from edgekv.runtime.backends.ort import ATTENTION_ENV, OrtBackend  # noqa: E402
 from edgekv.runtime.batching import Batcher, Request  # noqa: E402
 from edgekv.runtime.cache import KVCache  # noqa: E402
-from test_fused import LOGITS_ATOL, Stream, needs_gqa, optimized_graph, static_int8_clean_prompts  # noqa: E402
+from test_fused import LOGITS_ATOL, Stream, float_kv_matches, needs_gqa, run_cells_match, optimized_graph, static_int8_clean_prompts  # noqa: E402
 from tests.archs import GEMMA_PARITY_STEPS  # noqa: E402
 from tests.conftest import chat_engine  # noqa: E402
 
@@ -51,17 +51,8 @@ def test_fused_equals_plain_float_kv_past_the_window(bundles):
     b = load_bundle(bundles("float"))
     plain, fused = Stream(b, "plain"), Stream(b, "fused")
     assert_gemma_layers(fused.backend)
-    rng = np.random.default_rng(3)
-    for s in CALLS:
-        ids = rng.integers(0, b.model["vocab_size"], (1, s))
-        rows = np.arange(s)[None]
-        want, got = plain.run(ids, rows), fused.run(ids, rows)
-        assert np.abs(want).max() > 0.1
-        np.testing.assert_allclose(got, want, atol=LOGITS_ATOL, rtol=0)
+    float_kv_matches(b, plain, fused, CALLS)
     assert fused.seq.n > 3 * WINDOW
-    for i in range(b.model["n_layers"]):
-        for kv in ("key", "value"):
-            np.testing.assert_allclose(fused.codes(i, kv), plain.codes(i, kv), atol=1e-5, rtol=0)
 
 
 def random_window_call(rng, b, past, s, write):
@@ -87,21 +78,8 @@ def test_fused_run_cells_equals_plain(bundles):
     and written inside or above the past (moved, at = capacity): the plain graph's logits and the
     same K/V in the same cells, the cells around them untouched."""
     b = load_bundle(bundles("float"))
-    plain_b, fused_b = (OrtBackend(b, threads=1, max_logits_rows=8, attention=a) for a in ("plain", "fused"))
-    plain, fused = (KVCache(b, CAPACITY, memory=be.memory) for be in (plain_b, fused_b))
-    rng = np.random.default_rng(5)
-    seed = {n: rng.standard_normal(plain.slots_shape(n, CAPACITY)).astype(np.float32) for n in plain.names}
-    plain.write(seed)
-    fused.write(seed)
-    for past, s, write in [(20, 1, 20), (20, 4, 20), (30, 3, 5), (30, 1, 45), (CAPACITY, 5, CAPACITY - 9)]:
-        ids, pos, mask, local = random_window_call(rng, b, past, s, write)
-        rows = np.arange(s)[None]
-        want = plain_b.run_cells(plain, past, write, ids, pos, mask, rows, local).copy()
-        got = fused_b.run_cells(fused, past, write, ids, pos, mask, rows, local).copy()
-        np.testing.assert_allclose(got, want, atol=LOGITS_ATOL, rtol=0, err_msg=f"{(past, s, write)}")
-        a, f = plain.read(CAPACITY), fused.read(CAPACITY)
-        for n in plain.names:
-            np.testing.assert_allclose(f[n], a[n], atol=1e-5, rtol=0, err_msg=f"{n} after {(past, s, write)}")
+    cases = [(20, 1, 20), (20, 4, 20), (30, 3, 5), (30, 1, 45), (CAPACITY, 5, CAPACITY - 9)]
+    run_cells_match(b, cases, lambda rng, past, s, write: random_window_call(rng, b, past, s, write))
 
 
 def test_chat_ring_wrapped_equals_plain(bundles):
