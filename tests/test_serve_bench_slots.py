@@ -22,7 +22,8 @@ def test_bench_serve_runs_serves_fused_slots_on_a_static_bundle(tiny_bundle_int8
     assert r.returncode == 0 and "left out (a slot holds 128 cells" in r.stderr, r.stderr[-2000:]
     r = run_edgekv("bench-serve", tiny_bundle_int8_static, "--clients", "1", "--tokens", "2", "--soak", "0", "--system-tokens", "24",
                    "--ctx", "256", "--slots", "0", "--threads", "1", "--json", out, timeout=600)
-    assert r.returncode == 0 and "256 cells" in json.loads(out.read_text())["server"], r.stderr[-2000:]
+    server = json.loads(out.read_text())["server"]
+    assert r.returncode == 0 and "256 cells" in server and "fused slots" not in server, r.stderr[-2000:]
 
 
 def test_a_stream_ending_in_an_sse_error_is_a_failed_request():

@@ -15,6 +15,7 @@ import numpy as np
 
 from edgekv.errors import EdgeKVError, note
 from edgekv.format.files import write_json
+from edgekv.runtime.memory import SlotMemory
 
 TOPICS = ["a robot that learns to paint", "a train crossing the desert", "a lighthouse keeper", "tea in Kyoto",
           "a city under the sea", "the first moon base", "a lost violin", "a clockmaker's apprentice"]
@@ -262,9 +263,11 @@ def cmd_bench_serve(args) -> int:
 
 def kv_of(batcher) -> str:
     """Where the running server's requests keep their K/V, read off its cache."""
-    memory, cells = batcher.cache.memory, batcher.cache.capacity
-    slots = getattr(memory, "slots", 0)
-    return f"{slots} fused slots of {cells // slots} cells" if slots else f"{cells} cells"
+    cache = batcher.cache
+    if cache.layout != SlotMemory.layout:  # the cell pool (its memory's slots is 1: any sequence spans it)
+        return f"{cache.capacity} cells"
+    slots = cache.memory.slots
+    return f"{slots} fused slots of {cache.capacity // slots} cells"
 
 
 def _report(res: dict, args) -> int:
