@@ -66,22 +66,27 @@ def graph_facts(g) -> GraphFacts:
     return f
 
 
-def half_scale_casts(g) -> list:
-    """The Casts to float32 of an fp16 initializer that nothing else reads (a bundle's fp16 block
-    scales and minimums: export/weights.py writes X_f16 -> Cast -> X where X was a float32
-    initializer; TensorRT 10.3 takes a DequantizeLinear's scale only as a build-time constant)."""
+def is_half_cast(n, inits: dict) -> bool:
+    """`n` is a Cast to float32 of an fp16 initializer (of `inits`, name -> TensorProto): how a
+    bundle keeps a GGUF's fp16 block scales and minimums (export/weights.py: X_f16 -> Cast -> X,
+    where X was a float32 initializer), a constant for every reader of X."""
     from onnx import TensorProto
 
+    return (n is not None and n.op_type == "Cast" and n.domain in ("", "ai.onnx") and len(n.input) == 1
+            and n.input[0] in inits and inits[n.input[0]].data_type == TensorProto.FLOAT16
+            and any(a.name == "to" and a.i == TensorProto.FLOAT for a in n.attribute))
+
+
+def half_scale_casts(g) -> list:
+    """The is_half_cast Casts whose fp16 initializer nothing else reads (TensorRT 10.3 takes a
+    DequantizeLinear's scale only as a build-time constant: these are what the staging folds)."""
     inits = {i.name: i for i in g.initializer}
     readers: dict[str, int] = {}
     for n in g.node:
         for i in n.input:
             readers[i] = readers.get(i, 0) + 1
     outputs = {o.name for o in g.output}
-    return [n for n in g.node if n.op_type == "Cast" and n.domain in ("", "ai.onnx") and len(n.input) == 1
-            and n.input[0] in inits and inits[n.input[0]].data_type == TensorProto.FLOAT16
-            and readers[n.input[0]] == 1 and n.input[0] not in outputs
-            and any(a.name == "to" and a.i == TensorProto.FLOAT for a in n.attribute)]
+    return [n for n in g.node if is_half_cast(n, inits) and readers[n.input[0]] == 1 and n.input[0] not in outputs]
 
 
 def widen_half_scales(model, folder) -> list[str]:

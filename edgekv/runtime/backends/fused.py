@@ -37,6 +37,7 @@ import numpy as np
 
 from edgekv.errors import BundleError
 from edgekv.format.bundle import Bundle
+from edgekv.format.trt_graph import is_half_cast
 
 # GroupQueryAttention's CPU kernel takes an int8 cache from onnxruntime 1.27 (docs/fused.md)
 MIN_ORT = (1, 27)
@@ -96,18 +97,13 @@ class _Graph:
         n = self.producer.get(name)
         if n is not None and n.op_type == "Constant":
             return self.nh.to_array(n.attribute[0].t) if n.attribute[0].name == "value" else None
-        if self._half_cast(n):
+        if is_half_cast(n, self.inits):
             return self.const(n.input[0]).astype(np.float32)
         return None
 
     def is_const(self, name: str) -> bool:
         """An initializer, or the float32 Cast of an fp16 one (a constant onnxruntime folds at load)."""
-        return name in self.inits or self._half_cast(self.producer.get(name))
-
-    def _half_cast(self, n) -> bool:
-        TP = self.onnx.TensorProto
-        return (n is not None and n.op_type == "Cast" and self.attr(n, "to") == TP.FLOAT
-                and n.input[0] in self.inits and self.inits[n.input[0]].data_type == TP.FLOAT16)
+        return name in self.inits or is_half_cast(self.producer.get(name), self.inits)
 
     def const_dims(self, name: str) -> list[int] | None:
         """Dims of a weight: an initializer, or the DequantizeLinear of one (quantized weights)."""
