@@ -496,6 +496,21 @@ class Transformer(nn.Module):
         self.layer_rope = [None if i in cfg.nope_layers else "local" if i in cfg.local_layers else "global"
                            for i in range(cfg.n_layers)]
 
+    def with_layers(self, keep: list[int]) -> "Transformer":
+        """A view of this model with only the layers `keep` (the same modules, renumbered 0..):
+        what the exporter traces before stamping each layer's copies (export/stamp.py)."""
+        view = Transformer.__new__(Transformer)
+        nn.Module.__init__(view)
+        c = self.cfg
+        view.cfg = replace(c, n_layers=len(keep), nope_layers=tuple(j for j, i in enumerate(keep) if i in c.nope_layers),
+                           local_layers=tuple(j for j, i in enumerate(keep) if i in c.local_layers))
+        view.scheme, view.layer_rope = self.scheme, [self.layer_rope[i] for i in keep]
+        for name, module in self.named_children():
+            setattr(view, name, nn.ModuleList(self.layers[i] for i in keep) if name == "layers" else module)
+        for name, buf in self.named_buffers(recurse=False):
+            view.register_buffer(name, buf, persistent=name in self.state_dict())
+        return view
+
     def rope_tables(self, position_ids, inv_freq, dtype):
         """cos, sin [S, B, 1, D] for positions [B, S]: the layers work slot-major, every head
         rotated alike. Partial rotary: the dims past rotary_dim get cos 1, sin 0 (rate 0)."""

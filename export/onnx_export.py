@@ -6,19 +6,53 @@ from pathlib import Path
 
 import numpy as np
 import onnx
+from onnxscript import ir  # onnx_ir, as onnxscript (the export extra) exports it
 import torch
 from onnx import TensorProto, helper, numpy_helper
 
+from edgekv.errors import note
 from edgekv.format.bundle import io_names
 from export.model import LocalMaskGraph, Transformer, causal_mask, linear_key_positions
+from export.stamp import representatives, stamp_layers
 
 OPSET = 18  # every graph; one with INT4 weights is relabelled 21 (docs/graph.md: why, and why that is safe)
 OPSET_INT4 = 21
 
 
-def export_onnx(model: Transformer, weights: dict | None = None) -> onnx.ModelProto:
+def export_onnx(model: Transformer, weights: dict | None = None, stamp: bool = True) -> onnx.ModelProto:
     """Export with every dimension that varies at run time dynamic (B, S, P, K). weights: name ->
-    QuantWeight for the weights stored quantized (the model must hold their dequantized values)."""
+    QuantWeight for the weights stored quantized (the model must hold their dequantized values).
+    stamp: trace one layer of each kind and copy it for the others (export/stamp.py); False (or a
+    graph stamping does not recognise) traces every layer."""
+    names = io_names(model.cfg.n_layers, model.scheme, bool(model.cfg.local_layers))
+    prog = None
+    reps = representatives(model)
+    if stamp and len(reps) < model.cfg.n_layers:
+        view = model.with_layers(reps)
+        traced = _trace(view).model_proto
+        stamped = stamp_layers(traced, model, reps, io_names(len(reps), model.scheme, bool(view.cfg.local_layers)), names)
+        if stamped is not None:
+            prog = ir.serde.deserialize_model(stamped)
+        else:
+            note("  (layers not stamped: the traced graph's layers were not recognised; tracing all of them)")
+    if prog is None:
+        prog = _trace(model).model
+    # Fold constant subgraphs only (TensorRT needs axes etc. as constants; the full onnxscript
+    # optimizer pass is slow and changes nothing onnxruntime needs: docs/graph.md)
+    import onnxscript.optimizer as opt
+
+    opt.fold_constants(prog)
+    opt.remove_unused_nodes(prog)
+    m = ir.serde.serialize_model(prog)
+    m = int8_casts_to_qdq(m)
+    if weights:
+        m = store_quantized_weights(m, model, weights)
+    name_dims(m, names)
+    return m
+
+
+def _trace(model: Transformer):
+    """torch.export of `model` to ONNX (an ONNXProgram), as traced: nothing folded yet."""
     cfg = model.cfg
     local = bool(cfg.local_layers)  # a second mask input for the sliding-window layers
     names = io_names(cfg.n_layers, model.scheme, local)
@@ -39,23 +73,11 @@ def export_onnx(model: Transformer, weights: dict | None = None) -> onnx.ModelPr
     dynamic_shapes = (*specs, past_specs)
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
-        prog = torch.onnx.export(
+        return torch.onnx.export(
             graph, args, dynamo=True, opset_version=OPSET, external_data=True,
             input_names=names["inputs"] + names["past"], output_names=["logits"] + names["present"],
             dynamic_shapes=dynamic_shapes, optimize=False, verbose=False,
         )
-    # Fold constant subgraphs only (TensorRT needs axes etc. as constants; the full onnxscript
-    # optimizer pass is slow and changes nothing onnxruntime needs: docs/graph.md)
-    import onnxscript.optimizer as opt
-
-    opt.fold_constants(prog.model)
-    opt.remove_unused_nodes(prog.model)
-    m = prog.model_proto
-    m = int8_casts_to_qdq(m)
-    if weights:
-        m = store_quantized_weights(m, model, weights)
-    name_dims(m, names)
-    return m
 
 
 def store_quantized_weights(m: onnx.ModelProto, model: Transformer, weights: dict) -> onnx.ModelProto:
