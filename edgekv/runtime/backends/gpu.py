@@ -1,6 +1,7 @@
 """Device memory for the KV cache, following the KVMemory protocol (edgekv/runtime/memory.py).
 
-- `OrtValueMemory` (ort-cuda): onnxruntime OrtValues on the GPU, no extra library.
+- `OrtValueMemory` (ort-cuda): onnxruntime OrtValues on the GPU, no extra library;
+  `OrtValueHeadMajorMemory`, the same in the fused graph's head-major shape.
 - `CudaMemory` (trt): cuda-python's runtime API (cudaMalloc / cudaMemcpy).
 
 Each buffer is allocated once, zero-filled, for the whole capacity; backends bind slot ranges by
@@ -16,7 +17,7 @@ class OrtValueMemory:
     """KV buffers as onnxruntime OrtValues: on the GPU for ort-cuda (device "cuda"); with device
     "cpu" the same code runs in CI."""
 
-    layout = "slots"  # cache.ptr's slot arithmetic holds (the graph as written; ort-cuda does not fuse)
+    layout = "slots"  # cache.ptr's slot arithmetic holds (the graph as written)
     slots = 1
 
     def __init__(self, ort, device: str = "cuda"):
@@ -37,6 +38,11 @@ class OrtValueMemory:
     def ptr(self, buf) -> int:
         return buf.data_ptr()
 
+    @staticmethod
+    def shape(buf) -> list[int]:
+        """The buffer's whole shape (a binding of the whole buffer: the fused graph's cache)."""
+        return list(buf.shape())
+
     def read(self, buf, n: int) -> np.ndarray:
         return buf.numpy()[:n].copy()  # a whole-buffer copy (snapshots: /save)
 
@@ -49,6 +55,42 @@ class OrtValueMemory:
         """Compaction: the buffer to the host and back once (an OrtValue copies whole)."""
         full = buf.numpy()
         full[dst] = full[src]
+        buf.update_inplace(full)
+
+
+class OrtValueHeadMajorMemory(OrtValueMemory):
+    """ort-cuda's fused cache: one OrtValue per tensor, head-major [1, Hkv, slots, D]
+    (GroupQueryAttention's BNSH, as memory.HeadMajorMemory on the host), bound by address as both
+    the op's past and present, so a call copies nothing of the cache (docs/fused.md, "ort-cuda").
+    No spare slots: on CUDA the op only appends at a sequence's end (OrtCudaBackend._run_fused).
+    Every copy in or out speaks slots ([n, 1, Hkv, D]) through a whole-buffer host copy: snapshots,
+    /save, undo, never a decode step."""
+
+    layout = "heads"
+
+    def alloc(self, shape: tuple, dtype):
+        if len(shape) != 4 or shape[1] != 1:
+            raise ValueError(f"a head-major cache holds [slots, 1, Hkv, D] tensors, not {list(shape)}")
+        slots, _, heads, dim = shape
+        return super().alloc((1, heads, slots, dim), dtype)
+
+    def read(self, buf, n: int) -> np.ndarray:
+        return self.read_rows(buf, 0, n)
+
+    def write(self, buf, arr: np.ndarray) -> None:
+        self.write_rows(buf, 0, arr)
+
+    def read_rows(self, buf, start: int, stop: int) -> np.ndarray:
+        return buf.numpy()[0, :, start:stop].transpose(1, 0, 2)[:, None].copy()
+
+    def write_rows(self, buf, start: int, arr: np.ndarray) -> None:
+        full = buf.numpy()
+        full[0, :, start: start + len(arr)] = arr[:, 0].transpose(1, 0, 2)
+        buf.update_inplace(full)
+
+    def move_rows(self, buf, src: np.ndarray, dst: np.ndarray) -> None:
+        full = buf.numpy()
+        full[0, :, dst] = full[0, :, src]  # the fancy index gathers every source first
         buf.update_inplace(full)
 
 
