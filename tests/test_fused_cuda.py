@@ -1,0 +1,172 @@
+"""ort-cuda's fused graph (docs/fused.md, "ort-cuda"), run here as far as a CPU allows: the
+OrtCudaBackend class itself, its device a parameter ("cpu"), on the CPU provider's float16
+GroupQueryAttention kernel (tests/test_fused_archs.py's stand-in for CUDA's), with its cache in
+host OrtValues bound by address as on the GPU. What only a GPU shows (each op placed on CUDA, the
+CUDA kernel's own numbers) is jetson/selftest.py's."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+ort = pytest.importorskip("onnxruntime")
+onnx = pytest.importorskip("onnx")
+
+from edgekv.errors import BackendUnavailable, EdgeKVError  # noqa: E402
+from edgekv.format.bundle import load_bundle  # noqa: E402
+from edgekv.runtime.backends.fused import BIAS  # noqa: E402
+from edgekv.runtime.backends.ort import ATTENTION_ENV, OrtBackend, OrtCudaBackend  # noqa: E402
+from edgekv.runtime.cache import KVCache  # noqa: E402
+from test_fused import CALLS, CAPACITY, needs_gqa  # noqa: E402
+
+pytestmark = needs_gqa
+
+
+class CudaOnCpu(OrtCudaBackend):
+    """ort-cuda's own choices and code (its graph without attention_bias, its OrtValue memories,
+    its calls), with the device a parameter: the CPU provider, host OrtValues."""
+    device = "cpu"
+
+    def check_available(self, ort):
+        pass
+
+    def providers(self):
+        return ["CPUExecutionProvider"]
+
+    def check_session(self):
+        pass
+
+
+@pytest.fixture(scope="module")
+def fp16(arch_bundles):
+    """(kv, dtype) -> tiny SmolLM3 (a NoPE layer beside RoPE ones) exported so (conftest: once per run)."""
+    return lambda kv, dtype="float16": arch_bundles("smollm3", kv, 128, dtype=dtype)
+
+
+class Stream:
+    def __init__(self, backend, bundle):
+        self.backend, self.cache = backend, KVCache(bundle, CAPACITY, memory=backend.memory)
+        self.seq = self.cache.new_sequence()
+
+    def run(self, ids, rows):
+        logits = self.backend.run(self.cache, self.seq, ids, rows).copy()
+        self.seq.advance(ids[0])
+        return logits
+
+
+def bound_addresses(backend) -> set[int]:
+    """The addresses onnxruntime's binding writes the graph's outputs to."""
+    return {o.data_ptr() for o in backend.binding.io.get_outputs()}
+
+
+def test_fused_on_the_cuda_path_equals_the_plain_graph(fp16):
+    """A float16 float-KV bundle: the fused graph on ort-cuda's path (no attention_bias, the cache
+    in OrtValues bound whole) gives the plain float16 graph's logits to within that graph's own
+    float16 noise (its distance from the float32 bundle, test_fused_archs' tolerance), the same
+    top tokens where the plain graphs agree, and the cache in the same OrtValue buffers at the same
+    addresses on every call: what onnxruntime writes is the cache, no host copy in between."""
+    b = load_bundle(fp16("float"))
+    be = CudaOnCpu(b, threads=1, max_logits_rows=32, attention="fused")
+    assert be.fused is not None and be.attention.startswith("attention: fused") and "attention_bias" in be.attention
+    assert BIAS not in {i.name for i in be.session.get_inputs()}
+    assert all(len(n.input) <= 10 or not n.input[10] for n in be.fused.model.graph.node
+               if n.op_type == "GroupQueryAttention")
+    fused = Stream(be, b)
+    assert fused.cache.layout == "heads"
+    addresses = {name: buf.data_ptr() for name, buf in fused.cache.buffers.items()}
+    assert all(isinstance(buf, ort.OrtValue) for buf in fused.cache.buffers.values())
+    plain16 = Stream(OrtBackend(b, threads=1, max_logits_rows=32, attention="plain"), b)
+    b32 = load_bundle(fp16("float", "float32"))
+    plain32 = Stream(OrtBackend(b32, threads=1, max_logits_rows=32, attention="plain"), b32)
+    rng = np.random.default_rng(3)
+    got, want, ref = [], [], []
+    for s in CALLS:
+        ids = rng.integers(0, b.model["vocab_size"], (1, s))
+        rows = np.arange(s)[None]
+        got.append(fused.run(ids, rows)[0])
+        want.append(plain16.run(ids, rows)[0])
+        ref.append(plain32.run(ids, rows)[0])
+        assert {n: buf.data_ptr() for n, buf in fused.cache.buffers.items()} == addresses
+        assert set(addresses.values()) <= bound_addresses(be)  # present.* bound at the cache itself
+    got, want, ref = map(np.concatenate, (got, want, ref))
+    noise = np.abs(want - ref).max()
+    assert 0 < np.abs(got - want).max() <= noise
+    agree = want.argmax(-1) == ref.argmax(-1)
+    assert np.array_equal(got.argmax(-1)[agree], want.argmax(-1)[agree])
+    # the K/V the op wrote are in the OrtValues (read back through them), the plain cache's to float16 noise
+    n = fused.seq.n
+    for name, v in plain16.cache.read(n).items():
+        np.testing.assert_allclose(fused.cache.read(n)[name].astype(np.float32), v.astype(np.float32),
+                                   atol=0.05 * max(1.0, float(np.abs(v).max())), rtol=0)
+
+
+def test_fused_int8_static_on_the_cuda_path(fp16):
+    """A float16 int8-static bundle: one GroupQueryAttention per layer with the int8 cache in
+    OrtValues; layer 0's codes within one step of the plain graph's (test_fused_archs: float16
+    division against the op's float32) and the same greedy tokens on most prompts."""
+    b = load_bundle(fp16("int8-static"))
+    be = CudaOnCpu(b, threads=1, attention="fused")
+    plain = OrtBackend(b, threads=1, attention="plain")
+    assert [n.op_type for n in be.fused.model.graph.node].count("GroupQueryAttention") == b.model["n_layers"]
+    same = 0
+    for seed in range(6):
+        streams = Stream(be, b), Stream(plain, b)
+        assert streams[0].cache.buffers["past.0.key"].data_type() == "tensor(int8)"
+        ids = np.random.default_rng(seed).integers(0, b.model["vocab_size"], (1, 6))
+        tokens = [[], []]
+        for st, out in zip(streams, tokens):
+            logits = st.run(ids, np.array([[5]]))
+            for _ in range(4):
+                out.append(int(logits[0, -1].argmax()))
+                logits = st.run(np.array([[out[-1]]]), np.array([[0]]))
+        a, f = streams[1].cache.read(6), streams[0].cache.read(6)
+        for kv in ("key", "value"):
+            d = a[f"past.0.{kv}"].astype(np.int16) - f[f"past.0.{kv}"].astype(np.int16)
+            assert np.abs(d).max() <= 1, f"seed {seed}: layer 0 {kv} codes more than one step apart"
+        same += tokens[0] == tokens[1]
+    assert same >= 4, f"greedy tokens equal on {same} of 6 prompts"
+
+
+def test_float32_graph_keeps_the_plain_path_on_cuda(fp16, monkeypatch):
+    """CUDA's GroupQueryAttention is float16/bfloat16 only: a float32 bundle runs the graph as
+    written on ort-cuda under auto, its load line saying why, and EDGEKV_ATTENTION=fused there is
+    one line. auto on a float16 static bundle keeps the graph as written too (the fused graph
+    cannot serve chat's and serve's masked calls on CUDA), saying how to ask for it."""
+    monkeypatch.delenv(ATTENTION_ENV, raising=False)
+    b32 = load_bundle(fp16("int8-static", "float32"))
+    be = CudaOnCpu(b32, threads=1)
+    assert be.fused is None and "float32" in be.attention and "float16" in be.attention, be.attention
+    assert "key_mask" in {i.name for i in be.session.get_inputs()}
+    with pytest.raises(BackendUnavailable, match="float16 and bfloat16 graphs"):
+        CudaOnCpu(b32, threads=1, attention="fused")
+    auto = CudaOnCpu(load_bundle(fp16("int8-static")), threads=1)
+    assert auto.fused is None and f"{ATTENTION_ENV}=fused" in auto.attention, auto.attention
+    monkeypatch.setenv(ATTENTION_ENV, "fused")
+    assert CudaOnCpu(load_bundle(fp16("int8-static")), threads=1).fused is not None
+
+
+def test_calls_the_op_cannot_mask_are_one_line_on_cuda(fp16):
+    """Without attention_bias the op's own rule is the only mask: an engine call appended at the
+    past's end with every cell seen runs (and equals the stream's), a call written inside the
+    past, one hiding a past cell, or one whose positions are not its slots is one line naming
+    EDGEKV_ATTENTION=plain, never a wrong attention. Serve's fused slots are refused in one line."""
+    b = load_bundle(fp16("float"))
+    be = CudaOnCpu(b, threads=1, max_logits_rows=8, attention="fused")
+    st = Stream(be, b)
+    ids = np.random.default_rng(5).integers(0, b.model["vocab_size"], (1, 8))
+    want = st.run(ids, np.array([[7]]))
+    cache = KVCache(b, CAPACITY, memory=be.memory)
+    mask = np.ones((1, 5, 5), np.bool_) & np.tri(5, dtype=np.bool_)[None]
+    be.run_cells(cache, 0, 0, ids[:, :5], np.arange(5)[None], mask, np.array([[4]]))
+    mask = np.ones((1, 3, 8), np.bool_)
+    mask[0, :, 5:] = np.tri(3, dtype=np.bool_)
+    got = be.run_cells(cache, 5, 5, ids[:, 5:], np.arange(5, 8)[None], mask, np.array([[2]]))
+    np.testing.assert_array_equal(got, want)
+    hidden = mask.copy()
+    hidden[0, :, 1] = False
+    for past, write, pos, m in ((5, 2, np.arange(5, 8), mask), (5, 5, np.arange(5, 8), hidden),
+                                (5, 5, np.arange(9, 12), mask)):
+        with pytest.raises(EdgeKVError, match=f"{ATTENTION_ENV}=plain"):
+            be.run_cells(cache, past, write, ids[:, 5:], pos[None], m, np.array([[2]]))
+    with pytest.raises(BackendUnavailable, match="query_seqlens"):
+        be.slot_memory(2)
+
