@@ -170,3 +170,20 @@ def test_calls_the_op_cannot_mask_are_one_line_on_cuda(fp16):
     with pytest.raises(BackendUnavailable, match="query_seqlens"):
         be.slot_memory(2)
 
+
+def test_selftest_reads_where_each_gqa_node_ran(fp16, tmp_path):
+    """jetson/selftest.py's fused check, run here on the CPU stand-in: every GroupQueryAttention
+    node's provider read from onnxruntime's profile (all of them, one per layer) and the fused
+    greedy tokens against the graph as written; asked for CUDA, the CPU's nodes fail the check,
+    each named (a node onnxruntime quietly placed on the CPU is what it is there to catch)."""
+    from jetson.selftest import fused_check
+
+    b = load_bundle(fp16("int8-static"))
+    res, ok = fused_check(b, 128, tmp_path, steps=8, backend_cls=CudaOnCpu, provider="CPUExecutionProvider")
+    assert ok and res["status"] == "pass" and res["gqa_nodes"] == b.model["n_layers"], res
+    assert res["greedy_steps"] == 8 and list(tmp_path.glob("edgekv-fused-profile*.json"))
+    res, ok = fused_check(b, 128, tmp_path, steps=2, backend_cls=CudaOnCpu)
+    assert not ok and res["status"] == "fail"
+    assert len(res["gqa_not_on_CUDAExecutionProvider"]) == b.model["n_layers"]
+    res, ok = fused_check(load_bundle(fp16("int8-static", "float32")), 128, tmp_path, backend_cls=CudaOnCpu)
+    assert ok and res["status"] == "skipped"
