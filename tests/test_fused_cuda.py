@@ -187,3 +187,14 @@ def test_selftest_reads_where_each_gqa_node_ran(fp16, tmp_path):
     assert len(res["gqa_not_on_CUDAExecutionProvider"]) == b.model["n_layers"]
     res, ok = fused_check(load_bundle(fp16("int8-static", "float32")), 128, tmp_path, backend_cls=CudaOnCpu)
     assert ok and res["status"] == "skipped"
+
+
+@pytest.mark.skipif("CUDAExecutionProvider" not in ort.get_available_providers(),
+                    reason="needs onnxruntime-gpu with CUDA; jetson/selftest.sh runs it on the device")
+def test_the_fused_graph_on_real_cuda(fp16, tmp_path):
+    """Where a GPU and onnxruntime-gpu exist: the self-test's fused check on the real provider
+    (every GroupQueryAttention on CUDA, greedy tokens against the graph as written)."""
+    from jetson.selftest import fused_check
+
+    res, ok = fused_check(load_bundle(fp16("int8-static")), 128, tmp_path, steps=8)
+    assert ok and res["status"] == "pass", res
