@@ -1,8 +1,10 @@
 """ort-cuda's fused graph (docs/fused.md, "ort-cuda"), run here as far as a CPU allows: the
 OrtCudaBackend class itself, its device a parameter ("cpu"), on the CPU provider's float16
 GroupQueryAttention kernel (tests/test_fused_archs.py's stand-in for CUDA's), with its cache in
-host OrtValues bound by address as on the GPU. What only a GPU shows (each op placed on CUDA, the
-CUDA kernel's own numbers) is jetson/selftest.py's."""
+host OrtValues bound by address as on the GPU; both of its modes: the kernel taking
+attention_bias (what the probe finds on the CPU, and onnxruntime 1.32's schema documents for
+CUDA) and not taking it (older CUDA kernels; the probe's answer planted). What only a GPU shows
+(each op placed on CUDA, the CUDA kernel's own numbers) is jetson/selftest.py's."""
 from __future__ import annotations
 
 import numpy as np
@@ -16,7 +18,7 @@ from edgekv.format.bundle import load_bundle  # noqa: E402
 from edgekv.runtime.backends.fused import BIAS  # noqa: E402
 from edgekv.runtime.backends.ort import ATTENTION_ENV, OrtBackend, OrtCudaBackend  # noqa: E402
 from edgekv.runtime.cache import KVCache  # noqa: E402
-from test_fused import CALLS, CAPACITY, needs_gqa  # noqa: E402
+from test_fused import CALLS, CAPACITY, needs_gqa, random_cells_call  # noqa: E402
 
 pytestmark = needs_gqa
 
@@ -34,6 +36,13 @@ class CudaOnCpu(OrtCudaBackend):
 
     def check_session(self):
         pass
+
+
+class CudaWithoutBias(CudaOnCpu):
+    """... where the kernel refuses attention_bias (onnxruntime-gpu before 1.32's contract)."""
+
+    def takes_bias(self):
+        return False, "planted: the probe's refusal"
 
 
 @pytest.fixture(scope="module")
@@ -58,18 +67,24 @@ def bound_addresses(backend) -> set[int]:
     return {o.data_ptr() for o in backend.binding.io.get_outputs()}
 
 
-def test_fused_on_the_cuda_path_equals_the_plain_graph(fp16):
+@pytest.mark.parametrize("cls", [CudaOnCpu, CudaWithoutBias])
+def test_fused_on_the_cuda_path_equals_the_plain_graph(fp16, cls):
     """A float16 float-KV bundle: the fused graph on ort-cuda's path (no attention_bias, the cache
     in OrtValues bound whole) gives the plain float16 graph's logits to within that graph's own
     float16 noise (its distance from the float32 bundle, test_fused_archs' tolerance), the same
     top tokens where the plain graphs agree, and the cache in the same OrtValue buffers at the same
-    addresses on every call: what onnxruntime writes is the cache, no host copy in between."""
+    addresses on every call: what onnxruntime writes is the cache, no host copy in between.
+    Without attention_bias the session has no bias input and no op reads one."""
     b = load_bundle(fp16("float"))
-    be = CudaOnCpu(b, threads=1, max_logits_rows=32, attention="fused")
-    assert be.fused is not None and be.attention.startswith("attention: fused") and "attention_bias" in be.attention
-    assert BIAS not in {i.name for i in be.session.get_inputs()}
-    assert all(len(n.input) <= 10 or not n.input[10] for n in be.fused.model.graph.node
-               if n.op_type == "GroupQueryAttention")
+    be = cls(b, threads=1, max_logits_rows=32, attention="fused")
+    assert be.fused is not None and be.attention.startswith("attention: fused")
+    biased = [n.input[10] for n in be.fused.model.graph.node if n.op_type == "GroupQueryAttention"
+              and len(n.input) > 10 and n.input[10]]
+    if cls is CudaWithoutBias:
+        assert "without attention_bias" in be.attention and be.single_stream
+        assert BIAS not in {i.name for i in be.session.get_inputs()} and not biased
+    else:
+        assert BIAS in {i.name for i in be.session.get_inputs()} and len(biased) == b.model["n_layers"]
     fused = Stream(be, b)
     assert fused.cache.layout == "heads"
     addresses = {name: buf.data_ptr() for name, buf in fused.cache.buffers.items()}
@@ -129,8 +144,9 @@ def test_fused_int8_static_on_the_cuda_path(fp16):
 def test_float32_graph_keeps_the_plain_path_on_cuda(fp16, monkeypatch):
     """CUDA's GroupQueryAttention is float16/bfloat16 only: a float32 bundle runs the graph as
     written on ort-cuda under auto, its load line saying why, and EDGEKV_ATTENTION=fused there is
-    one line. auto on a float16 static bundle keeps the graph as written too (the fused graph
-    cannot serve chat's and serve's masked calls on CUDA), saying how to ask for it."""
+    one line. auto on a float16 static bundle fuses where the kernel takes attention_bias, and
+    keeps the graph as written where it does not (the fused graph could not serve chat's and
+    serve's masked calls), saying why and how to ask for it."""
     monkeypatch.delenv(ATTENTION_ENV, raising=False)
     b32 = load_bundle(fp16("int8-static", "float32"))
     be = CudaOnCpu(b32, threads=1)
@@ -138,10 +154,11 @@ def test_float32_graph_keeps_the_plain_path_on_cuda(fp16, monkeypatch):
     assert "key_mask" in {i.name for i in be.session.get_inputs()}
     with pytest.raises(BackendUnavailable, match="float16 and bfloat16 graphs"):
         CudaOnCpu(b32, threads=1, attention="fused")
-    auto = CudaOnCpu(load_bundle(fp16("int8-static")), threads=1)
-    assert auto.fused is None and f"{ATTENTION_ENV}=fused" in auto.attention, auto.attention
+    assert CudaOnCpu(load_bundle(fp16("int8-static")), threads=1).fused is not None  # auto fuses, as on CPU
+    auto = CudaWithoutBias(load_bundle(fp16("int8-static")), threads=1)
+    assert auto.fused is None and f"{ATTENTION_ENV}=fused" in auto.attention and "planted" in auto.attention
     monkeypatch.setenv(ATTENTION_ENV, "fused")
-    assert CudaOnCpu(load_bundle(fp16("int8-static")), threads=1).fused is not None
+    assert CudaWithoutBias(load_bundle(fp16("int8-static")), threads=1).fused is not None
 
 
 def test_calls_the_op_cannot_mask_are_one_line_on_cuda(fp16):
@@ -150,7 +167,7 @@ def test_calls_the_op_cannot_mask_are_one_line_on_cuda(fp16):
     past, one hiding a past cell, or one whose positions are not its slots is one line naming
     EDGEKV_ATTENTION=plain, never a wrong attention. Serve's fused slots are refused in one line."""
     b = load_bundle(fp16("float"))
-    be = CudaOnCpu(b, threads=1, max_logits_rows=8, attention="fused")
+    be = CudaWithoutBias(b, threads=1, max_logits_rows=8, attention="fused")
     st = Stream(be, b)
     ids = np.random.default_rng(5).integers(0, b.model["vocab_size"], (1, 8))
     want = st.run(ids, np.array([[7]]))
@@ -167,8 +184,69 @@ def test_calls_the_op_cannot_mask_are_one_line_on_cuda(fp16):
                                 (5, 5, np.arange(9, 12), mask)):
         with pytest.raises(EdgeKVError, match=f"{ATTENTION_ENV}=plain"):
             be.run_cells(cache, past, write, ids[:, 5:], pos[None], m, np.array([[2]]))
-    with pytest.raises(BackendUnavailable, match="query_seqlens"):
+    with pytest.raises(BackendUnavailable, match="fused slots"):
         be.slot_memory(2)
+
+
+def test_engine_calls_and_moved_calls_on_the_device_buffer(fp16, monkeypatch):
+    """Where the kernel takes attention_bias, the engine's calls (any mask, any positions, the
+    write run at, inside and beyond the past) run as on the CPU's fused path: the same logits
+    and the same cells, bit for bit, as OrtBackend's fused graph over host memory, with every
+    moved call's new K/V copied by the device buffer's own copy_slots (one per buffer and call)."""
+    from edgekv.runtime.backends.gpu import OrtValueHeadMajorMemory
+
+    b = load_bundle(fp16("float"))
+    dev = CudaOnCpu(b, threads=1, max_logits_rows=8, attention="fused")
+    host = OrtBackend(b, threads=1, max_logits_rows=8, attention="fused")
+    assert isinstance(dev.memory, OrtValueHeadMajorMemory) and dev.memory.spare == host.memory.spare > 0
+    copies = []
+    real = OrtValueHeadMajorMemory.copy_slots
+    monkeypatch.setattr(OrtValueHeadMajorMemory, "copy_slots",
+                        lambda self, buf, src, dst, n: (copies.append((src, dst, n)), real(self, buf, src, dst, n)))
+    caches = [KVCache(b, CAPACITY, memory=be.memory) for be in (dev, host)]
+    rng = np.random.default_rng(5)
+    seed = {n: rng.standard_normal(caches[1].slots_shape(n, CAPACITY)).astype(np.float16) for n in caches[1].names}
+    for c in caches:
+        c.write(seed)
+    cases = [(0, 4, 0), (0, 1, 7), (20, 3, 20), (20, 3, 5), (20, 3, 40), (CAPACITY - 2, 2, 3),
+             (CAPACITY, 5, CAPACITY - 9), (CAPACITY - 1, 1, CAPACITY - 1)]
+    moved = 0
+    for past, s, write in cases:
+        ids, pos, mask = random_cells_call(rng, b, CAPACITY, past, s, write)
+        rows = np.arange(s)[None]
+        got = dev.run_cells(caches[0], past, write, ids, pos, mask, rows).copy()
+        want = host.run_cells(caches[1], past, write, ids, pos, mask, rows).copy()
+        np.testing.assert_array_equal(got, want, err_msg=f"{(past, s, write)}")
+        a, f = caches[1].read(CAPACITY), caches[0].read(CAPACITY)
+        for n in a:
+            np.testing.assert_array_equal(f[n], a[n], err_msg=f"{n} after {(past, s, write)}")
+        moved += not (write == past and (past > 0 or np.all(np.diff(pos[0]) == 1)))  # _run_fused's direct
+    assert moved >= 4 and all(src == CAPACITY for src, _, _ in copies)
+    assert len(copies) == len(caches[0].names) * moved
+
+
+def test_copy_slots_through_cuda_python(monkeypatch):
+    """The device copy's strided arithmetic: one cudaMemcpy2D per buffer (tests/fake_gpu.py's
+    runtime, host addresses as device ones) moves slots [src, src + n) to [dst, dst + n) in every
+    head and nothing else; overlapping or out-of-range slots are refused."""
+    from tests import fake_gpu
+
+    from edgekv.runtime.backends.gpu import OrtValueHeadMajorMemory
+
+    _, rt = fake_gpu.install(monkeypatch)
+    mem = OrtValueHeadMajorMemory(ort, "cpu", spare=4)
+    buf = mem.alloc((8, 1, 3, 5), np.int8)  # [1, 3, 12, 5]
+    vals = np.random.default_rng(1).integers(-100, 100, (1, 3, 12, 5)).astype(np.int8)
+    buf.update_inplace(vals)
+    mem.device = "cuda"  # the copy goes the device's way: cuda-python's runtime
+    mem.copy_slots(buf, 8, 2, 3)
+    want = vals.copy()
+    want[0, :, 2:5] = vals[0, :, 8:11]
+    np.testing.assert_array_equal(buf.numpy(), want)
+    assert rt.copies2d == 1
+    for src, dst, n in ((8, 6, 3), (10, 0, 3), (0, 11, 2)):
+        with pytest.raises(EdgeKVError):
+            mem.copy_slots(buf, src, dst, n)
 
 
 def test_selftest_reads_where_each_gqa_node_ran(fp16, tmp_path):

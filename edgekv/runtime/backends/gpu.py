@@ -58,21 +58,44 @@ class OrtValueMemory:
         buf.update_inplace(full)
 
 
+ITEM_BYTES = {"tensor(float16)": 2, "tensor(bfloat16)": 2, "tensor(float)": 4, "tensor(int8)": 1, "tensor(uint8)": 1}
+
+
 class OrtValueHeadMajorMemory(OrtValueMemory):
-    """ort-cuda's fused cache: one OrtValue per tensor, head-major [1, Hkv, slots, D]
+    """ort-cuda's fused cache: one OrtValue per tensor, head-major [1, Hkv, slots + spare, D]
     (GroupQueryAttention's BNSH, as memory.HeadMajorMemory on the host), bound by address as both
     the op's past and present, so a call copies nothing of the cache (docs/fused.md, "ort-cuda").
-    No spare slots: on CUDA the op only appends at a sequence's end (OrtCudaBackend._run_fused).
-    Every copy in or out speaks slots ([n, 1, Hkv, D]) through a whole-buffer host copy: snapshots,
-    /save, undo, never a decode step."""
+    A moved call's new K/V go from the spare slots to their cells on the device (`copy_slots`);
+    every other copy in or out speaks slots ([n, 1, Hkv, D]) through a whole-buffer host copy:
+    snapshots, /save, undo, compaction, never a decode step."""
 
     layout = "heads"
+
+    def __init__(self, ort, device: str = "cuda", spare: int = 0):
+        super().__init__(ort, device)
+        self.spare = spare
 
     def alloc(self, shape: tuple, dtype):
         if len(shape) != 4 or shape[1] != 1:
             raise ValueError(f"a head-major cache holds [slots, 1, Hkv, D] tensors, not {list(shape)}")
         slots, _, heads, dim = shape
-        return super().alloc((1, heads, slots, dim), dtype)
+        return super().alloc((1, heads, slots + self.spare, dim), dtype)
+
+    def copy_slots(self, buf, src: int, dst: int, n: int) -> None:
+        """Slots [src, src + n) to [dst, dst + n) in every head, in place on the buffer's device
+        (the ranges must not overlap: a moved call's spare slots lie past the capacity). One
+        strided copy: a row per head, the head's pitch apart."""
+        _, heads, slots, dim = buf.shape()
+        if not (0 <= src and src + n <= slots and 0 <= dst and dst + n <= slots) or abs(src - dst) < n:
+            raise EdgeKVError(f"slots [{src}, {src + n}) -> [{dst}, {dst + n}) in a buffer of {slots}")
+        row = dim * ITEM_BYTES[buf.data_type()]
+        base = buf.data_ptr()
+        try:
+            copy_rows(self.device, base + dst * row, base + src * row, slots * row, n * row, heads)
+        except BackendUnavailable:  # no cuda-python: the buffer through the host and back (slow, exact)
+            full = buf.numpy()
+            full[0, :, dst: dst + n] = full[0, :, src: src + n]
+            buf.update_inplace(full)
 
     def read(self, buf, n: int) -> np.ndarray:
         return self.read_rows(buf, 0, n)
@@ -92,6 +115,21 @@ class OrtValueHeadMajorMemory(OrtValueMemory):
         full = buf.numpy()
         full[0, :, dst] = full[0, :, src]  # the fancy index gathers every source first
         buf.update_inplace(full)
+
+
+def copy_rows(device: str, dst: int, src: int, pitch: int, width: int, rows: int) -> None:
+    """`rows` runs of `width` bytes, `pitch` apart, from src to dst on `device` (no overlap): host
+    memory by memmove; CUDA by one cudaMemcpy2D device-to-device (cuda-python), then a device
+    sync, since onnxruntime's next run goes on a stream of its own."""
+    if device == "cpu":
+        import ctypes
+
+        for r in range(rows):
+            ctypes.memmove(dst + r * pitch, src + r * pitch, width)
+        return
+    rt = cudart()
+    check(rt.cudaMemcpy2D(dst, pitch, src, pitch, width, rows, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice))
+    check(rt.cudaDeviceSynchronize())
 
 
 def cudart():

@@ -641,9 +641,13 @@ class OrtBackend:
         logits = self.binding.logits_for(1, logits_index.shape[1])
         self.binding.run(self.session)
         if at != write:
-            for buf in cache.buffers.values():  # [1, Hkv, slots, D]: the new tokens to their cells
-                buf[0, :, write: write + s] = buf[0, :, at: at + s]
+            self.move_slots(cache, at, write, s)
         return logits
+
+    def move_slots(self, cache: KVCache, src: int, dst: int, n: int) -> None:
+        """A moved call's new tokens from the spare slots [src, src + n) to their cells [dst, dst + n)."""
+        for buf in cache.buffers.values():  # [1, Hkv, slots, D]
+            buf[0, :, dst: dst + n] = buf[0, :, src: src + n]
 
     # -- serve's slots (docs/serve.md, "Fused slots"): the cache is SlotMemory's [K, Hkv, L, D];
     # a call is entries of consecutive slots, each appending its own tokens at its own length
@@ -694,11 +698,41 @@ class OrtBackend:
         return self._zero
 
 
-# CUDA's GroupQueryAttention returns "attention_bias is not supported in GroupQueryAttention cuda
-# kernel" for any attention_bias (onnxruntime's contrib_ops/cuda/bert/group_query_attention.cc,
-# in every version read), and reads no query_seqlens: the op's own rule, each entry causal over its
-# first seqlens_k + 1 slots, is the only mask it has (docs/fused.md, "ort-cuda")
-CUDA_NO_BIAS = "CUDA's GroupQueryAttention takes no attention_bias"
+# onnxruntime's CUDA GroupQueryAttention before the release whose schema documents otherwise
+# (the installed 1.32's: "CUDA rejects attention_bias when sliding_window_cache is 1" and
+# query_seqlens "honored by the CPU and CUDA execution providers") returns "attention_bias is not
+# supported in GroupQueryAttention cuda kernel" for any bias (contrib_ops/cuda/bert/
+# group_query_attention.cc as read in older sources). Which one a machine has is probed at load
+# (cuda_takes_bias); without the bias the op's own rule, each entry causal over its first
+# seqlens_k + 1 slots, is the only mask (docs/fused.md, "ort-cuda")
+CUDA_NO_BIAS = "this onnxruntime's CUDA GroupQueryAttention takes no attention_bias"
+
+
+def cuda_takes_bias(ort, providers: list) -> tuple[bool, str]:
+    """Whether GroupQueryAttention on `providers` runs with an attention_bias: one float16 node,
+    one decode step over a past of one (what the fused graph's calls are), run; (ok, why not)."""
+    from onnx import TensorProto as T, helper
+
+    D = 64
+    vi = helper.make_tensor_value_info
+    node = helper.make_node("GroupQueryAttention", ["q", "", "", "pk", "pv", "sk", "tl", "", "", "", "bias"],
+                            ["o", "k", "v"], domain="com.microsoft", num_heads=1, kv_num_heads=1)
+    graph = helper.make_graph([node], "probe",
+                              [vi("q", T.FLOAT16, [1, 1, 3 * D]), vi("pk", T.FLOAT16, [1, 1, 1, D]),
+                               vi("pv", T.FLOAT16, [1, 1, 1, D]), vi("sk", T.INT32, [1]), vi("tl", T.INT32, []),
+                               vi("bias", T.FLOAT16, [1, 1, 1, 2])],
+                              [vi("o", T.FLOAT16, None), vi("k", T.FLOAT16, None), vi("v", T.FLOAT16, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    feeds = {"q": np.ones((1, 1, 3 * D), np.float16), "pk": np.zeros((1, 1, 1, D), np.float16),
+             "pv": np.zeros((1, 1, 1, D), np.float16), "sk": np.array([1], np.int32), "tl": np.array(2, np.int32),
+             "bias": np.zeros((1, 1, 1, 2), np.float16)}
+    try:
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        ort.InferenceSession(model.SerializeToString(), opts, providers=providers).run(None, feeds)
+    except Exception as e:  # the kernel's refusal, or anything else: the bias is not usable here
+        return False, str(e).splitlines()[0][:200]
+    return True, ""
 
 
 def without_bias(model) -> None:
@@ -733,12 +767,13 @@ class OrtCudaBackend(OrtBackend):
     device = "cuda"
     stage_present = False  # the cache is device memory: present.* is bound at the write slot
     exact_attention = False  # the graph as written: its u8 x s8 MatMul would run on the CPU
-    # the fused graph where asked (EDGEKV_ATTENTION=fused) on a float16/bfloat16 graph, without
-    # attention_bias (CUDA_NO_BIAS): single streams only; fused_refusal says when not
+    # the fused graph of a float16/bfloat16 bundle (CUDA's GroupQueryAttention has no float32
+    # kernel); where the kernel takes no attention_bias (probed), only single streams, and only
+    # when asked: fused_refusal, adapt_fused
     fuses = True
-    fused_inputs = (SEQLENS, TOTAL)  # no attention_bias
-    runs_slots = False  # CUDA's kernel reads no query_seqlens: an idle slot of a batched step would be written
+    runs_slots = False  # serve's fused slots: a device SlotMemory is not built (docs/fused.md, "ort-cuda")
     fold_minimums = False  # the graph as written (CUDA's MatMulNBits with zero points is not tested)
+    single_stream = False  # the fused graph without attention_bias: calls the op's own rule masks (op_rule_call)
 
     def check_available(self, ort) -> None:
         have = ort.get_available_providers()
@@ -762,29 +797,50 @@ class OrtCudaBackend(OrtBackend):
 
     def fused_memory(self) -> KVMemory:
         from edgekv.runtime.backends.gpu import OrtValueHeadMajorMemory
-        return OrtValueHeadMajorMemory(self.ort, self.device)
+        # spare slots for the moved calls, which need the bias (without it none runs)
+        return OrtValueHeadMajorMemory(self.ort, self.device, 0 if self.single_stream else FUSED_SPARE)
+
+    def takes_bias(self) -> tuple[bool, str]:
+        """cuda_takes_bias on this backend's providers, probed once."""
+        if "_bias" not in self.__dict__:
+            self._bias = cuda_takes_bias(self.ort, self.providers())
+        return self._bias
 
     def fused_refusal(self, bundle: Bundle, mode: str) -> str | None:
         if bundle.dtype == "float32":
             return ("CUDA's GroupQueryAttention runs float16 and bfloat16 graphs, this bundle is float32 "
                     "(export --dtype float16 for the fused graph on ort-cuda)")
+        bias, why = self.takes_bias()
+        if bias:
+            return None  # the CPU's fused path, on the device
         if bundle.window is not None:
-            return f"its sliding-window layers need attention_bias, and {CUDA_NO_BIAS}"
+            return f"its sliding-window layers need attention_bias, and {CUDA_NO_BIAS} ({why})"
         if mode == "auto":  # chat and serve's cell pool need masks: the graph as written serves every caller
-            return (f"ort-cuda fuses only when asked: {CUDA_NO_BIAS}, so the fused graph runs single streams "
-                    f"(generate, eval, bench), not chat's or serve's masked calls; {ATTENTION_ENV}=fused runs it")
+            return (f"{CUDA_NO_BIAS} ({why}), so the fused graph would run single streams only (generate, eval, "
+                    f"bench), not chat's or serve's masked calls; {ATTENTION_ENV}=fused runs it")
         return None
 
     def adapt_fused(self, fused) -> None:
+        if self.takes_bias()[0]:
+            return
         without_bias(fused.model)
-        self.attention += f"; on CUDA without attention_bias: single streams only ({CUDA_NO_BIAS})"
+        self.single_stream = True
+        self.fused_inputs = (SEQLENS, TOTAL)
+        self.attention += f"; without attention_bias: single streams only ({CUDA_NO_BIAS})"
+
+    def move_slots(self, cache: KVCache, src: int, dst: int, n: int) -> None:
+        for buf in cache.buffers.values():  # on the device: nothing crosses to the host
+            cache.memory.copy_slots(buf, src, dst, n)
 
     def _run_fused(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
                    key_mask: np.ndarray | None, logits_index: np.ndarray,
                    local_key_mask: np.ndarray | None = None) -> np.ndarray:
-        """OrtBackend's fused call where the op's own rule is the call's mask (op_rule_call): the
-        cache bound whole, in place, the new tokens written at `past` by the op itself; any other
-        call (a pool's masked or moved cells) is one line, never a wrong attention."""
+        """OrtBackend's fused call; without attention_bias only where the op's own rule is the
+        call's mask (op_rule_call), the new tokens written at `past` by the op itself, and any
+        other call (a pool's masked or moved cells) one line, never a wrong attention."""
+        if not self.single_stream:
+            return super()._run_fused(cache, past, write, input_ids, position_ids, key_mask, logits_index,
+                                      local_key_mask)
         s = input_ids.shape[1]
         if not op_rule_call(past, write, position_ids, key_mask):
             raise EdgeKVError(f"{self.name} (fused attention) runs only a sequence appending at its end ({CUDA_NO_BIAS}); "
@@ -800,5 +856,5 @@ class OrtCudaBackend(OrtBackend):
         return logits
 
     def slot_memory(self, slots: int) -> SlotMemory:
-        raise BackendUnavailable("ort-cuda runs no fused slots (CUDA's GroupQueryAttention reads no query_seqlens: "
-                                 "a batched step would write into its idle slots)")
+        raise BackendUnavailable("ort-cuda runs no fused slots (their device memory is not built; "
+                                 "docs/fused.md, \"ort-cuda\")")
