@@ -225,6 +225,35 @@ def test_engine_calls_and_moved_calls_on_the_device_buffer(fp16, monkeypatch):
     assert len(copies) == len(caches[0].names) * moved
 
 
+def test_serve_slots_on_the_device_buffer(fp16):
+    """Where the kernel takes the bias (and query_seqlens: onnxruntime >= 1.32), serve's fused
+    slots run on ort-cuda's path with the cache in OrtValues [K, Hkv, L, D], each call binding its
+    slots by address: the same tokens and logits, bit for bit, as ort-cpu's fused slots over host
+    memory, for requests joining, a prompt prefilled in chunks beside decodes, and a slot reused
+    (tests/serving.py's staggered schedule)."""
+    from edgekv.runtime.backends.gpu import OrtValueSlotMemory
+    from edgekv.runtime.batching import Batcher
+    from tests.serving import staggered
+
+    b = load_bundle(fp16("int8-static"))
+    rng = np.random.default_rng(2)
+    spec = {k: ([int(t) for t in rng.integers(3, b.model["vocab_size"], n)], m)
+            for k, n, m in (("A", 7, 12), ("B", 10, 3), ("C", 25, 6), ("D", 9, 8))}
+    runs = []
+    for be in (CudaOnCpu(b, threads=1, attention="fused"), OrtBackend(b, threads=1, attention="fused")):
+        cache = KVCache(b, 120, memory=be.slot_memory(3))
+        runs.append(staggered(Batcher(be, cache, parallel=3, prefill_chunk=8), spec, prefill_steps=3))
+        if not runs[1:]:
+            assert isinstance(cache.memory, OrtValueSlotMemory)
+            assert all(isinstance(buf, ort.OrtValue) and buf.shape() == [3, b.model["n_kv_heads"], 40, b.model["head_dim"]]
+                       for buf in cache.buffers.values())
+    dev, host = runs
+    assert dev.mixed and dev.first_cells["D"] == dev.first_cells["B"]
+    for k in spec:
+        assert dev.reqs[k].out == host.reqs[k].out and len(dev.reqs[k].out) == spec[k][1], k
+        assert all(np.array_equal(x, y) for x, y in zip(dev.reqs[k].logits, host.reqs[k].logits)), k
+
+
 def test_copy_slots_through_cuda_python(monkeypatch):
     """The device copy's strided arithmetic: one cudaMemcpy2D per buffer (tests/fake_gpu.py's
     runtime, host addresses as device ones) moves slots [src, src + n) to [dst, dst + n) in every

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from edgekv.errors import BackendUnavailable, EdgeKVError
+from edgekv.runtime.memory import SlotMemory
 
 
 class OrtValueMemory:
@@ -114,6 +115,58 @@ class OrtValueHeadMajorMemory(OrtValueMemory):
     def move_rows(self, buf, src: np.ndarray, dst: np.ndarray) -> None:
         full = buf.numpy()
         full[0, :, dst] = full[0, :, src]  # the fancy index gathers every source first
+        buf.update_inplace(full)
+
+
+class OrtValueSlotMemory(OrtValueMemory):
+    """serve's fused slots on ort-cuda: one OrtValue per tensor, [slots, Hkv, L, D] (memory.
+    SlotMemory's layout, cell c at slot c // L's position c % L) on the memory's device. A call
+    binds its consecutive slots by address (`block`); every copy in or out speaks cells, through a
+    whole-buffer host copy and SlotMemory's own arithmetic (a prefix copied between slots,
+    snapshots), never a decode step."""
+
+    layout = SlotMemory.layout
+
+    def __init__(self, ort, device: str, slots: int):
+        super().__init__(ort, device)
+        self.slots = slots
+        self._cells = SlotMemory(slots)  # the cell arithmetic, applied to host copies
+
+    def slot_length(self, capacity: int) -> int:
+        return self._cells.slot_length(capacity)
+
+    def alloc(self, shape: tuple, dtype):
+        if len(shape) != 4 or shape[1] != 1:
+            raise ValueError(f"a slotted cache holds [cells, 1, Hkv, D] tensors, not {list(shape)}")
+        cells, _, heads, dim = shape
+        return super().alloc((self.slots, heads, self.slot_length(cells), dim), dtype)
+
+    def block(self, buf, first: int, count: int) -> tuple[int, list[int]]:
+        """(address, shape) of slots [first, first + count): one contiguous block."""
+        slots, heads, length, dim = buf.shape()
+        if not 0 <= first <= first + count <= slots:
+            raise EdgeKVError(f"slots [{first}, {first + count}) of {slots}")
+        return buf.data_ptr() + first * heads * length * dim * ITEM_BYTES[buf.data_type()], [count, heads, length, dim]
+
+    def read(self, buf, n: int) -> np.ndarray:
+        return self._cells.read(buf.numpy(), n)
+
+    def write(self, buf, arr: np.ndarray) -> None:
+        self._through_host(buf, self._cells.write, arr)
+
+    def read_rows(self, buf, start: int, stop: int) -> np.ndarray:
+        return self._cells.read_rows(buf.numpy(), start, stop)
+
+    def write_rows(self, buf, start: int, arr: np.ndarray) -> None:
+        self._through_host(buf, self._cells.write_rows, start, arr)
+
+    def move_rows(self, buf, src: np.ndarray, dst: np.ndarray) -> None:
+        self._through_host(buf, self._cells.move_rows, src, dst)
+
+    @staticmethod
+    def _through_host(buf, change, *args) -> None:
+        full = buf.numpy()
+        change(full, *args)
         buf.update_inplace(full)
 
 

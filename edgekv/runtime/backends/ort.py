@@ -671,7 +671,7 @@ class OrtBackend:
         if cache.layout != SlotMemory.layout:
             raise EdgeKVError(f"{self.name}: run_slots needs a slotted cache (memory=backend.slot_memory(k))")
         b, s = input_ids.shape
-        slot_len = cache.buffers[cache.names[0]].shape[2]
+        slot_len = cache.memory.slot_length(cache.capacity)  # (a device buffer's shape is not an attribute)
         lengths = np.asarray(lengths, np.int64)
         query = np.asarray(query_lengths, np.int32)
         # an idle entry still needs seqlens_k >= 0; its cache is left as it is
@@ -771,7 +771,7 @@ class OrtCudaBackend(OrtBackend):
     # kernel); where the kernel takes no attention_bias (probed), only single streams, and only
     # when asked: fused_refusal, adapt_fused
     fuses = True
-    runs_slots = False  # serve's fused slots: a device SlotMemory is not built (docs/fused.md, "ort-cuda")
+    runs_slots = True  # serve's fused slots, in device memory (gpu.OrtValueSlotMemory); not without the bias
     fold_minimums = False  # the graph as written (CUDA's MatMulNBits with zero points is not tested)
     single_stream = False  # the fused graph without attention_bias: calls the op's own rule masks (op_rule_call)
 
@@ -825,6 +825,7 @@ class OrtCudaBackend(OrtBackend):
             return
         without_bias(fused.model)
         self.single_stream = True
+        self.runs_slots = False  # an idle slot's cells need query_seqlens, which that older kernel does not read
         self.fused_inputs = (SEQLENS, TOTAL)
         self.attention += f"; without attention_bias: single streams only ({CUDA_NO_BIAS})"
 
@@ -855,6 +856,10 @@ class OrtCudaBackend(OrtBackend):
         self.binding.run(self.session)
         return logits
 
-    def slot_memory(self, slots: int) -> SlotMemory:
-        raise BackendUnavailable("ort-cuda runs no fused slots (their device memory is not built; "
-                                 "docs/fused.md, \"ort-cuda\")")
+    def slot_memory(self, slots: int) -> KVMemory:
+        if self.single_stream:
+            raise BackendUnavailable(f"ort-cuda runs no fused slots here ({CUDA_NO_BIAS}: an older kernel, "
+                                     f"which reads no query_seqlens either)")
+        super().slot_memory(slots)  # the CPU's conditions: the fused graph, query_seqlens
+        from edgekv.runtime.backends.gpu import OrtValueSlotMemory
+        return OrtValueSlotMemory(self.ort, self.device, slots)
