@@ -10,6 +10,9 @@
    installed) and trt: ✓/✗ per backend with the max |logit diff| (fed the same tokens) against
    the tolerance the exporter measured for this bundle, and whether free-running greedy tokens
    are equal
+3b. on a float16 int8-static bundle, ort-cuda's fused graph (EDGEKV_ATTENTION=fused, docs/fused.md
+   "ort-cuda"): every GroupQueryAttention node ran on CUDA (read from onnxruntime's profile of a
+   prefill and a decode step), and its 32 greedy tokens against the graph as written on ort-cuda
 4. `edgekv serve`'s engine on trt: four chat prompts joining a batch give the greedy tokens each
    gives alone on trt, and the aggregate decode rate of four sequences against one
 5. the benchmark on the fastest backend (time to first token, decode tokens/s, peak memory), with
@@ -33,6 +36,7 @@ import numpy as np
 from edgekv.errors import BackendUnavailable, EdgeKVError
 from edgekv.format.bundle import load_bundle
 from edgekv.runtime.assemble import Runtime, open_runtime
+from edgekv.runtime.backends.ort import OrtCudaBackend
 from edgekv.runtime.text import TextCodec
 
 PROMPT = "What is the capital of France? Answer in one sentence."
@@ -133,6 +137,73 @@ def compare_backends(bundle, ctx: int, steps: int = 32) -> tuple[list[dict], boo
         say(f"  {'✓' if good else '✗'} {name:<9} max|diff| = {diff:.3g} (tol {t:.3g}); greedy {same}/{steps} identical"
             + (f" (first differs at step {first}{', a near-tie' if tie else ''})" if first is not None else ""))
     return rows, ok
+
+
+CUDA = "CUDAExecutionProvider"
+
+
+def gqa_placement(events: list) -> dict[str, str]:
+    """GroupQueryAttention node -> the provider that ran it, from onnxruntime's profile JSON.
+    onnxruntime gives a node its CUDA kernels refuse to the CPU without a word, and
+    session.get_providers() still lists CUDA first: only the profile says where each node ran."""
+    out = {}
+    for e in events:
+        args = e.get("args") or {}
+        if e.get("cat") == "Node" and args.get("op_name") == "GroupQueryAttention" and e["name"].endswith("_kernel_time"):
+            out[e["name"][: -len("_kernel_time")]] = args.get("provider", "?")
+    return out
+
+
+def fused_check(bundle, ctx: int, workdir: Path, steps: int = 32, backend_cls=OrtCudaBackend,
+                provider: str = CUDA) -> tuple[dict, bool]:
+    """ort-cuda's fused graph on a float16 int8-static bundle: each GroupQueryAttention on
+    `provider` (a profiled prefill and decode step), then `steps` greedy tokens against the graph
+    as written on the same backend (equal, or a first divergence at a near-tie of the plain
+    graph's logits), and the fused logits fed the plain tokens. ort-cuda missing: skipped."""
+    if bundle.dtype != "float16" or bundle.scheme.kind != "static":
+        return {"status": "skipped", "why": f"a {bundle.dtype} {bundle.scheme.name} bundle (the check takes a "
+                                            f"float16 int8-static one)"}, True
+    codec = TextCodec(bundle)
+    prompt = codec.chat_ids([{"role": "user", "content": PROMPT}])
+    steps = min(steps, ctx - len(prompt) - 1)
+
+    class Profiled(backend_cls):
+        profile_prefix = str(workdir / "edgekv-fused-profile")
+
+    try:
+        be = Profiled(bundle, attention="fused")
+    except BackendUnavailable as e:
+        if not str(e).startswith("fused attention"):  # no onnxruntime-gpu or no GPU: ort-cuda is optional here
+            return {"status": "unavailable", "why": str(e)}, True
+        return {"status": "fail", "why": str(e)}, False  # ort-cuda runs, its fused graph does not
+    try:
+        with Runtime(bundle, be, ctx) as rt:
+            g = rt.generator()
+            g.decode_step(int(np.argmax(g.prefill(prompt))))
+            placed = gqa_placement(json.loads(Path(be.session.end_profiling()).read_text()))
+        with Runtime(bundle, backend_cls(bundle, attention="plain"), ctx) as rt:
+            plain_logits, plain = greedy_run(rt, prompt, steps)
+        with Runtime(bundle, backend_cls(bundle, attention="fused"), ctx) as rt:
+            fed, _ = greedy_run(rt, prompt, steps, feed=plain)
+            _, fused = greedy_run(rt, prompt, steps)
+    except Exception as e:  # CUDA's kernel refusing an input at run time: the report says which
+        return {"status": "fail", "why": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}, False
+    off = sorted(n for n, p in placed.items() if p != provider)
+    tol = bundle.logits_tolerance()
+    first = next((i for i, (a, b) in enumerate(zip(fused, plain)) if a != b), None)
+    tie = first is not None and plain_logits[first][plain[first]] - plain_logits[first][fused[first]] <= tol
+    good = len(placed) == bundle.model["n_layers"] and not off and (first is None or tie)
+    res = {"status": "pass" if good else "fail", "attention": be.attention, "gqa_nodes": len(placed),
+           "layers": bundle.model["n_layers"], "gqa_not_on_" + provider: off,
+           "greedy_identical": sum(a == b for a, b in zip(fused, plain)), "greedy_steps": steps,
+           "first_divergence": first, "max_abs_logit_diff_fed": float(np.abs(fed - plain_logits).max())}
+    say(f"  {'✓' if good else '✗'} fused on {be.name}: {len(placed) - len(off)}/{bundle.model['n_layers']} "
+        f"GroupQueryAttention on {provider.replace('ExecutionProvider', '')}"
+        + (f" (elsewhere: {', '.join(off)})" if off else "")
+        + f"; greedy {res['greedy_identical']}/{steps} identical to the graph as written"
+        + (f" (first differs at step {first}{', a near-tie' if tie else ''})" if first is not None else "")
+        + f"; max|diff| fed the same tokens {res['max_abs_logit_diff_fed']:.3g}")
+    return res, good
 
 
 def decode_rate(batcher, reqs) -> float:
@@ -245,6 +316,11 @@ def check_bundle(path: str, args, rep: dict, bench_json: Path) -> bool:
     say("  backends against ort-cpu (same prompt, fed the same tokens; tolerance from the bundle's export)")
     rep["parity"], parity_ok = compare_backends(bundle, ctx)
     ok &= parity_ok
+    say("  ort-cuda's fused graph (EDGEKV_ATTENTION=fused; float16 int8-static bundles)")
+    rep["fused"], fused_ok = fused_check(bundle, ctx, Path(args.report).resolve().parent)
+    if rep["fused"]["status"] in ("skipped", "unavailable"):
+        say(f"  - fused: {rep['fused']['status']}: {rep['fused']['why']}")
+    ok &= fused_ok
     if any(r["backend"] == "trt" and r["status"] == "pass" for r in rep["parity"]):
         say("  serving engine on trt (edgekv serve)")
         rep["serve"], serve_ok = serve_check(bundle, ctx, "trt")

@@ -54,6 +54,16 @@ class FakeCudart(types.ModuleType):
         ctypes.memmove(dst, src, n)
         return (OK,)
 
+    def cudaMemcpy2D(self, dst, dpitch, src, spitch, width, height, kind):
+        assert width <= min(dpitch, spitch), "cudaMemcpy2D: a row wider than its pitch"
+        self.copies2d = getattr(self, "copies2d", 0) + 1
+        for r in range(height):
+            ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
+        return (OK,)
+
+    def cudaDeviceSynchronize(self):
+        return (OK,)
+
     def cudaStreamCreate(self):
         handle = 7 + len(self.streams)
         self.streams.add(handle)

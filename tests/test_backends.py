@@ -358,9 +358,10 @@ def test_move_cells_is_a_simultaneous_copy_in_every_memory(tiny_bundle_int8, mem
 
 
 def test_ort_cuda_runs_the_graph_as_written_and_says_why(tiny_bundle_float, monkeypatch):
-    """ort-cuda does not fuse (CUDA's GroupQueryAttention runs float16 graphs; docs/fused.md): its
-    class on the CPU provider keeps the graph as written under auto with the reason in its load
-    line, and EDGEKV_ATTENTION=fused there is one line, not a silent plain run."""
+    """ort-cuda does not fuse a float32 graph (CUDA's GroupQueryAttention runs float16 graphs;
+    docs/fused.md, tests/test_fused_cuda.py for the float16 ones): its class on the CPU provider
+    keeps the graph as written under auto with the reason in its load line, and
+    EDGEKV_ATTENTION=fused there is one line, not a silent plain run."""
     from edgekv.runtime.backends.gpu import OrtValueMemory
     from edgekv.runtime.backends.ort import ATTENTION_ENV, OrtCudaBackend
 
@@ -380,7 +381,7 @@ def test_ort_cuda_runs_the_graph_as_written_and_says_why(tiny_bundle_float, monk
     monkeypatch.delenv(ATTENTION_ENV, raising=False)
     b = load_bundle(tiny_bundle_float)
     be = OnCpu(b, threads=1, attention="auto")
-    assert be.fused is None and "ort-cuda" in be.attention
+    assert be.fused is None and "ort-cuda" in be.attention and "float32" in be.attention, be.attention
     assert "key_mask" in {i.name for i in be.session.get_inputs()}
     with pytest.raises(BackendUnavailable, match="ort-cuda"):
         OnCpu(b, threads=1, attention="fused")

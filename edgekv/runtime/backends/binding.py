@@ -104,9 +104,14 @@ class Binding:
         if bound and bound[0] is cache:
             return
         self._bound.pop("past", None)
+        memory = cache.memory
         for name, buf in cache.buffers.items():
-            self._host_input(name, buf)
-            self._host_output("present" + name[4:], buf)
+            # by the memory's own address and device: host numpy arrays, or ort-cuda's device
+            # OrtValues (gpu.OrtValueHeadMajorMemory), which onnxruntime must not copy per call
+            shape = memory.shape(buf) if hasattr(memory, "shape") else list(buf.shape)
+            ptr, dtype = memory.ptr(buf), cache.dtypes[name]
+            self.io.bind_input(name, memory.device, 0, dtype, shape, ptr)
+            self.io.bind_output("present" + name[4:], memory.device, 0, dtype, shape, ptr)
         self._bound["past"] = (cache,)
 
     def slot_block(self, cache: KVCache, first: int, count: int) -> None:
@@ -115,7 +120,13 @@ class Binding:
         if self._bound.get("past") == key:
             return
         self._bound.pop("past", None)
+        memory = cache.memory
         for name, buf in cache.buffers.items():
+            if hasattr(memory, "block"):  # device memory (gpu.OrtValueSlotMemory): by address, never copied
+                ptr, shape = memory.block(buf, first, count)
+                self.io.bind_input(name, memory.device, 0, cache.dtypes[name], shape, ptr)
+                self.io.bind_output("present" + name[4:], memory.device, 0, cache.dtypes[name], shape, ptr)
+                continue
             view = buf[first: first + count]  # [count, Hkv, L, D]: consecutive slots are one block
             self._host_input(name, view)
             self._host_output("present" + name[4:], view)

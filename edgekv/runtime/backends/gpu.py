@@ -1,6 +1,7 @@
 """Device memory for the KV cache, following the KVMemory protocol (edgekv/runtime/memory.py).
 
-- `OrtValueMemory` (ort-cuda): onnxruntime OrtValues on the GPU, no extra library.
+- `OrtValueMemory` (ort-cuda): onnxruntime OrtValues on the GPU, no extra library;
+  `OrtValueHeadMajorMemory`, the same in the fused graph's head-major shape.
 - `CudaMemory` (trt): cuda-python's runtime API (cudaMalloc / cudaMemcpy).
 
 Each buffer is allocated once, zero-filled, for the whole capacity; backends bind slot ranges by
@@ -10,13 +11,14 @@ from __future__ import annotations
 import numpy as np
 
 from edgekv.errors import BackendUnavailable, EdgeKVError
+from edgekv.runtime.memory import SlotMemory
 
 
 class OrtValueMemory:
     """KV buffers as onnxruntime OrtValues: on the GPU for ort-cuda (device "cuda"); with device
     "cpu" the same code runs in CI."""
 
-    layout = "slots"  # cache.ptr's slot arithmetic holds (the graph as written; ort-cuda does not fuse)
+    layout = "slots"  # cache.ptr's slot arithmetic holds (the graph as written)
     slots = 1
 
     def __init__(self, ort, device: str = "cuda"):
@@ -37,6 +39,11 @@ class OrtValueMemory:
     def ptr(self, buf) -> int:
         return buf.data_ptr()
 
+    @staticmethod
+    def shape(buf) -> list[int]:
+        """The buffer's whole shape (a binding of the whole buffer: the fused graph's cache)."""
+        return list(buf.shape())
+
     def read(self, buf, n: int) -> np.ndarray:
         return buf.numpy()[:n].copy()  # a whole-buffer copy (snapshots: /save)
 
@@ -50,6 +57,132 @@ class OrtValueMemory:
         full = buf.numpy()
         full[dst] = full[src]
         buf.update_inplace(full)
+
+
+ITEM_BYTES = {"tensor(float16)": 2, "tensor(bfloat16)": 2, "tensor(float)": 4, "tensor(int8)": 1, "tensor(uint8)": 1}
+
+
+class OrtValueHeadMajorMemory(OrtValueMemory):
+    """ort-cuda's fused cache: one OrtValue per tensor, head-major [1, Hkv, slots + spare, D]
+    (GroupQueryAttention's BNSH, as memory.HeadMajorMemory on the host), bound by address as both
+    the op's past and present, so a call copies nothing of the cache (docs/fused.md, "ort-cuda").
+    A moved call's new K/V go from the spare slots to their cells on the device (`copy_slots`);
+    every other copy in or out speaks slots ([n, 1, Hkv, D]) through a whole-buffer host copy:
+    snapshots, /save, undo, compaction, never a decode step."""
+
+    layout = "heads"
+
+    def __init__(self, ort, device: str = "cuda", spare: int = 0):
+        super().__init__(ort, device)
+        self.spare = spare
+
+    def alloc(self, shape: tuple, dtype):
+        if len(shape) != 4 or shape[1] != 1:
+            raise ValueError(f"a head-major cache holds [slots, 1, Hkv, D] tensors, not {list(shape)}")
+        slots, _, heads, dim = shape
+        return super().alloc((1, heads, slots + self.spare, dim), dtype)
+
+    def copy_slots(self, buf, src: int, dst: int, n: int) -> None:
+        """Slots [src, src + n) to [dst, dst + n) in every head, in place on the buffer's device
+        (the ranges must not overlap: a moved call's spare slots lie past the capacity). One
+        strided copy: a row per head, the head's pitch apart."""
+        _, heads, slots, dim = buf.shape()
+        if not (0 <= src and src + n <= slots and 0 <= dst and dst + n <= slots) or abs(src - dst) < n:
+            raise EdgeKVError(f"slots [{src}, {src + n}) -> [{dst}, {dst + n}) in a buffer of {slots}")
+        row = dim * ITEM_BYTES[buf.data_type()]
+        base = buf.data_ptr()
+        try:
+            copy_rows(self.device, base + dst * row, base + src * row, slots * row, n * row, heads)
+        except BackendUnavailable:  # no cuda-python: the buffer through the host and back (slow, exact)
+            full = buf.numpy()
+            full[0, :, dst: dst + n] = full[0, :, src: src + n]
+            buf.update_inplace(full)
+
+    def read(self, buf, n: int) -> np.ndarray:
+        return self.read_rows(buf, 0, n)
+
+    def write(self, buf, arr: np.ndarray) -> None:
+        self.write_rows(buf, 0, arr)
+
+    def read_rows(self, buf, start: int, stop: int) -> np.ndarray:
+        return buf.numpy()[0, :, start:stop].transpose(1, 0, 2)[:, None].copy()
+
+    def write_rows(self, buf, start: int, arr: np.ndarray) -> None:
+        full = buf.numpy()
+        full[0, :, start: start + len(arr)] = arr[:, 0].transpose(1, 0, 2)
+        buf.update_inplace(full)
+
+    def move_rows(self, buf, src: np.ndarray, dst: np.ndarray) -> None:
+        full = buf.numpy()
+        full[0, :, dst] = full[0, :, src]  # the fancy index gathers every source first
+        buf.update_inplace(full)
+
+
+class OrtValueSlotMemory(OrtValueMemory):
+    """serve's fused slots on ort-cuda: one OrtValue per tensor, [slots, Hkv, L, D] (memory.
+    SlotMemory's layout, cell c at slot c // L's position c % L) on the memory's device. A call
+    binds its consecutive slots by address (`block`); every copy in or out speaks cells, through a
+    whole-buffer host copy and SlotMemory's own arithmetic (a prefix copied between slots,
+    snapshots), never a decode step."""
+
+    layout = SlotMemory.layout
+
+    def __init__(self, ort, device: str, slots: int):
+        super().__init__(ort, device)
+        self.slots = slots
+        self._cells = SlotMemory(slots)  # the cell arithmetic, applied to host copies
+
+    def slot_length(self, capacity: int) -> int:
+        return self._cells.slot_length(capacity)
+
+    def alloc(self, shape: tuple, dtype):
+        if len(shape) != 4 or shape[1] != 1:
+            raise ValueError(f"a slotted cache holds [cells, 1, Hkv, D] tensors, not {list(shape)}")
+        cells, _, heads, dim = shape
+        return super().alloc((self.slots, heads, self.slot_length(cells), dim), dtype)
+
+    def block(self, buf, first: int, count: int) -> tuple[int, list[int]]:
+        """(address, shape) of slots [first, first + count): one contiguous block."""
+        slots, heads, length, dim = buf.shape()
+        if not 0 <= first <= first + count <= slots:
+            raise EdgeKVError(f"slots [{first}, {first + count}) of {slots}")
+        return buf.data_ptr() + first * heads * length * dim * ITEM_BYTES[buf.data_type()], [count, heads, length, dim]
+
+    def read(self, buf, n: int) -> np.ndarray:
+        return self._cells.read(buf.numpy(), n)
+
+    def write(self, buf, arr: np.ndarray) -> None:
+        self._through_host(buf, self._cells.write, arr)
+
+    def read_rows(self, buf, start: int, stop: int) -> np.ndarray:
+        return self._cells.read_rows(buf.numpy(), start, stop)
+
+    def write_rows(self, buf, start: int, arr: np.ndarray) -> None:
+        self._through_host(buf, self._cells.write_rows, start, arr)
+
+    def move_rows(self, buf, src: np.ndarray, dst: np.ndarray) -> None:
+        self._through_host(buf, self._cells.move_rows, src, dst)
+
+    @staticmethod
+    def _through_host(buf, change, *args) -> None:
+        full = buf.numpy()
+        change(full, *args)
+        buf.update_inplace(full)
+
+
+def copy_rows(device: str, dst: int, src: int, pitch: int, width: int, rows: int) -> None:
+    """`rows` runs of `width` bytes, `pitch` apart, from src to dst on `device` (no overlap): host
+    memory by memmove; CUDA by one cudaMemcpy2D device-to-device (cuda-python), then a device
+    sync, since onnxruntime's next run goes on a stream of its own."""
+    if device == "cpu":
+        import ctypes
+
+        for r in range(rows):
+            ctypes.memmove(dst + r * pitch, src + r * pitch, width)
+        return
+    rt = cudart()
+    check(rt.cudaMemcpy2D(dst, pitch, src, pitch, width, rows, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice))
+    check(rt.cudaDeviceSynchronize())
 
 
 def cudart():

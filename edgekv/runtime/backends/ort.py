@@ -18,7 +18,7 @@ from edgekv.format.bundle import LOCAL_MASK, Bundle
 from edgekv.runtime.backends.base import PREFILL_CHUNK, UNLIMITED, bound_past
 from edgekv.runtime.backends.binding import Binding
 from edgekv.runtime.backends.fused import (BIAS, BIAS_LOCAL, MIN_ORT, SEQLENS, TOTAL, NotFusable, fuse_bundle,
-                                           ort_version_ok)
+                                           ort_version_ok, prune_unneeded)
 from edgekv.runtime.backends.nbits import fold_graph
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.memory import HeadMajorMemory, HostMemory, KVMemory, SlotMemory
@@ -360,6 +360,8 @@ def choose_attention(backend: "OrtBackend", bundle: Bundle, asked: str | None):
     why = None
     if not backend.fuses:
         why = f"{backend.name} runs the graph as written (the fused rewrite targets onnxruntime's CPU kernels)"
+    elif (refused := backend.fused_refusal(bundle, mode)) is not None:  # the provider's own limits (ort-cuda)
+        why = refused
     elif not ort_version_ok(backend.ort.__version__):
         why = (f"onnxruntime {backend.ort.__version__} predates GroupQueryAttention's int8-cache CPU kernel "
                f"(the fused path needs >= {'.'.join(map(str, MIN_ORT))})")
@@ -445,6 +447,9 @@ class OrtBackend:
     fuses = True  # the fused graph (GroupQueryAttention's int8-cache CPU kernel) runs here
     # a GGUF minimum term's integer part becomes MatMulNBits' zero points (nbits.py: on its rounded activations)
     fold_minimums = True
+    fused_inputs = FUSED_INPUTS  # what the fused graph reads beside the bundle's own inputs
+    runs_slots = True  # serve's fused slots (run_slots: query_seqlens, which the CPU kernel reads)
+    profile_prefix: str | None = None  # onnxruntime's profiler on, its JSON named so (jetson/selftest.py)
 
     def __init__(self, bundle: Bundle, threads: int | None = None, max_logits_rows: int = 1,
                  past_bucket: int = PAST_BUCKET, matmul_accuracy: int = MATMUL_ACCURACY,
@@ -452,6 +457,8 @@ class OrtBackend:
         ort = self.ort = _import_ort()
         self.check_available(ort)
         opts = session_options(ort, threads, matmul_accuracy)
+        if self.profile_prefix:  # onnxruntime's per-node profile (which provider ran each node: jetson/selftest.py)
+            opts.enable_profiling, opts.profile_file_prefix = True, self.profile_prefix
         if not bundle.onnx_path.is_file():
             raise BundleError(f"{bundle.path}: corrupt bundle ({bundle.onnx_path.name} is missing)")
         # onnxruntime's QDQ propagation copies the int8 cache's unit Q/DQ across a Transpose with a
@@ -461,9 +468,12 @@ class OrtBackend:
         # self.attention says which and why (the load log)
         self.fused, self.attention = choose_attention(self, bundle, attention)
         try:
+            if self.fused is not None:
+                self.adapt_fused(self.fused)
             # serve's slots need query_seqlens (onnxruntime >= 1.32); without it the fused graph
             # still runs one stream, and run_slots says why it cannot run
-            self.query_lengths = self.fused is not None and ort_at_least(ort.__version__, QUERY_LENGTHS_ORT)
+            self.query_lengths = (self.fused is not None and self.runs_slots
+                                  and ort_at_least(ort.__version__, QUERY_LENGTHS_ORT))
             if self.query_lengths:
                 with_query_lengths(self.fused.model)
             if self.fused is not None:
@@ -496,11 +506,11 @@ class OrtBackend:
         expected = set(bundle.manifest["io"]["inputs"]) | set(bundle.manifest["io"]["past"])
         if self.fused is not None:  # the cache's lengths and the biases in place of the masks
             local = {BIAS_LOCAL} if LOCAL_MASK in expected else set()
-            expected = ((expected - {"key_mask", LOCAL_MASK}) | set(FUSED_INPUTS) | local
+            expected = ((expected - {"key_mask", LOCAL_MASK}) | set(self.fused_inputs) | local
                         | ({QUERY_LENGTHS} if self.query_lengths else set()))
         if graph_inputs != expected:
             raise BundleError(f"{bundle.path}: corrupt bundle (graph inputs do not match the manifest)")
-        self.memory = self.make_memory() if self.fused is None else HeadMajorMemory(FUSED_SPARE)
+        self.memory = self.make_memory() if self.fused is None else self.fused_memory()
         # the fused graph binds the whole buffer and reads only seqlens_k + 1 slots: no bucket
         self.past_bucket = past_bucket if self.fused is None else 1
         if self.fused is not None:
@@ -519,6 +529,16 @@ class OrtBackend:
 
     def make_memory(self) -> KVMemory:
         return HostMemory()
+
+    def fused_memory(self) -> KVMemory:
+        return HeadMajorMemory(FUSED_SPARE)
+
+    def fused_refusal(self, bundle: Bundle, mode: str) -> str | None:
+        """Why this provider cannot run the fused graph of `bundle` under `mode`, or None."""
+        return None
+
+    def adapt_fused(self, fused) -> None:
+        """The fused graph as this provider's kernels take it (in place; the CPU's: as built)."""
 
     def close(self) -> None:
         pass  # onnxruntime frees its session and the host buffers with the objects
@@ -621,9 +641,13 @@ class OrtBackend:
         logits = self.binding.logits_for(1, logits_index.shape[1])
         self.binding.run(self.session)
         if at != write:
-            for buf in cache.buffers.values():  # [1, Hkv, slots, D]: the new tokens to their cells
-                buf[0, :, write: write + s] = buf[0, :, at: at + s]
+            self.move_slots(cache, at, write, s)
         return logits
+
+    def move_slots(self, cache: KVCache, src: int, dst: int, n: int) -> None:
+        """A moved call's new tokens from the spare slots [src, src + n) to their cells [dst, dst + n)."""
+        for buf in cache.buffers.values():  # [1, Hkv, slots, D]
+            buf[0, :, dst: dst + n] = buf[0, :, src: src + n]
 
     # -- serve's slots (docs/serve.md, "Fused slots"): the cache is SlotMemory's [K, Hkv, L, D];
     # a call is entries of consecutive slots, each appending its own tokens at its own length
@@ -647,7 +671,7 @@ class OrtBackend:
         if cache.layout != SlotMemory.layout:
             raise EdgeKVError(f"{self.name}: run_slots needs a slotted cache (memory=backend.slot_memory(k))")
         b, s = input_ids.shape
-        slot_len = cache.buffers[cache.names[0]].shape[2]
+        slot_len = cache.memory.slot_length(cache.capacity)  # (a device buffer's shape is not an attribute)
         lengths = np.asarray(lengths, np.int64)
         query = np.asarray(query_lengths, np.int32)
         # an idle entry still needs seqlens_k >= 0; its cache is left as it is
@@ -673,16 +697,83 @@ class OrtBackend:
             self._zero = np.zeros((1, 1, s, total), np.float32)
         return self._zero
 
+
+# onnxruntime's CUDA GroupQueryAttention before the release whose schema documents otherwise
+# (the installed 1.32's: "CUDA rejects attention_bias when sliding_window_cache is 1" and
+# query_seqlens "honored by the CPU and CUDA execution providers") returns "attention_bias is not
+# supported in GroupQueryAttention cuda kernel" for any bias (contrib_ops/cuda/bert/
+# group_query_attention.cc as read in older sources). Which one a machine has is probed at load
+# (cuda_takes_bias); without the bias the op's own rule, each entry causal over its first
+# seqlens_k + 1 slots, is the only mask (docs/fused.md, "ort-cuda")
+CUDA_NO_BIAS = "this onnxruntime's CUDA GroupQueryAttention takes no attention_bias"
+
+
+def cuda_takes_bias(ort, providers: list) -> tuple[bool, str]:
+    """Whether GroupQueryAttention on `providers` runs with an attention_bias: one float16 node,
+    one decode step over a past of one (what the fused graph's calls are), run; (ok, why not)."""
+    from onnx import TensorProto as T, helper
+
+    D = 64
+    vi = helper.make_tensor_value_info
+    node = helper.make_node("GroupQueryAttention", ["q", "", "", "pk", "pv", "sk", "tl", "", "", "", "bias"],
+                            ["o", "k", "v"], domain="com.microsoft", num_heads=1, kv_num_heads=1)
+    graph = helper.make_graph([node], "probe",
+                              [vi("q", T.FLOAT16, [1, 1, 3 * D]), vi("pk", T.FLOAT16, [1, 1, 1, D]),
+                               vi("pv", T.FLOAT16, [1, 1, 1, D]), vi("sk", T.INT32, [1]), vi("tl", T.INT32, []),
+                               vi("bias", T.FLOAT16, [1, 1, 1, 2])],
+                              [vi("o", T.FLOAT16, None), vi("k", T.FLOAT16, None), vi("v", T.FLOAT16, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    feeds = {"q": np.ones((1, 1, 3 * D), np.float16), "pk": np.zeros((1, 1, 1, D), np.float16),
+             "pv": np.zeros((1, 1, 1, D), np.float16), "sk": np.array([1], np.int32), "tl": np.array(2, np.int32),
+             "bias": np.zeros((1, 1, 1, 2), np.float16)}
+    try:
+        opts = ort.SessionOptions()
+        opts.log_severity_level = 3
+        ort.InferenceSession(model.SerializeToString(), opts, providers=providers).run(None, feeds)
+    except Exception as e:  # the kernel's refusal, or anything else: the bias is not usable here
+        return False, str(e).splitlines()[0][:200]
+    return True, ""
+
+
+def without_bias(model) -> None:
+    """The fused model (in place) with every GroupQueryAttention's attention_bias input left
+    empty, and the bias inputs and their casts pruned (CUDA_NO_BIAS)."""
+    for n in model.graph.node:
+        if n.op_type == "GroupQueryAttention" and len(n.input) > 10:
+            n.input[10] = ""
+    need = prune_unneeded(model.graph)
+    inputs = [i for i in model.graph.input if i.name in need or i.name.startswith("past.")]
+    del model.graph.input[:]
+    model.graph.input.extend(inputs)
+
+
+def op_rule_call(past: int, write: int, position_ids: np.ndarray, key_mask: np.ndarray | None) -> bool:
+    """A call the op's own rule describes: its tokens appended at the end of the past (write ==
+    past), at positions past + i (so whether CUDA's kernel rotates by position_ids or by the
+    cache's length, the two agree), every past slot seen and the new block causal."""
+    s = position_ids.shape[1]
+    if write != past or not np.array_equal(position_ids[0], np.arange(past, past + s)):
+        return False
+    if key_mask is None:
+        return True
+    return bool(key_mask[0, :, :past].all()) and np.array_equal(key_mask[0, :, past:], np.tri(s, dtype=np.bool_))
+
+
 class OrtCudaBackend(OrtBackend):
-    """onnxruntime's CUDA provider; the KV buffers are device memory bound by address."""
+    """onnxruntime's CUDA provider; the KV buffers are device memory bound by address. The
+    device (`device`) is a parameter of its memories, so tests run this class's code on the CPU
+    provider with host OrtValues (tests/test_fused_cuda.py)."""
     name = "ort-cuda"
     device = "cuda"
     stage_present = False  # the cache is device memory: present.* is bound at the write slot
     exact_attention = False  # the graph as written: its u8 x s8 MatMul would run on the CPU
-    # CUDA's GroupQueryAttention runs float16/bfloat16 graphs and the rewrite handles float32 ones
-    # (docs/fused.md, "ort-cuda"): the graph as written
-    fuses = False
+    # the fused graph of a float16/bfloat16 bundle (CUDA's GroupQueryAttention has no float32
+    # kernel); where the kernel takes no attention_bias (probed), only single streams, and only
+    # when asked: fused_refusal, adapt_fused
+    fuses = True
+    runs_slots = True  # serve's fused slots, in device memory (gpu.OrtValueSlotMemory); not without the bias
     fold_minimums = False  # the graph as written (CUDA's MatMulNBits with zero points is not tested)
+    single_stream = False  # the fused graph without attention_bias: calls the op's own rule masks (op_rule_call)
 
     def check_available(self, ort) -> None:
         have = ort.get_available_providers()
@@ -702,4 +793,73 @@ class OrtCudaBackend(OrtBackend):
 
     def make_memory(self) -> KVMemory:
         from edgekv.runtime.backends.gpu import OrtValueMemory
-        return OrtValueMemory(self.ort, "cuda")
+        return OrtValueMemory(self.ort, self.device)
+
+    def fused_memory(self) -> KVMemory:
+        from edgekv.runtime.backends.gpu import OrtValueHeadMajorMemory
+        # spare slots for the moved calls, which need the bias (without it none runs)
+        return OrtValueHeadMajorMemory(self.ort, self.device, 0 if self.single_stream else FUSED_SPARE)
+
+    def takes_bias(self) -> tuple[bool, str]:
+        """cuda_takes_bias on this backend's providers, probed once."""
+        if "_bias" not in self.__dict__:
+            self._bias = cuda_takes_bias(self.ort, self.providers())
+        return self._bias
+
+    def fused_refusal(self, bundle: Bundle, mode: str) -> str | None:
+        if bundle.dtype == "float32":
+            return ("CUDA's GroupQueryAttention runs float16 and bfloat16 graphs, this bundle is float32 "
+                    "(export --dtype float16 for the fused graph on ort-cuda)")
+        bias, why = self.takes_bias()
+        if bias:
+            return None  # the CPU's fused path, on the device
+        if bundle.window is not None:
+            return f"its sliding-window layers need attention_bias, and {CUDA_NO_BIAS} ({why})"
+        if mode == "auto":  # chat and serve's cell pool need masks: the graph as written serves every caller
+            return (f"{CUDA_NO_BIAS} ({why}), so the fused graph would run single streams only (generate, eval, "
+                    f"bench), not chat's or serve's masked calls; {ATTENTION_ENV}=fused runs it")
+        return None
+
+    def adapt_fused(self, fused) -> None:
+        if self.takes_bias()[0]:
+            return
+        without_bias(fused.model)
+        self.single_stream = True
+        self.runs_slots = False  # an idle slot's cells need query_seqlens, which that older kernel does not read
+        self.fused_inputs = (SEQLENS, TOTAL)
+        self.attention += f"; without attention_bias: single streams only ({CUDA_NO_BIAS})"
+
+    def move_slots(self, cache: KVCache, src: int, dst: int, n: int) -> None:
+        for buf in cache.buffers.values():  # on the device: nothing crosses to the host
+            cache.memory.copy_slots(buf, src, dst, n)
+
+    def _run_fused(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
+                   key_mask: np.ndarray | None, logits_index: np.ndarray,
+                   local_key_mask: np.ndarray | None = None) -> np.ndarray:
+        """OrtBackend's fused call; without attention_bias only where the op's own rule is the
+        call's mask (op_rule_call), the new tokens written at `past` by the op itself, and any
+        other call (a pool's masked or moved cells) one line, never a wrong attention."""
+        if not self.single_stream:
+            return super()._run_fused(cache, past, write, input_ids, position_ids, key_mask, logits_index,
+                                      local_key_mask)
+        s = input_ids.shape[1]
+        if not op_rule_call(past, write, position_ids, key_mask):
+            raise EdgeKVError(f"{self.name} (fused attention) runs only a sequence appending at its end ({CUDA_NO_BIAS}); "
+                              f"this call writes {s} tokens at cell {write} after a past of {past} under a mask: "
+                              f"{ATTENTION_ENV}=plain runs it")
+        self.binding.feeds({"input_ids": np.ascontiguousarray(input_ids, np.int64),
+                            "position_ids": np.ascontiguousarray(position_ids, np.int64),
+                            "logits_index": np.ascontiguousarray(logits_index, np.int64),
+                            SEQLENS: np.array([past + s - 1], np.int32), TOTAL: np.array(past + s, np.int32)})
+        self.binding.whole_cache(cache)
+        logits = self.binding.logits_for(1, logits_index.shape[1])
+        self.binding.run(self.session)
+        return logits
+
+    def slot_memory(self, slots: int) -> KVMemory:
+        if self.single_stream:
+            raise BackendUnavailable(f"ort-cuda runs no fused slots here ({CUDA_NO_BIAS}: an older kernel, "
+                                     f"which reads no query_seqlens either)")
+        super().slot_memory(slots)  # the CPU's conditions: the fused graph, query_seqlens
+        from edgekv.runtime.backends.gpu import OrtValueSlotMemory
+        return OrtValueSlotMemory(self.ort, self.device, slots)
