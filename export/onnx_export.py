@@ -29,10 +29,13 @@ def export_onnx(model: Transformer, weights: dict | None = None, stamp: bool = T
     reps = representatives(model)
     if stamp and len(reps) < model.cfg.n_layers:
         view = model.with_layers(reps)
-        traced = _trace(view).model_proto
-        stamped = stamp_layers(traced, model, reps, io_names(len(reps), model.scheme, bool(view.cfg.local_layers)), names)
+        stamped = stamp_layers(_trace(view).model_proto, model, reps,
+                               io_names(len(reps), model.scheme, bool(view.cfg.local_layers)), names)
         if stamped is not None:
-            prog = ir.serde.deserialize_model(stamped)
+            graph, tensors = stamped
+            prog = ir.serde.deserialize_model(graph)
+            for name, array in tensors.items():
+                prog.graph.initializers[name].const_value = ir.Tensor(array, name=name)
         else:
             note("  (layers not stamped: the traced graph's layers were not recognised; tracing all of them)")
     if prog is None:

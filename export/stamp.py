@@ -15,7 +15,7 @@ import ast
 import re
 
 import onnx
-from onnx import helper, numpy_helper
+from onnx import helper
 
 from export.model import Transformer
 
@@ -88,9 +88,12 @@ def _copy(node, name: str, inputs: list[str], outputs: list[str]) -> onnx.NodePr
 
 
 def stamp_layers(traced: onnx.ModelProto, model: Transformer, reps: list[int], view_names: dict,
-                 names: dict) -> onnx.ModelProto | None:
+                 names: dict) -> tuple[onnx.ModelProto, dict] | None:
     """The graph of `model` (all its layers) from `traced`, the graph of its view with layers
-    `reps`; view_names / names: the contract's I/O names (io_names) of the view and of the model."""
+    `reps`; view_names / names: the contract's I/O names (io_names) of the view and of the model.
+    Returns (graph, {initializer: array}): the copies' initializers hold no bytes in the graph
+    (the model's tensors, as numpy views, are attached by the caller: no second copy of the
+    weights while the graph is folded and serialized)."""
     g, cfg = traced.graph, model.cfg
     kinds = layer_kinds(model)
     traced_of_kind = {kinds[r]: j for j, r in enumerate(reps)}
@@ -133,7 +136,15 @@ def stamp_layers(traced: onnx.ModelProto, model: Transformer, reps: list[int], v
     def own(name: str) -> bool:  # a layer's tensor; not a constant torch lifted out of forward (same in every copy)
         return _layer_of(name) is not None and _model_key(name, tensors) is not None
 
-    inits = [t for t in g.initializer if not own(t.name)]
+    weights = {}  # the model's tensors, attached by the caller (no copy of their bytes in the graph)
+    inits = []
+    for t in g.initializer:  # outside the layers: the model's own tensors (embedding, head) by name too
+        key = None if _layer_of(t.name) is not None else _model_key(t.name, tensors)
+        if key is not None:
+            weights[t.name] = tensors[key].detach().cpu().numpy()
+            t = _placeholder(t.name, weights[t.name])
+        if not own(t.name):
+            inits.append(t)
     layer_inits = {j: [t.name for t in g.initializer if own(t.name) and _layer_of(t.name) == j] for j in body}
     nodes, value_info = [_copy(n, n.name, [to_full.get(v, v) for v in n.input], list(n.output)) for n in pre], []
     value_info = [v for v in g.value_info if v.name not in maker]
@@ -149,7 +160,8 @@ def stamp_layers(traced: onnx.ModelProto, model: Transformer, reps: list[int], v
         for name in layer_inits[j]:
             new = _rename_layer(name, j, i)
             ren[name] = new
-            inits.append(numpy_helper.from_array(tensors[_model_key(new, tensors)].detach().cpu().numpy(), new))
+            weights[new] = tensors[_model_key(new, tensors)].detach().cpu().numpy()
+            inits.append(_placeholder(new, weights[new]))
         ren.update({v: f"{v}__{i}" for v in made[j] if v not in ren})
         for n in body[j]:
             if all(v in first for v in n.output):
@@ -184,4 +196,11 @@ def stamp_layers(traced: onnx.ModelProto, model: Transformer, reps: list[int], v
     out = onnx.ModelProto()
     out.CopyFrom(traced)
     out.graph.CopyFrom(graph)
-    return out
+    return out, weights
+
+
+def _placeholder(name: str, array) -> onnx.TensorProto:
+    """An initializer's name, type and shape, its bytes left out (stamp_layers' caller attaches them)."""
+    t = onnx.TensorProto(name=name, data_type=helper.np_dtype_to_tensor_dtype(array.dtype))
+    t.dims.extend(array.shape)
+    return t

@@ -105,7 +105,7 @@ def test_unrecognised_layers_are_not_stamped(graphs):
     traced = _trace(view).model_proto
     names = io_names(m.cfg.n_layers, m.scheme)
     view_names = io_names(len(reps), m.scheme)
-    assert stamp_layers(traced, m, reps, view_names, names) is not None
+    assert stamp_layers(traced, m, reps, view_names, names) is not None  # (graph, weights)
     for n in traced.graph.node:  # torch's module scopes gone
         n.ClearField("metadata_props")
     assert stamp_layers(traced, m, reps, view_names, names) is None
