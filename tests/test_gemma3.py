@@ -77,7 +77,7 @@ def greedy(gen, prompt, n):
 def test_the_bundle_records_its_local_layers_and_passed_parity_past_the_window(kv, bundles):
     b = load_bundle(bundles(kv))
     m = b.manifest
-    assert m["format_version"] == 3 and m["model"]["local_layers"] == [0, 1] and m["model"]["sliding_window"] == WINDOW
+    assert m["format_version"] == 4 and m["model"]["local_layers"] == [0, 1] and m["model"]["sliding_window"] == WINDOW
     assert m["io"]["inputs"][-1] == LOCAL_MASK and b.window == WINDOW
     assert m["parity"]["passed"] and m["trt_check"] == {"10.3": "pass"}
     assert m["parity"]["prompt_tokens"] > 2 * WINDOW and m["parity"]["decode_steps"] == GEMMA_PARITY_STEPS

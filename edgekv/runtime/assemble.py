@@ -26,12 +26,15 @@ class Runtime:
     def codec(self) -> TextCodec:
         return TextCodec(self.bundle)
 
-    def cache(self, capacity: int | None = None) -> KVCache:
-        return KVCache(self.bundle, capacity or self.capacity, memory=self.backend.memory)
+    def cache(self, capacity: int | None = None, windowed: bool = False) -> KVCache:
+        """A cache of `capacity` slots (default the runtime's); `windowed`: one stream's, whose
+        local layers keep only their window where the bundle and the backend allow it."""
+        windowed = windowed and getattr(self.backend, "windows_cache", False)
+        return KVCache(self.bundle, capacity or self.capacity, memory=self.backend.memory, windowed=windowed)
 
     def generator(self, capacity: int | None = None, prefill_chunk: int = PREFILL_CHUNK, cache: KVCache | None = None) -> Generator:
-        """A generator over a new sequence: in `cache`, or in a new cache of `capacity` slots."""
-        return Generator(self.backend, cache or self.cache(capacity), prefill_chunk=prefill_chunk)
+        """A generator over a new sequence: in `cache`, or in a new windowed cache of `capacity` slots."""
+        return Generator(self.backend, cache or self.cache(capacity, windowed=True), prefill_chunk=prefill_chunk)
 
     def batcher(self, capacity: int | None = None, **kw) -> Batcher:
         """A batcher over a new pool of `capacity` cells (kw: Batcher's parallel, max_queue,

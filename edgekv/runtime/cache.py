@@ -11,13 +11,18 @@ up to a bucket, the tail masked), and the new tokens' region buf[w:w+S] is conti
 Where the buffers live, and how, is the backend's choice (`backend.memory`, a KVMemory): host
 memory (numpy) for ort-cpu, device memory for the GPU backends; the fused graph's buffers are
 head-major [1, Hkv, capacity + spare, D] (memory.HeadMajorMemory), and every copy in or out of
-them still speaks slots, so the cell operations below mean the same in either layout."""
+them still speaks slots, so the cell operations below mean the same in either layout.
+
+A windowed cache (`windowed=True`, a format-4 bundle with local layers: docs/models.md) gives
+the local layers' buffers only `ring` slots, [ring, 1, Hkv, D], which one Sequence uses as a ring
+(sequence.py); it is one stream's (generate, eval, bench): the cell operations, which speak the
+global layers' slots, refuse it."""
 from __future__ import annotations
 
 import numpy as np
 
 from edgekv.errors import EdgeKVError
-from edgekv.format.bundle import Bundle, io_names
+from edgekv.format.bundle import Bundle, io_names, layer_of, local_slots
 from edgekv.runtime.memory import HostMemory, KVMemory, MovesRows, RowMemory
 from edgekv.runtime.sequence import Sequence
 
@@ -30,7 +35,7 @@ def default_capacity(bundle: Bundle) -> int:
 
 
 class KVCache:
-    def __init__(self, bundle: Bundle, capacity: int, memory: KVMemory | None = None):
+    def __init__(self, bundle: Bundle, capacity: int, memory: KVMemory | None = None, windowed: bool = False):
         if capacity < 1:
             raise EdgeKVError(f"the cache capacity must be at least 1 (got {capacity})", setting="capacity",
                               fix="raise {}")
@@ -47,12 +52,20 @@ class KVCache:
         self.scheme = bundle.scheme
         self.window = bundle.window  # the local layers' sliding window: the graph takes local_key_mask (None: no such layers)
         self.names = io_names(m["n_layers"], self.scheme)["past"]
+        # the local layers' slots (None: every buffer has `capacity`); only for one stream's
+        # cache, in host slot-major memory, of a graph whose local past has its own length
+        self.local_ring = None
+        if windowed and bundle.windowed and self.memory.slots == 1 and self.layout == "slots":
+            self.local_ring = min(local_slots(bundle.window), capacity)
+        local = set(bundle.local_layers) if self.local_ring else set()
+        self.local_names = [name for name in self.names if layer_of(name) in local]
         float_dtype = bundle.dtype
         shapes = {}
         for name in self.names:
             spec = self.scheme.spec_of(name)
             dtype = NP_DTYPES[float_dtype if spec.dtype == "float" else spec.dtype]
-            shapes[name] = (spec.shape(capacity, 1, m["n_kv_heads"], m["head_dim"]), dtype)
+            slots = self.local_ring if name in self.local_names else capacity
+            shapes[name] = (spec.shape(slots, 1, m["n_kv_heads"], m["head_dim"]), dtype)
         need = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in shapes.values())
         free = self.memory.free_bytes()
         if free is not None and need > free:
@@ -66,11 +79,29 @@ class KVCache:
         self.row_bytes = {name: int(np.prod(shape[1:])) * self.dtypes[name].itemsize
                           for name, shape in self.shapes.items()}
         self.nbytes = need
-        self.bytes_per_token = need // capacity
+        # the local ring's bytes are fixed (all of them in use once it is full); the rest grows per token
+        self.local_bytes = sum(self.row_bytes[name] * self.local_ring for name in self.local_names)
+        self.bytes_per_token = (need - self.local_bytes) // capacity
 
     def new_sequence(self) -> Sequence:
         """A sequence over this cache's slots."""
-        return Sequence(self.capacity, self.max_positions, self.window)
+        return Sequence(self.capacity, self.max_positions, self.window, self.local_ring)
+
+    def slots_of(self, name: str, count: int) -> int:
+        """Of `count` slots, those buffer `name` has (a local layer's ring holds at most its own)."""
+        return min(count, self.local_ring) if name in self.local_names else count
+
+    def write_local(self, name: str, slots: np.ndarray, rows: np.ndarray) -> None:
+        """Copy rows [k, 1, Hkv, D] to the given slots of a local layer's ring (in order; a run
+        that wraps past the ring's end is two copies)."""
+        i = 0
+        for a, b in runs(np.asarray(slots, np.int64)):
+            self.memory.write_rows(self.buffers[name], a, rows[i: i + b - a])
+            i += b - a
+
+    def _cells(self) -> None:
+        if self.local_ring is not None:
+            raise EdgeKVError("a windowed cache (its local layers keep only their window) has no cells to copy")
 
     @property
     def layout(self) -> str:
@@ -88,10 +119,14 @@ class KVCache:
         return [count] + list(self.shapes[name][1:])
 
     def used_bytes(self, slots: int) -> int:
-        return slots * self.bytes_per_token
+        used = slots * self.bytes_per_token
+        if self.local_ring is not None:
+            used += self.local_bytes * min(slots, self.local_ring) // self.local_ring
+        return used
 
     def read(self, n: int) -> dict[str, np.ndarray]:
         """Host copies of the first n slots of every buffer (a snapshot)."""
+        self._cells()
         return {name: self.memory.read(buf, n) for name, buf in self.buffers.items()}
 
     @property
@@ -101,10 +136,12 @@ class KVCache:
 
     def read_rows(self, start: int, stop: int) -> dict[str, np.ndarray]:
         """Host copies of slots [start, stop) of every buffer."""
+        self._cells()
         return {name: self.memory.read_rows(buf, start, stop) for name, buf in self.buffers.items()}
 
     def write_rows(self, start: int, rows: dict[str, np.ndarray]) -> None:
         """Copy `rows` (from read_rows) back to the slots from `start` on."""
+        self._cells()
         for name, buf in self.buffers.items():
             self.memory.write_rows(buf, start, rows[name])
 
@@ -136,6 +173,7 @@ class KVCache:
         """Copy slot src[i] to slot dst[i] in every buffer, every source read before any is
         written (a permutation's swaps are safe): the memory's own move where it has one, else
         the whole buffer through the host."""
+        self._cells()
         src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
         if not src.size:
             return
@@ -150,6 +188,7 @@ class KVCache:
 
     def slots_in(self, snap: dict[str, np.ndarray]) -> int:
         """The slots a snapshot holds; an error unless it fits this cache's layout."""
+        self._cells()
         n = {v.shape[0] for v in snap.values()}
         if len(n) != 1 or set(snap) != set(self.buffers):
             raise EdgeKVError("snapshot does not match this cache's layout")
@@ -160,6 +199,7 @@ class KVCache:
 
     def write(self, snap: dict[str, np.ndarray]) -> None:
         """Copy a snapshot (checked with `slots_in`) into the first slots of every buffer."""
+        self._cells()
         for name, buf in self.buffers.items():
             self.memory.write(buf, snap[name])
 

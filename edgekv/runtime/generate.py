@@ -43,7 +43,8 @@ class Stats:
 def kv_line(cache: KVCache, seq: "Sequence | PoolSequence") -> str:
     """What the cache holds: slots and bytes used / allocated."""
     mib = 2 ** 20
-    return f"KV {seq.n}/{cache.capacity} slots, {cache.used_bytes(seq.n) / mib:.2f} / {cache.nbytes / mib:.2f} MiB"
+    ring = f" (local layers: last {cache.local_ring})" if getattr(cache, "local_ring", None) else ""  # a windowed cache
+    return f"KV {seq.n}/{cache.capacity} slots{ring}, {cache.used_bytes(seq.n) / mib:.2f} / {cache.nbytes / mib:.2f} MiB"
 
 
 def ring_note(seq: "Sequence | PoolSequence") -> str:

@@ -528,6 +528,13 @@ class OrtBackend:
         capacity), so the binding changes once per bucket; the sequence's key mask hides the rest."""
         return bound_past(seq.n, self.past_bucket, cache.capacity)
 
+    @property
+    def windows_cache(self) -> bool:
+        """A single stream's cache may keep only the local layers' window (KVCache(windowed=True)):
+        the graph as written on host memory binds the ring; the fused graph (one length for every
+        layer's cache) and device memory keep the full capacity."""
+        return self.fused is None and self.device == "cpu"
+
     def run(self, cache: KVCache, seq: Sequence, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
         self._check_cache(cache)
         s = input_ids.shape[1]
@@ -536,8 +543,19 @@ class OrtBackend:
             local = seq.local_key_mask(s, seq.n) if self.local_bias else None  # the window: never the op's rule
             return self._run_fused(cache, seq.n, seq.w, input_ids, seq.positions(s), mask, logits_index, local)
         past = self.past_slots(cache, seq)
+        if cache.local_ring is not None:  # the local layers' ring, bound at its own bucket
+            return self._run(cache, past, seq.w, input_ids, seq.positions(s), seq.key_mask(s, past), logits_index,
+                             *self._ring_call(cache, seq, s))
         local = seq.local_key_mask(s, past) if self.local_mask else None
         return self._run(cache, past, seq.w, input_ids, seq.positions(s), seq.key_mask(s, past), logits_index, local)
+
+    def _ring_call(self, cache: KVCache, seq: Sequence, s: int) -> tuple:
+        """A windowed cache's local layers: (their mask, the slots bound as their past, where the
+        call's kept tokens go: the first kept and their ring slots)."""
+        if cache.local_ring != seq.local_ring:
+            raise EdgeKVError(f"{self.name}: a windowed cache runs its own sequences (cache.new_sequence())")
+        local_past = bound_past(seq.local_filled(), self.past_bucket, cache.local_ring)
+        return seq.local_key_mask(s, local_past), local_past, seq.local_slots(s)
 
     def _check_cache(self, cache: KVCache) -> None:
         if cache.memory.device != self.device or cache.layout != getattr(self.memory, "layout", "slots"):
@@ -546,10 +564,13 @@ class OrtBackend:
                               f"memory (build it with memory=backend.memory)")
 
     def _run(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
-             key_mask: np.ndarray, logits_index: np.ndarray, local_key_mask: np.ndarray | None = None) -> np.ndarray:
-        """One graph call: past = slots [0, past), present to slots [write, write + S)."""
+             key_mask: np.ndarray, logits_index: np.ndarray, local_key_mask: np.ndarray | None = None,
+             local_past: int | None = None, ring: tuple | None = None) -> np.ndarray:
+        """One graph call: past = slots [0, past), present to slots [write, write + S); a windowed
+        cache's local layers: past = their slots [0, local_past), and of the call's tokens those
+        from ring[0] on go to their ring slots ring[1]."""
         b, s = input_ids.shape
-        small = self.binding.small(s, logits_index.shape[1], past, self.local_mask)
+        small = self.binding.small(s, logits_index.shape[1], past, self.local_mask, local_past)
         np.copyto(small["input_ids"], input_ids)
         np.copyto(small["position_ids"], position_ids)
         np.copyto(small["logits_index"], logits_index)
@@ -558,17 +579,21 @@ class OrtBackend:
             if local_key_mask is None:
                 raise EdgeKVError(f"{self.name}: this graph has sliding-window layers and needs their {LOCAL_MASK}")
             np.copyto(small[LOCAL_MASK], local_key_mask)
-        self.binding.past(cache, past)
+        self.binding.past(cache, past, local_past)
         staged = s == 1 and self.stage_present
         if staged:
             stage = self.binding.staged_present(cache)
         else:
-            self.binding.present_at(cache, write, s)
+            scratch = self.binding.present_at(cache, write, s)
         logits = self.binding.logits_for(b, logits_index.shape[1])
         self.binding.run(self.session)
         if staged:  # by address: the cache's memory may be any host memory (numpy, OrtValues)
-            for base, row, src in stage:
-                ctypes.memmove(base + write * row, src, row)
+            local_slot = int(ring[1][0]) if ring else write
+            for base, row, src, local in stage:
+                ctypes.memmove(base + (local_slot if local else write) * row, src, row)
+        elif scratch:  # the local layers' kept rows into their ring
+            for name, rows in scratch.items():
+                cache.write_local(name, ring[1], rows[ring[0]:])
         return logits
 
     def run_cells(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
