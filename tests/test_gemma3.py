@@ -198,6 +198,124 @@ def test_chat_ring_wrapped_equals_the_ring_oracle_token_by_token(bundles):
     np.testing.assert_allclose(np.stack(req.logits), rows, atol=1e-5, rtol=1e-5)
 
 
+# -- the windowed cache (format 4): the local layers keep only their last W - 1 positions ------
+
+def run_both(b, prompt, steps, chunk, windowed):
+    """Greedy over a cache of CONTEXT slots, windowed or full (the same backend and past bucket)."""
+    g = Generator(OrtBackend(b, threads=1, past_bucket=4), KVCache(b, CONTEXT, windowed=windowed), prefill_chunk=chunk)
+    return greedy(g, prompt, steps), g
+
+
+@pytest.mark.parametrize("kv, chunk", [("float", 3), ("float", 16), ("int8", 5)])
+def test_a_windowed_cache_equals_the_full_cache_past_the_window(bundles, kv, chunk):
+    """A cache whose local layers hold 7 slots (window 8) = the full cache, whose local_key_mask
+    masks the out-of-window keys: the same greedy tokens and logits over a 30-token prompt fed in
+    chunks that wrap the ring (3, 5) or outgrow it (16), then 40 decode steps (positions to 70)."""
+    b = load_bundle(bundles(kv))
+    prompt = ids(30, 20)
+    (want, want_rows), full = run_both(b, prompt, 40, chunk, windowed=False)
+    (got, rows), win = run_both(b, prompt, 40, chunk, windowed=True)
+    assert win.cache.local_ring == WINDOW - 1 and full.cache.local_ring is None
+    assert {win.cache.buffers[n].shape[0] for n in win.cache.local_names} == {WINDOW - 1}
+    assert len(win.cache.local_names) == 2 * len(b.local_layers) * len(b.scheme.tensors)
+    assert got == want
+    np.testing.assert_allclose(rows, want_rows, atol=1e-5, rtol=1e-5)
+
+
+def test_the_windowed_cache_reports_its_bytes(bundles):
+    """The cache's bytes = the manifest's: the global layer's per token plus the local layers'
+    fixed ring; the stats line says the local layers keep their last 7 and counts those bytes."""
+    from edgekv.runtime.generate import kv_line
+
+    b = load_bundle(bundles("int8"))
+    kv = b.manifest["kv"]
+    full, win = KVCache(b, CONTEXT), KVCache(b, CONTEXT, windowed=True)
+    assert kv["local_slots"] == WINDOW - 1
+    assert (win.bytes_per_token, win.local_bytes) == (kv["global_bytes_per_token"], kv["local_bytes"]) \
+        == b.windowed_kv_bytes()
+    assert full.bytes_per_token == kv["bytes_per_token"] == b.kv_bytes_per_token() and full.local_bytes == 0
+    assert win.nbytes == CONTEXT * kv["global_bytes_per_token"] + kv["local_bytes"] < full.nbytes
+    # the tiny model: 2 of its 3 layers local, so at CONTEXT the windowed cache is about a third of the full one
+    assert win.nbytes / full.nbytes < 0.4
+    seq = win.new_sequence()
+    seq.advance(ids(3))
+    assert win.used_bytes(3) == 3 * kv["global_bytes_per_token"] + 3 * kv["local_bytes"] // (WINDOW - 1)
+    seq.advance(ids(20))
+    assert win.used_bytes(23) == 23 * kv["global_bytes_per_token"] + kv["local_bytes"]
+    line = kv_line(win, seq)
+    assert line.startswith(f"KV 23/{CONTEXT} slots (local layers: last {WINDOW - 1}), ") and "MiB" in line
+    assert "local layers" not in kv_line(full, full.new_sequence())
+
+
+def test_the_runtime_runs_generate_windowed_and_a_batcher_full(bundles):
+    """Which paths take the windowed cache: one stream on ort-cpu's graph as written; the batcher
+    (chat, serve) and the fused graph keep every position for the local layers."""
+    with open_runtime(bundles("int8"), CONTEXT, "ort-cpu", threads=1, attention="plain") as rt:
+        assert rt.generator().cache.local_ring == WINDOW - 1
+        assert rt.batcher(capacity=CONTEXT).kv.cache.local_ring is None
+    with open_runtime(bundles("float"), CONTEXT, "ort-cpu", threads=1, attention="fused") as rt:
+        assert rt.generator().cache.local_ring is None
+
+
+def test_a_windowed_sequence_truncates_only_what_its_ring_still_holds(bundles):
+    """Undo within the ring = the full cache's; past it (the local slots were overwritten) one
+    clear error, and the sequence is unchanged; a windowed cache has no cells to snapshot."""
+    from edgekv.errors import EdgeKVError
+
+    b = load_bundle(bundles("float"))
+    full, win = (Generator(OrtBackend(b, threads=1), KVCache(b, CONTEXT, windowed=w), prefill_chunk=8)
+                 for w in (False, True))
+    for g in (full, win):
+        g.prefill(ids(5, 21))
+        g.truncate(3)
+    assert g.seq.n == 3
+    a, c = full.decode_step(7).copy(), win.decode_step(7).copy()
+    np.testing.assert_allclose(c, a, atol=1e-5, rtol=1e-5)
+    win.prefill(ids(10, 22))
+    with pytest.raises(EdgeKVError, match="cannot truncate 14 tokens to 12"):
+        win.truncate(12)
+    assert win.seq.n == 14
+    with pytest.raises(EdgeKVError, match="windowed cache"):
+        win.snapshot()
+
+
+def test_an_older_bundle_keeps_every_position_for_its_local_layers(bundles, tmp_path):
+    """A version-3 manifest (its graph may tie the local past to the global one) runs with the
+    full cache, as before; a version-4 one whose local slots disagree with its window is refused."""
+    dst = tmp_path / "v3"
+    shutil.copytree(bundles("float"), dst)
+    man = json.loads((dst / "edgekv.json").read_text())
+    man["format_version"] = 3
+    for k in ("local_slots", "global_bytes_per_token", "local_bytes"):
+        del man["kv"][k]
+    (dst / "edgekv.json").write_text(json.dumps(man))
+    b = load_bundle(dst)
+    assert not b.windowed and b.windowed_kv_bytes() == (b.kv_bytes_per_token(), 0)
+    with open_runtime(b, CONTEXT, "ort-cpu", threads=1) as rt:
+        g = rt.generator()
+        assert g.cache.local_ring is None and g.cache.local_names == []
+        want, _ = run_both(load_bundle(bundles("float")), ids(12, 23), 12, 8, windowed=True)[0]
+        assert greedy(g, ids(12, 23), 12)[0] == want
+    man["format_version"], man["kv"]["local_slots"] = 4, WINDOW
+    (dst / "edgekv.json").write_text(json.dumps(man))
+    with pytest.raises(BundleError, match="kv.local_slots"):
+        load_bundle(dst)
+
+
+def test_the_graph_gives_the_local_past_its_own_dimension(bundles):
+    """check-trt passed the export (test above); the local layers' past and local_key_mask are
+    named by their own dimension, the global layer's by `past`."""
+    import onnx
+
+    b = load_bundle(bundles("int8"))
+    g = onnx.load(str(b.onnx_path), load_external_data=False).graph
+    first = {i.name: i.type.tensor_type.shape.dim[0].dim_param for i in g.input if i.name.startswith("past.")}
+    assert {first[n] for n in first if int(n.split(".")[1]) in b.local_layers} == {"local_past"}
+    assert {first[n] for n in first if int(n.split(".")[1]) not in b.local_layers} == {"past"}
+    mask = next(i for i in g.input if i.name == LOCAL_MASK)
+    assert mask.type.tensor_type.shape.dim[2].dim_param == "local_total"
+
+
 # -- the backends -----------------------------------------------------------------------------
 
 def test_the_trt_backend_feeds_the_local_mask_by_name(bundles, monkeypatch):
