@@ -179,12 +179,15 @@ class WindowRing(RingSequence):
         return m
 
 
-def test_chat_ring_wrapped_equals_the_ring_oracle_token_by_token(bundles):
+@pytest.mark.parametrize("windowed", [True, False])
+def test_chat_ring_wrapped_equals_the_ring_oracle_token_by_token(bundles, windowed):
     """A kept ring of 20 cells (4 sinks) fed 70 tokens one per call, then decoding: its logits =
-    the single-stream ring's whose slots know their positions, at every step (float KV)."""
+    the single-stream ring's whose slots know their positions, at every step (float KV), with
+    the local layers in their own ring (windowed, chat's) or in the cells (the full pool)."""
     b = load_bundle(bundles("float"))
     ctx, sinks = 20, 4
-    e = chat_engine(OrtBackend(b, threads=1, past_bucket=1), b, ctx, chunk=1)
+    e = chat_engine(OrtBackend(b, threads=1, past_bucket=1), b, ctx, chunk=1, windowed=windowed)
+    assert (e.cache.local_ring is not None) == windowed
     seq = e.hold()
     seq.enable_ring(sinks)
     ring = WindowRing(ctx, b.max_context, b.window)
@@ -314,6 +317,142 @@ def test_the_graph_gives_the_local_past_its_own_dimension(bundles):
     assert {first[n] for n in first if int(n.split(".")[1]) not in b.local_layers} == {"past"}
     mask = next(i for i in g.input if i.name == LOCAL_MASK)
     assert mask.type.tensor_type.shape.dim[2].dim_param == "local_total"
+
+
+# -- the windowed pool (chat): a ring of the local layers' slots per sequence -----------------
+
+def windowed_chat(b, margin=0, chunk=8, ctx=CONTEXT):
+    """chat's batcher over a windowed pool whose rings hold W - 1 + margin slots (0: as tight as
+    generate's, so every turn here wraps them)."""
+    from edgekv.runtime.batching import Batcher
+
+    cache = KVCache(b, ctx, windowed=True, rings=2, margin=margin)
+    return Batcher(OrtBackend(b, threads=1), cache, parallel=1, max_queue=1, prefill_chunk=chunk, max_prefixes=0)
+
+
+def turns(engine, seq, prompts, n=8):
+    """Each prompt as a turn of the kept sequence: the greedy replies and their logits."""
+    out = []
+    for p in prompts:
+        req = engine.run(Request(p, n, seq=seq, record_logits=True))
+        out.append((req.out, np.stack(req.logits)))
+    return out
+
+
+def assert_same_turns(got, want):
+    for (a, la), (c, lc) in zip(got, want):
+        assert a == c
+        np.testing.assert_allclose(la, lc, atol=1e-5, rtol=1e-5)
+
+
+def test_chat_runs_a_windowed_pool_and_equals_the_full_one_over_turns(bundles):
+    """`edgekv chat`'s batcher (chat_engine, as the terminal opens it) keeps a ring of W - 1 + 64
+    slots for the conversation; with rings as tight as W - 1, wrapped by every turn: the full
+    pool's replies and logits over four turns (positions to ~90)."""
+    from edgekv.runtime.assemble import RING_MARGIN
+
+    b = load_bundle(bundles("float"))
+    real = chat_engine(OrtBackend(b, threads=1), b, CONTEXT, chunk=8)
+    assert real.cache.local_ring == WINDOW - 1 + RING_MARGIN and real.cache.rings == 2
+    prompts = [ids(14, 30 + t) for t in range(4)]
+    full = chat_engine(OrtBackend(b, threads=1), b, CONTEXT, chunk=8, windowed=False)
+    assert full.cache.local_ring is None
+    want = turns(full, full.hold(), prompts)
+    for e in (windowed_chat(b), real):
+        seq = e.hold()
+        assert_same_turns(turns(e, seq, prompts), want)
+        assert seq.pos > 10 * WINDOW and (seq.ring_positions() >= 0).all()
+
+
+def test_a_windowed_turn_rolled_back_leaves_the_ring_as_it_was(bundles):
+    """A turn that fails half-way through its reply (after its prompt overwrote the ring) is
+    undone: the next turns = those of a conversation that never had it."""
+    b = load_bundle(bundles("float"))
+    e, ref = windowed_chat(b), windowed_chat(b)
+    seq, ref_seq = e.hold(), ref.hold()
+    first = ids(20, 40)
+    turns(e, seq, [first]), turns(ref, ref_seq, [first])
+    before = seq.ring_positions().copy()
+    with pytest.raises(RuntimeError):
+        with e.turn():
+            e.run(Request(ids(12, 41), 8, seq=seq))
+            assert not np.array_equal(seq.ring_positions(), before)
+            raise RuntimeError("the turn fails")
+    np.testing.assert_array_equal(seq.ring_positions(), before)
+    rest = [ids(9, 42), ids(11, 43)]
+    assert_same_turns(turns(e, seq, rest), turns(ref, ref_seq, rest))
+
+
+def test_a_windowed_sequence_truncates_within_its_ring_else_it_starts_over(bundles):
+    """Truncating to n keeps the ring while it still holds the window before n (the margin);
+    past that the batcher says it cannot, and the sequence starts over (as chat's session does):
+    either way the next turn = the full pool's after the same truncation."""
+    b = load_bundle(bundles("float"))
+    prompt, tail = ids(40, 44), ids(6, 45)
+    for margin, n, can in ((4, 37, True), (4, 30, False), (0, 39, False)):
+        full = chat_engine(OrtBackend(b, threads=1), b, CONTEXT, chunk=8, windowed=False)
+        fseq = full.hold()
+        full.run(Request(prompt, 1, seq=fseq))
+        full.truncate(fseq, n)
+        want = turns(full, fseq, [tail])
+        e = windowed_chat(b, margin)
+        seq = e.hold()
+        e.run(Request(prompt, 1, seq=seq))
+        assert e.can_truncate(seq, n) is can, (margin, n)
+        if can:
+            e.truncate(seq, n)
+            got = turns(e, seq, [tail])
+        else:
+            with pytest.raises(ValueError, match="ring no longer holds that window"):
+                e.truncate(seq, n)
+            e.reset(seq)
+            got = turns(e, seq, [prompt[:n] + tail])
+        assert_same_turns(got, want)
+
+
+def test_chat_session_starts_over_where_its_ring_lost_the_window(bundles):
+    """ChatSession._keep_common_prefix: a common prefix whose window the ring still holds is
+    kept (truncated to), one it lost resets the sequence (re-fed whole by the turn)."""
+    from edgekv.chat.session import ChatSession
+    from edgekv.runtime.sampling import SamplingParams
+    from edgekv.runtime.text import TextCodec
+
+    b = load_bundle(bundles("float"))
+    s = ChatSession(b, TextCodec(b), windowed_chat(b, margin=4), SamplingParams(temperature=0.0), None, 4)
+    s.batcher.run(Request(ids(30, 46), 1, seq=s.seq))
+    held = s.seq.ids
+    assert s._keep_common_prefix(held[:28] + [5]) == 28 and s.seq.n == 28
+    assert s._keep_common_prefix(held[:10] + [5]) == 0 and s.seq.n == 0
+
+
+def test_a_windowed_chat_saves_and_loads_its_ring(bundles, tmp_path):
+    """A snapshot carries the ring's rows in position order: restored into another windowed pool
+    the conversation continues as the saved one does; a full pool's snapshot loads into a
+    windowed pool (its last cells fill the ring); a windowed one into a full pool is refused."""
+    from edgekv.errors import EdgeKVError
+
+    b = load_bundle(bundles("float"))
+    e = windowed_chat(b)
+    seq = e.hold()
+    turns(e, seq, [ids(25, 47), ids(9, 48)])
+    snap, held = e.snapshot(seq), seq.ids
+    assert snap["ring.positions"].tolist() == list(range(seq.pos - (WINDOW - 1), seq.pos))
+    nxt = [ids(10, 49), ids(7, 50)]
+    want = turns(e, seq, nxt)
+    again = windowed_chat(b)
+    other = again.hold()
+    again.restore(other, snap, held)
+    assert_same_turns(turns(again, other, nxt), want)
+    full = chat_engine(OrtBackend(b, threads=1), b, CONTEXT, chunk=8, windowed=False)
+    fseq = full.hold()
+    turns(full, fseq, [ids(25, 47), ids(9, 48)])
+    fsnap, fids = full.snapshot(fseq), fseq.ids
+    w2 = windowed_chat(b)
+    s2 = w2.hold()
+    w2.restore(s2, fsnap, fids)
+    assert_same_turns(turns(w2, s2, nxt), turns(full, fseq, nxt))
+    with pytest.raises(EdgeKVError, match="layout"):
+        full.restore(full.hold(), snap, held)
 
 
 # -- the backends -----------------------------------------------------------------------------

@@ -14,6 +14,17 @@ from edgekv.runtime.generate import Generator
 from edgekv.runtime.text import TextCodec
 
 
+RING_MARGIN = 64  # a windowed pool's slots per ring beyond the window's W - 1 (chat's truncations)
+
+
+def pool_cache(bundle: Bundle, backend: Backend, capacity: int, windowed: bool, parallel: int) -> KVCache:
+    """A batcher's pool of `capacity` cells; `windowed` where the bundle and the backend allow it:
+    a ring for a kept sequence and one for each request running beside it, each W - 1 slots plus
+    RING_MARGIN (a turn may give back its last tokens, a re-rendered reply, without a re-prefill)."""
+    windowed = windowed and getattr(backend, "windows_cache", False)
+    return KVCache(bundle, capacity, memory=backend.memory, windowed=windowed, rings=parallel + 1, margin=RING_MARGIN)
+
+
 class Runtime:
     """A bundle on a backend, with the cache capacity chosen for it. Caches are allocated from
     the backend's memory; `close` (or leaving a `with` block) frees the backend's buffers, so
@@ -36,10 +47,13 @@ class Runtime:
         """A generator over a new sequence: in `cache`, or in a new windowed cache of `capacity` slots."""
         return Generator(self.backend, cache or self.cache(capacity, windowed=True), prefill_chunk=prefill_chunk)
 
-    def batcher(self, capacity: int | None = None, **kw) -> Batcher:
+    def batcher(self, capacity: int | None = None, windowed: bool = False, **kw) -> Batcher:
         """A batcher over a new pool of `capacity` cells (kw: Batcher's parallel, max_queue,
-        prefill_chunk, max_prefixes): serve's, with its thread started; chat's, run on the caller's."""
-        return Batcher(self.backend, self.cache(capacity), **kw)
+        prefill_chunk, max_prefixes): serve's, with its thread started; chat's, run on the caller's.
+        `windowed` (chat: one kept conversation, no prefix cache): the local layers keep a ring of
+        their window per sequence, where the bundle and the backend allow it (docs/models.md)."""
+        cache = pool_cache(self.bundle, self.backend, capacity or self.capacity, windowed, kw.get("parallel", 4))
+        return Batcher(self.backend, cache, **kw)
 
 
     def close(self) -> None:

@@ -555,7 +555,8 @@ class OrtBackend:
         if cache.local_ring != seq.local_ring:
             raise EdgeKVError(f"{self.name}: a windowed cache runs its own sequences (cache.new_sequence())")
         local_past = bound_past(seq.local_filled(), self.past_bucket, cache.local_ring)
-        return seq.local_key_mask(s, local_past), local_past, seq.local_slots(s)
+        first, slots = seq.local_slots(s)
+        return seq.local_key_mask(s, local_past), local_past, (np.arange(first, s), slots)
 
     def _check_cache(self, cache: KVCache) -> None:
         if cache.memory.device != self.device or cache.layout != getattr(self.memory, "layout", "slots"):
@@ -567,8 +568,8 @@ class OrtBackend:
              key_mask: np.ndarray, logits_index: np.ndarray, local_key_mask: np.ndarray | None = None,
              local_past: int | None = None, ring: tuple | None = None) -> np.ndarray:
         """One graph call: past = slots [0, past), present to slots [write, write + S); a windowed
-        cache's local layers: past = their slots [0, local_past), and of the call's tokens those
-        from ring[0] on go to their ring slots ring[1]."""
+        cache's local layers: past = their slots [0, local_past), and the call's token rows ring[0]
+        go to their ring slots ring[1]."""
         b, s = input_ids.shape
         small = self.binding.small(s, logits_index.shape[1], past, self.local_mask, local_past)
         np.copyto(small["input_ids"], input_ids)
@@ -593,20 +594,26 @@ class OrtBackend:
                 ctypes.memmove(base + (local_slot if local else write) * row, src, row)
         elif scratch:  # the local layers' kept rows into their ring
             for name, rows in scratch.items():
-                cache.write_local(name, ring[1], rows[ring[0]:])
+                cache.write_local(name, ring[1], rows[ring[0]])
         return logits
 
     def run_cells(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
                   key_mask: np.ndarray, logits_index: np.ndarray,
-                  local_key_mask: np.ndarray | None = None) -> np.ndarray:
+                  local_key_mask: np.ndarray | None = None, ring: tuple | None = None) -> np.ndarray:
         """One call over a pool of cells shared by several sequences (edgekv/runtime/batching/):
         past = cells [0, past), present written at cells [write, write + S), positions and the
         per-token mask [1, S, past + S] given whole. Cells of the write run that lie inside the
         past are free, hence masked (as a ring's overwritten slots). The same constant-work
-        binding as `run`: own small arrays, the past rebound only when `past` changes."""
+        binding as `run`: own small arrays, the past rebound only when `past` changes. A windowed
+        pool (cache.local_ring): the local layers' past is every ring's slots, local_key_mask
+        [1, S, rings * local_ring + S] over them, and `ring` = (token rows, ring slots) the call's
+        kept local K/V go to."""
         self._check_cache(cache)
         if self.fused is not None:
             return self._run_fused(cache, past, write, input_ids, position_ids, key_mask, logits_index, local_key_mask)
+        if cache.local_ring is not None:
+            return self._run(cache, past, write, input_ids, position_ids, key_mask, logits_index, local_key_mask,
+                             cache.local_ring * cache.rings, ring)
         return self._run(cache, past, write, input_ids, position_ids, key_mask, logits_index, local_key_mask)
 
     # -- the fused graph (docs/fused.md, "The runtime"): the cache is head-major, one buffer per
