@@ -186,8 +186,8 @@ def test_chat_ring_wrapped_equals_the_ring_oracle_token_by_token(bundles, window
     the local layers in their own ring (windowed, chat's) or in the cells (the full pool)."""
     b = load_bundle(bundles("float"))
     ctx, sinks = 20, 4
-    e = chat_engine(OrtBackend(b, threads=1, past_bucket=1), b, ctx, chunk=1, windowed=windowed)
-    assert (e.cache.local_ring is not None) == windowed
+    e = chat_engine(OrtBackend(b, threads=1, past_bucket=1), b, ctx, chunk=1, windowed=windowed, margin=0)
+    assert (e.cache.local_ring is not None) == windowed  # a ring of 7 beside 20 cells
     seq = e.hold()
     seq.enable_ring(sinks)
     ring = WindowRing(ctx, b.max_context, b.window)
@@ -353,7 +353,9 @@ def test_chat_runs_a_windowed_pool_and_equals_the_full_one_over_turns(bundles):
 
     b = load_bundle(bundles("float"))
     real = chat_engine(OrtBackend(b, threads=1), b, CONTEXT, chunk=8)
-    assert real.cache.local_ring == WINDOW - 1 + RING_MARGIN and real.cache.rings == 2
+    assert real.cache.local_ring == WINDOW - 1 + RING_MARGIN and real.cache.rings == 1
+    # where the ring would not be smaller than the pool it is not taken
+    assert chat_engine(OrtBackend(b, threads=1), b, WINDOW - 1 + RING_MARGIN, chunk=8).cache.local_ring is None
     prompts = [ids(14, 30 + t) for t in range(4)]
     full = chat_engine(OrtBackend(b, threads=1), b, CONTEXT, chunk=8, windowed=False)
     assert full.cache.local_ring is None

@@ -17,12 +17,15 @@ from edgekv.runtime.text import TextCodec
 RING_MARGIN = 64  # a windowed pool's slots per ring beyond the window's W - 1 (chat's truncations)
 
 
-def pool_cache(bundle: Bundle, backend: Backend, capacity: int, windowed: bool, parallel: int) -> KVCache:
-    """A batcher's pool of `capacity` cells; `windowed` where the bundle and the backend allow it:
-    a ring for a kept sequence and one for each request running beside it, each W - 1 slots plus
-    RING_MARGIN (a turn may give back its last tokens, a re-rendered reply, without a re-prefill)."""
-    windowed = windowed and getattr(backend, "windows_cache", False)
-    return KVCache(bundle, capacity, memory=backend.memory, windowed=windowed, rings=parallel + 1, margin=RING_MARGIN)
+def pool_cache(bundle: Bundle, backend: Backend, capacity: int, windowed: bool, parallel: int,
+               margin: int = RING_MARGIN) -> KVCache:
+    """A batcher's pool of `capacity` cells; `windowed` where the bundle and the backend allow it
+    and it is smaller: a ring per running sequence (chat: its kept one), each W - 1 slots plus
+    `margin` (a turn may give back its last tokens, a re-rendered reply, without a re-prefill)."""
+    window = bundle.window or 0
+    windowed = windowed and getattr(backend, "windows_cache", False) and \
+        parallel * (min(window - 1, capacity) + margin) < capacity
+    return KVCache(bundle, capacity, memory=backend.memory, windowed=windowed, rings=parallel, margin=margin)
 
 
 class Runtime:
