@@ -9,9 +9,9 @@ these fields: they are read-only properties, changed through the methods below.
 A single stream never wraps: the ring (StreamingLLM) is chat's, on the batcher's pool sequence
 (batching/poolseq.py); tests/ring_reference.py keeps a ring of this kind as a test oracle.
 
-In a windowed cache (`ring`: KVCache(windowed=True), docs/models.md) the local layers keep only
-their last `ring` tokens: the i-th token fed since the reset sits in their slot i mod ring, and
-`local_key_mask` is built from the positions those slots hold."""
+In a windowed cache (`local_ring`: KVCache(windowed=True), docs/models.md) the local layers keep
+only their last `local_ring` tokens: the i-th token fed since the reset sits in their slot
+i mod local_ring, and `local_key_mask` is built from the positions those slots hold."""
 from __future__ import annotations
 
 import numpy as np
