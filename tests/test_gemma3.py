@@ -455,6 +455,16 @@ def test_a_windowed_chat_saves_and_loads_its_ring(bundles, tmp_path):
     assert_same_turns(turns(w2, s2, nxt), turns(full, fseq, nxt))
     with pytest.raises(EdgeKVError, match="layout"):
         full.restore(full.hold(), snap, held)
+    # chat's own ring (W - 1 + 64) saved, loaded into a ring of W - 1: its last positions
+    big = chat_engine(OrtBackend(b, threads=1), b, CONTEXT, chunk=8)
+    bseq = big.hold()
+    turns(big, bseq, [ids(25, 47), ids(9, 48)])
+    bsnap, bids = big.snapshot(bseq), bseq.ids
+    assert len(bsnap["ring.positions"]) > WINDOW - 1
+    w3 = windowed_chat(b)
+    s3 = w3.hold()
+    w3.restore(s3, bsnap, bids)
+    assert_same_turns(turns(w3, s3, nxt), turns(big, bseq, nxt))
 
 
 # -- the backends -----------------------------------------------------------------------------

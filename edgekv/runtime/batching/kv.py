@@ -178,12 +178,13 @@ class KVManager:
             keep = np.flatnonzero(pos >= len(ids) - self.cache.local_ring)
             return pos[keep], {name: snap[name][keep] for name in local}
         pos = np.asarray(ring.get("positions", np.zeros(0)), np.int64)
-        if set(ring) != set(local) | {"positions"} or pos.ndim != 1 or len(pos) > self.cache.local_ring \
+        if set(ring) != set(local) | {"positions"} or pos.ndim != 1 \
                 or len(set(pos.tolist())) != len(pos) or (len(pos) and not 0 <= pos.min() <= pos.max() < len(ids)) \
                 or any(ring[k].shape != (len(pos), *self.cache.shapes[k][1:]) or ring[k].dtype != self.cache.dtypes[k]
                        for k in local):
             raise EdgeKVError("snapshot does not match this cache's layout")
-        return pos, {k: ring[k] for k in local}
+        keep = np.argsort(pos)[-self.cache.local_ring:]  # (a longer ring's save: its last positions)
+        return pos[keep], {k: ring[k][keep] for k in local}
 
     def _put_ring(self, seq: PoolSequence, pos: np.ndarray, rows: dict) -> None:
         slots = pos % self.cache.local_ring
