@@ -250,6 +250,18 @@ def test_the_windowed_cache_reports_its_bytes(bundles):
     assert "local layers" not in kv_line(full, full.new_sequence())
 
 
+def test_eval_reports_the_bytes_of_the_windowed_cache_it_ran(bundles):
+    """`edgekv eval`'s bytes per token for a windowed bundle: what its cache holds per token at
+    the window length (the global layer's, and the local ring spread over ctx), not the full cache's."""
+    from edgekv.tools.evaluate import evaluate
+
+    b = load_bundle(bundles("int8"))
+    text = "The capital of France is Paris. " * 80
+    res = evaluate([str(bundles("float")), str(b.path)], text, ctx=64, chunks=2)
+    got = {r["scheme"]: r["kv_bytes_per_token"] for r in res["results"]}
+    assert got["int8"] == round(KVCache(b, 64, windowed=True).nbytes / 64) < b.kv_bytes_per_token()
+
+
 def test_the_runtime_runs_generate_windowed_and_a_batcher_full(bundles):
     """Which paths take the windowed cache: one stream on ort-cpu's graph as written; the batcher
     (chat, serve) and the fused graph keep every position for the local layers."""
