@@ -71,7 +71,7 @@ def write_manifest(folder: Path, manifest: dict) -> None:
 
 
 def build_manifest(src: Source, recipe: dict, kv: str, dtype: str, max_context: int) -> dict:
-    from export.onnx_export import window_fields
+    from export.onnx_export import window_fields, windowed_kv_fields
 
     cfg = src.config
     scheme = get_scheme(kv)
@@ -95,7 +95,8 @@ def build_manifest(src: Source, recipe: dict, kv: str, dtype: str, max_context: 
                "tensors": [{"suffix": t.suffix, "dtype": t.dtype, "last_dim": t.last or None} for t in scheme.tensors],
                "layout": "slot-major [P, B, Hkv, D]; scales [P, B, Hkv]", **int4,
                "bytes_per_token": scheme.bytes_per_token(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim,
-                                                         2 if dtype == "float16" else 4)},
+                                                         2 if dtype == "float16" else 4),
+               **windowed_kv_fields(cfg, scheme, 2 if dtype == "float16" else 4)},
         "io": names,
         "files": {"onnx": "model.onnx", "tokenizer": "tokenizer.json"},
         "trt_check": {TRT_TARGET: "pass"},

@@ -11,7 +11,7 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 
 from edgekv.errors import note
-from edgekv.format.bundle import io_names
+from edgekv.format.bundle import io_names, layer_of, local_slots
 from export.model import LocalMaskGraph, Transformer, causal_mask, linear_key_positions
 from export.stamp import representatives, stamp_layers
 
@@ -50,7 +50,7 @@ def export_onnx(model: Transformer, weights: dict | None = None, stamp: bool = T
     m = int8_casts_to_qdq(m)
     if weights:
         m = store_quantized_weights(m, model, weights)
-    name_dims(m, names)
+    name_dims(m, names, model.cfg.local_layers)
     return m
 
 
@@ -68,10 +68,18 @@ def _trace(model: Transformer):
     d = torch.export.Dim.DYNAMIC
     specs = ({0: d, 1: d}, {0: d, 1: d}, {0: d, 1: d, 2: d}, {0: d, 1: d})
     graph = model
-    if local:  # local_key_mask [B, S, P + S], after logits_index (the window rule, from the runtime)
-        window = positions[:, :, None] - linear_key_positions(positions, P + S)[:, None, :] < cfg.sliding_window
-        args, specs, graph = (*args, mask & window), (*specs, {0: d, 1: d, 2: d}), LocalMaskGraph(model)
-    args = (*args, *model.past_like(P, B, dtype))
+    past = model.past_like(P, B, dtype)
+    if local:  # local_key_mask [B, S, L + S], after logits_index (the window rule, from the runtime)
+        # the local layers' past is L slots, its own length (format 4: a windowed cache binds
+        # only the window there). L != P in the example, or torch.export would take them for one
+        # dimension; the local slots hold the L positions just before the new tokens
+        L = P - 1
+        keys = linear_key_positions(positions, L + S)
+        window = (positions[:, :, None] - keys[:, None, :]) < cfg.sliding_window
+        args, specs, graph = (*args, causal_mask(L, S, B) & window), (*specs, {0: d, 1: d, 2: d}), LocalMaskGraph(model)
+        short = model.past_like(L, B, dtype)
+        past = [short[j] if layer_of(name) in cfg.local_layers else t for j, (name, t) in enumerate(zip(names["past"], past))]
+    args = (*args, *past)
     past_specs = tuple({0: d, 1: d} for _ in names["past"])  # one nested tuple for *past
     dynamic_shapes = (*specs, past_specs)
     with warnings.catch_warnings(), torch.no_grad():
@@ -99,13 +107,14 @@ def store_quantized_weights(m: onnx.ModelProto, model: Transformer, weights: dic
     return m
 
 
-def name_dims(m: onnx.ModelProto, names: dict) -> None:
-    """Give the dynamic dimensions the contract's names (torch.export calls them s0, s1, ...)."""
+def name_dims(m: onnx.ModelProto, names: dict, local_layers=()) -> None:
+    """Give the dynamic dimensions the contract's names (torch.export calls them s0, s1, ...):
+    the local layers' past has its own length, `local_past` (docs/graph.md)."""
     dims = {"input_ids": ["batch", "seq"], "position_ids": ["batch", "seq"], "key_mask": ["batch", "seq", "total"],
-            "local_key_mask": ["batch", "seq", "total"],
+            "local_key_mask": ["batch", "seq", "local_total"],
             "logits_index": ["batch", "nlogits"], "logits": ["batch", "nlogits"]}
     for n in names["past"]:
-        dims[n] = ["past", "batch"]
+        dims[n] = ["local_past" if layer_of(n) in local_layers else "past", "batch"]
     for n in names["present"]:
         dims[n] = ["seq", "batch"]
     for v in [*m.graph.input, *m.graph.output]:
@@ -213,3 +222,16 @@ def window_fields(cfg) -> dict:
     if not cfg.local_layers:
         return {}
     return {"local_layers": list(cfg.local_layers), "sliding_window": int(cfg.sliding_window)}
+
+
+def windowed_kv_fields(cfg, scheme, float_bytes: int) -> dict:
+    """The manifest's kv.* fields of the windowed cache (format 4; none without local layers):
+    the slots a local layer keeps, the global layers' bytes per token, the local layers' fixed
+    bytes per sequence."""
+    if not cfg.local_layers:
+        return {}
+    n_local = len(cfg.local_layers)
+    per = lambda layers: scheme.bytes_per_token(layers, cfg.n_kv_heads, cfg.head_dim, float_bytes)  # noqa: E731
+    slots = local_slots(int(cfg.sliding_window))
+    return {"local_slots": slots, "global_bytes_per_token": per(cfg.n_layers - n_local),
+            "local_bytes": per(n_local) * slots}

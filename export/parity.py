@@ -169,8 +169,9 @@ def layer_cache_diff(model: Transformer, ref: Transformer | None, run: SideBySid
     names = io_names(model.cfg.n_layers, model.scheme)["past"]
     n = len(model.scheme.tensors)
     lo = names.index(f"past.{i}.{kv}")
-    t_t = run.past[lo: lo + n]
-    o_t = [torch.from_numpy(gen.cache.memory.read(gen.cache.buffers[nm], gen.seq.n)) for nm in names[lo: lo + n]]
+    t_t, o_t = run.past[lo: lo + n], [runtime_rows(gen, nm) for nm in names[lo: lo + n]]
+    if o_t[0].shape[0] < t_t[0].shape[0]:  # a windowed cache's local layer: its last tokens
+        t_t = [t[t.shape[0] - o_t[0].shape[0]:] for t in t_t]
     sc = model.layers[i].attn.scales()[j]
     sc = None if sc is None else sc.float()
     t = kv_load(model.scheme, t_t, torch.float32, sc).numpy()
@@ -182,13 +183,23 @@ def layer_cache_diff(model: Transformer, ref: Transformer | None, run: SideBySid
             r = r @ model.layers[i].attn.had.float().numpy()
         if kv == "key" and model.scheme.center_keys:  # ... and its keys centered
             r = r - model.layers[i].attn.k_offset.float().numpy()
-        noise = rms_ratio(t, r)
+        noise = rms_ratio(t, r[len(r) - len(t):])  # (a windowed local layer: its kept tokens)
     if i == 0 and model.scheme.name != "float":
         a, b = t_t[0].numpy(), o_t[0].numpy()
         if model.scheme.kind == "packed4":  # compare the int4 values, not the packed bytes
             a, b = unpack_int4(a), unpack_int4(b)
         l0 = float(np.abs(a.astype(np.float32) - b.astype(np.float32)).max())
     return rms_ratio(o, t), noise, l0
+
+
+def runtime_rows(gen, name: str) -> torch.Tensor:
+    """The K/V rows the runtime holds in buffer `name`, in the order they were fed: every filled
+    slot, or a windowed cache's local ring's kept tokens (the i-th fed in slot i mod ring)."""
+    cache, n = gen.cache, gen.seq.n
+    whole = cache.memory.read(cache.buffers[name], cache.slots_of(name, n))
+    if name in cache.local_names:
+        whole = whole[np.arange(n - len(whole), n) % cache.local_ring]
+    return torch.from_numpy(whole)
 
 
 def parity_rows(model: Transformer, bundle, gen, prompt: list[int], steps: int, max_context: int) -> tuple[Parity, dict]:

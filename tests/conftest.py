@@ -127,13 +127,16 @@ def make_hf_folder(path: Path, arch: str = "llama", **overrides) -> Path:
     return path
 
 
-def chat_engine(backend, bundle, ctx: int, chunk: int | None = None):
-    """The batcher `edgekv chat` runs a conversation on: a pool of ctx cells, no prefix cache."""
+def chat_engine(backend, bundle, ctx: int, chunk: int | None = None, windowed: bool = True, margin: int | None = None):
+    """The batcher `edgekv chat` runs a conversation on: a pool of ctx cells, no prefix cache,
+    windowed where the bundle and the backend allow it (Gemma 3 on ort-cpu's graph as written;
+    `margin`: its ring's slots beyond the window's, default chat's)."""
+    from edgekv.runtime.assemble import RING_MARGIN, pool_cache
     from edgekv.runtime.backends.base import PREFILL_CHUNK
     from edgekv.runtime.batching import Batcher
-    from edgekv.runtime.cache import KVCache
 
-    return Batcher(backend, KVCache(bundle, ctx, memory=backend.memory), parallel=1, max_queue=1,
+    cache = pool_cache(bundle, backend, ctx, windowed, 1, RING_MARGIN if margin is None else margin)
+    return Batcher(backend, cache, parallel=1, max_queue=1,
                    prefill_chunk=chunk or PREFILL_CHUNK, max_prefixes=0)
 
 

@@ -72,6 +72,8 @@ FUSED = ("tests/test_fused.py",)
 ARCH = ("tests/test_architectures.py",)
 KQ = ("tests/test_gguf_kquants.py",)
 GEMMA = ("tests/test_gemma3.py",)
+GEMMA_WINDOW = ("tests/test_gemma3.py", "-k", "windowed or truncates")
+GEMMA_POOL = ("tests/test_gemma3.py", "-k", "pool or rolled or truncates_within or starts_over or saves")
 NBITS = ("tests/test_nbits.py",)
 FP16 = ("tests/test_fp16_scales.py",)
 FUSED_ARCHS = ("tests/test_fused_archs.py",)
@@ -654,6 +656,16 @@ MUTATIONS = [
     M("fused slots: the window one key too wide", "fused", "edgekv/runtime/backends/ort.py", "np.where(d < window,", "np.where(d <= window,", ("tests/test_fused_gemma3.py",)),
     M("fused: the load line names EDGEKV_ATTENTION where the caller chose", "fused", "edgekv/runtime/backends/ort.py", 'way_out = f"; {ATTENTION_ENV}=plain runs the graph as written" if asked is None else ""', 'way_out = f"; {ATTENTION_ENV}=plain runs the graph as written"', ("tests/test_fused_gemma3.py",)),
     M("trt local mask not fed", "trt", "edgekv/runtime/backends/trt.py", "            small.append((LOCAL_MASK, self.d_local, local_key_mask.shape))", "            pass", GEMMA),
+    # issue 23: the windowed cache (the local layers keep W - 1 slots, a ring per stream)
+    M("windowed: the ring one slot short", "engine", "edgekv/format/bundle.py", "    return max(1, window - 1)", "    return max(1, window - 2)", GEMMA_WINDOW),
+    M("windowed: a ring slot's position one off", "engine", "edgekv/runtime/sequence.py", "        i = (n - 1) - ((n - 1 - j) % r)  # the latest index < n in slot j", "        i = n - ((n - j) % r)", GEMMA_WINDOW),
+    M("windowed: a long chunk keeps its first rows", "engine", "edgekv/runtime/backends/ort.py", "(np.arange(first, s), slots)", "(np.arange(0, s - first), slots)", GEMMA_WINDOW),
+    M("windowed: every decode step written to ring slot 0", "engine", "edgekv/runtime/backends/ort.py", "local_slot = int(ring[1][0]) if ring else write", "local_slot = write % ring[1].size if ring else write", GEMMA_WINDOW),
+    M("windowed pool: a ring slot one past the window", "engine", "edgekv/runtime/batching/runner.py", "(held >= 0)[None] & (q - held[None] < window)", "(held >= 0)[None] & (q - held[None] <= window)", GEMMA_POOL),
+    M("windowed pool: a rolled-back turn leaves the ring", "engine", "edgekv/runtime/batching/turns.py", "            self.cache.write_ring(ring, rows)", "            pass", GEMMA_POOL),
+    M("windowed pool: truncation past the ring's window allowed", "engine", "edgekv/runtime/batching/kv.py", "        return ring is None or bool(np.isin(need, ring).all())", "        return True", GEMMA_POOL),
+    M("windowed pool: a loaded ring's positions reversed", "engine", "edgekv/runtime/batching/kv.py", "        seq._ring_pos[slots] = pos", "        seq._ring_pos[slots] = pos[::-1]", GEMMA_POOL),
+    M("windowed: the ring's bytes counted per token", "engine", "edgekv/runtime/cache.py", "        self.bytes_per_token = (need - self.local_bytes) // capacity", "        self.bytes_per_token = need // capacity", GEMMA_WINDOW),
     # issue 23/24: a GGUF minimum folded into MatMulNBits' zero points at load
     M("nbits: remainder drops the zero point's share", "weights", "edgekv/runtime/backends/nbits.py", "r = m64 + s64 * zp", "r = m64 + s64 * 0", NBITS),
     M("nbits: zero point floored, remainder up to a step", "weights", "edgekv/runtime/backends/nbits.py", "np.clip(np.rint(-m64 / s64), lo, hi)", "np.clip(np.floor(-m64 / s64), lo, hi)", NBITS),

@@ -55,6 +55,30 @@ def test_fused_equals_plain_float_kv_past_the_window(bundles):
     assert fused.seq.n > 3 * WINDOW
 
 
+def test_fused_equals_plain_through_the_windowed_cache(bundles):
+    """generate's way on each attention: the plain graph through the windowed cache (the local
+    layers' ring of 7) and the fused graph over its full head-major cache (it keeps every
+    position): the same greedy tokens and logits over a 12-token prompt in chunks of 5 and 30
+    decode steps (positions to 42)."""
+    from edgekv.runtime.generate import Generator
+
+    b = load_bundle(bundles("float"))
+    prompt = [int(t) for t in np.random.default_rng(7).integers(3, 380, 12)]
+    out = {}
+    for attention in ("plain", "fused"):
+        be = OrtBackend(b, threads=1, attention=attention)
+        g = Generator(be, KVCache(b, CAPACITY, memory=be.memory, windowed=True), prefill_chunk=5)
+        logits, toks, rows = g.prefill(prompt).copy(), [], []
+        for _ in range(30):
+            rows.append(logits)
+            toks.append(int(np.argmax(logits)))
+            logits = g.decode_step(toks[-1]).copy()
+        out[attention] = (g.cache.local_ring, toks, np.stack(rows))
+    assert out["plain"][0] == WINDOW - 1 and out["fused"][0] is None
+    assert out["fused"][1] == out["plain"][1]
+    np.testing.assert_allclose(out["fused"][2], out["plain"][2], atol=LOGITS_ATOL, rtol=0)
+
+
 def random_window_call(rng, b, past, s, write):
     """An engine-like call with both masks: s new tokens at consecutive positions after a past
     whose cells hold random earlier positions (a pool's or a ring's, not in slot order); key_mask

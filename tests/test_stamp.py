@@ -36,7 +36,8 @@ def model_of(arch: str, folder, kv: str, n_layers: int):
 
 
 def feeds_for(session, rng, b: int = 2, s: int = 3, p: int = 9) -> dict:
-    sizes = {"batch": b, "seq": s, "total": p + s, "past": p, "nlogits": 2}
+    sizes = {"batch": b, "seq": s, "total": p + s, "past": p, "nlogits": 2,
+             "local_past": p - 2, "local_total": p - 2 + s}  # Gemma 3's local layers: their own past
     feeds = {}
     for i in session.get_inputs():
         shape = [sizes.get(d, d) for d in i.shape]

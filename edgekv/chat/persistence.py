@@ -136,7 +136,7 @@ def read(session, path: str, trust_unrecorded: bool = False) -> Saved:
     if "kv_origin" not in meta and not trust_unrecorded:
         raise EdgeKVError(f"{path}: saved by an older edgekv that did not record which weights made its KV cache "
                           f"(it may come from another bundle of this model); /load! {path} loads it anyway")
-    n = session.cache.slots_in(snap)  # every buffer, its shape and dtype
+    n = session.batcher.slots_in(snap)  # every buffer, its shape and dtype (a windowed pool: its ring too)
     ids, vocab = meta["ids"], bundle.model["vocab_size"]
     if any(not 0 <= t < vocab for t in ids):
         raise EdgeKVError(f"{path}: token ids outside the vocabulary of {vocab}")

@@ -91,11 +91,12 @@ class ChatSession:
     # -- the cache follows the conversation
     def _keep_common_prefix(self, target: list[int]) -> int:
         """Truncate the sequence to the longest prefix it shares with `target`; return its length.
-        A ring that has wrapped cannot be truncated (its cells lost their first tokens): it starts over."""
+        A ring that has wrapped cannot be truncated (its cells lost their first tokens), nor a
+        windowed pool's sequence whose local layers' ring lost the window before it: it starts over."""
         in_cache = self.seq.ids
         n = common_prefix(in_cache, target)
         if n < len(in_cache):
-            if self.seq.wrapped:
+            if not self.batcher.can_truncate(self.seq, n):
                 self.batcher.reset(self.seq)
                 n = 0
             else:

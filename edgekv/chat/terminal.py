@@ -53,7 +53,7 @@ def compiled_grammar(bundle, grammar):
 
 def chat_loop(args, rt, explain, reply_grammar=None) -> int:
     # one conversation: a pool of --ctx cells, no prefix cache (the conversation's cells are its own)
-    batcher = rt.batcher(parallel=1, max_queue=1, max_prefixes=0)
+    batcher = rt.batcher(parallel=1, max_queue=1, max_prefixes=0, windowed=True)  # Gemma 3: the local layers' window only
     thinking = getattr(args, "thinking", "show")
     codec = rt.codec.with_thinking(False) if thinking == "off" else rt.codec
     session = ChatSession(rt.bundle, codec, batcher, sampling_from(args), args.system, args.max_new_tokens,

@@ -20,13 +20,29 @@ from edgekv.format.kvschemes import KVScheme, get_scheme
 # (docs/graph.md), and the manifest records them (model.local_layers, model.sliding_window). A
 # version-2 bundle is a version-3 bundle without local layers: both are read, and a model without
 # local layers is still written as 2 (manifest_version), so older runtimes keep reading it.
-FORMAT_VERSION = 3
-READ_VERSIONS = (2, 3)
+# 4: the local layers' past/present have their own length (dim `local_past`, local_key_mask
+# [B, S, local_past + S]), so a runtime may keep only their window (docs/models.md, the windowed
+# cache); the manifest records it (kv.local_slots, kv.global_bytes_per_token, kv.local_bytes).
+# A version-3 graph may tie the two lengths together: it is run with the full past for every layer.
+FORMAT_VERSION = 4
+READ_VERSIONS = (2, 3, 4)
+WINDOWED_VERSION = 4  # the first version whose local layers take a past of their own length
 
 
 def manifest_version(local_layers) -> int:
-    """The format_version a bundle is written with: 3 only where the graph has local_key_mask."""
+    """The format_version a bundle is written with: 4 only where the graph has local layers."""
     return FORMAT_VERSION if local_layers else 2
+
+
+def local_slots(window: int) -> int:
+    """Slots a local layer keeps per sequence: a call's first token sees the W - 1 positions
+    before it (q - k < W), later ones fewer, and the call's own keys come as present.*."""
+    return max(1, window - 1)
+
+
+def layer_of(name: str) -> int:
+    """The layer index of a graph I/O name (past.3.key_scale -> 3)."""
+    return int(name.split(".")[1])
 WEIGHT_FORMATS = ("float", "int8", "int4")
 MANIFEST = "edgekv.json"
 INPUTS = ["input_ids", "position_ids", "key_mask", "logits_index"]
@@ -91,6 +107,16 @@ class Bundle:
         return self.manifest.get("chat_template")
 
     @property
+    def windowed(self) -> bool:
+        """The graph's local layers take a past of their own length (format_version >= 4): a
+        cache may keep only their window (KVCache(windowed=True))."""
+        return bool(self.model.get("local_layers")) and self.manifest["format_version"] >= WINDOWED_VERSION
+
+    @property
+    def local_layers(self) -> tuple[int, ...]:
+        return tuple(self.model.get("local_layers") or ())
+
+    @property
     def window(self) -> int | None:
         """The local layers' sliding window (a key is seen while q_pos - k_pos < window), or None
         when the model has no local layers."""
@@ -105,9 +131,22 @@ class Bundle:
         return self.manifest.get("parity", {}).get("outputs", {}).get(PARITY_LOGITS, {}).get("tol", default)
 
     def kv_bytes_per_token(self) -> int:
+        """Every layer's K/V of one token (the full cache's)."""
+        return self._bytes_per_token(self.model["n_layers"])
+
+    def _bytes_per_token(self, layers: int) -> int:
         m = self.model
         fb = 2 if self.dtype == "float16" else 4
-        return self.scheme.bytes_per_token(m["n_layers"], m["n_kv_heads"], m["head_dim"], fb)
+        return self.scheme.bytes_per_token(layers, m["n_kv_heads"], m["head_dim"], fb)
+
+    def windowed_kv_bytes(self) -> tuple[int, int]:
+        """The windowed cache's bytes: (per token of context, the global layers'; per sequence,
+        fixed, the local layers' last local_slots positions). (full, 0) for a bundle without it."""
+        if not self.windowed:
+            return self.kv_bytes_per_token(), 0
+        n_local = len(self.local_layers)
+        return (self._bytes_per_token(self.model["n_layers"] - n_local),
+                self._bytes_per_token(n_local) * local_slots(self.window))
 
 
 # -- the manifest's schema: one row per key (dotted path), easy to extend ---------------------------
@@ -149,6 +188,10 @@ SCHEMA = (
     Field("max_context", (int,), lo=1, hi=LIMITS["max_context"]),
     Field("kv", (dict,)),
     Field("kv.scheme", (str,)),
+    # version 4 with local layers: the windowed cache's shape (docs/models.md)
+    Field("kv.local_slots", (int,), required=False, lo=1, hi=LIMITS["max_context"]),
+    Field("kv.global_bytes_per_token", (int,), required=False, lo=0),
+    Field("kv.local_bytes", (int,), required=False, lo=0),
     Field("weights", (dict,)),  # docs/weights.md
     Field("weights.format", (str,), choices=WEIGHT_FORMATS),
     Field("weights.group", (int, type(None)), required=False, lo=1, hi=1 << 16),
@@ -227,6 +270,9 @@ def check_consistency(man: dict) -> str | None:
         return "model.local_layers without a model.sliding_window"
     if local and man["format_version"] < 3:
         return "model.local_layers in a version-2 bundle (version 3 has their mask input)"
+    if local and man["format_version"] >= WINDOWED_VERSION and \
+            man["kv"].get("local_slots") != local_slots(m["sliding_window"]):
+        return "kv.local_slots does not match model.sliding_window (version 4 records the local layers' slots)"
     if man["io"] != io_names(m["n_layers"], scheme, bool(local)):
         return "io does not match the model's layers and KV scheme"
     vocab = m["vocab_size"]

@@ -14,6 +14,20 @@ from edgekv.runtime.generate import Generator
 from edgekv.runtime.text import TextCodec
 
 
+RING_MARGIN = 64  # a windowed pool's slots per ring beyond the window's W - 1 (chat's truncations)
+
+
+def pool_cache(bundle: Bundle, backend: Backend, capacity: int, windowed: bool, parallel: int,
+               margin: int = RING_MARGIN) -> KVCache:
+    """A batcher's pool of `capacity` cells; `windowed` where the bundle and the backend allow it
+    and it is smaller: a ring per running sequence (chat: its kept one), each W - 1 slots plus
+    `margin` (a turn may give back its last tokens, a re-rendered reply, without a re-prefill)."""
+    window = bundle.window or 0
+    windowed = windowed and getattr(backend, "windows_cache", False) and \
+        parallel * (min(window - 1, capacity) + margin) < capacity
+    return KVCache(bundle, capacity, memory=backend.memory, windowed=windowed, rings=parallel, margin=margin)
+
+
 class Runtime:
     """A bundle on a backend, with the cache capacity chosen for it. Caches are allocated from
     the backend's memory; `close` (or leaving a `with` block) frees the backend's buffers, so
@@ -26,17 +40,23 @@ class Runtime:
     def codec(self) -> TextCodec:
         return TextCodec(self.bundle)
 
-    def cache(self, capacity: int | None = None) -> KVCache:
-        return KVCache(self.bundle, capacity or self.capacity, memory=self.backend.memory)
+    def cache(self, capacity: int | None = None, windowed: bool = False) -> KVCache:
+        """A cache of `capacity` slots (default the runtime's); `windowed`: one stream's, whose
+        local layers keep only their window where the bundle and the backend allow it."""
+        windowed = windowed and getattr(self.backend, "windows_cache", False)
+        return KVCache(self.bundle, capacity or self.capacity, memory=self.backend.memory, windowed=windowed)
 
     def generator(self, capacity: int | None = None, prefill_chunk: int = PREFILL_CHUNK, cache: KVCache | None = None) -> Generator:
-        """A generator over a new sequence: in `cache`, or in a new cache of `capacity` slots."""
-        return Generator(self.backend, cache or self.cache(capacity), prefill_chunk=prefill_chunk)
+        """A generator over a new sequence: in `cache`, or in a new windowed cache of `capacity` slots."""
+        return Generator(self.backend, cache or self.cache(capacity, windowed=True), prefill_chunk=prefill_chunk)
 
-    def batcher(self, capacity: int | None = None, **kw) -> Batcher:
+    def batcher(self, capacity: int | None = None, windowed: bool = False, **kw) -> Batcher:
         """A batcher over a new pool of `capacity` cells (kw: Batcher's parallel, max_queue,
-        prefill_chunk, max_prefixes): serve's, with its thread started; chat's, run on the caller's."""
-        return Batcher(self.backend, self.cache(capacity), **kw)
+        prefill_chunk, max_prefixes): serve's, with its thread started; chat's, run on the caller's.
+        `windowed` (chat: one kept conversation, no prefix cache): the local layers keep a ring of
+        their window per sequence, where the bundle and the backend allow it (docs/models.md)."""
+        cache = pool_cache(self.bundle, self.backend, capacity or self.capacity, windowed, kw.get("parallel", 4))
+        return Batcher(self.backend, cache, **kw)
 
 
     def close(self) -> None:

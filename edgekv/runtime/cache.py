@@ -11,13 +11,19 @@ up to a bucket, the tail masked), and the new tokens' region buf[w:w+S] is conti
 Where the buffers live, and how, is the backend's choice (`backend.memory`, a KVMemory): host
 memory (numpy) for ort-cpu, device memory for the GPU backends; the fused graph's buffers are
 head-major [1, Hkv, capacity + spare, D] (memory.HeadMajorMemory), and every copy in or out of
-them still speaks slots, so the cell operations below mean the same in either layout."""
+them still speaks slots, so the cell operations below mean the same in either layout.
+
+A windowed cache (`windowed=True`, a format-4 bundle with local layers: docs/models.md) gives
+the local layers' buffers `rings` rings of `local_ring` slots, [rings * local_ring, 1, Hkv, D]:
+one Sequence's (sequence.py; generate, eval, bench) or, in the batcher's pool, one per
+PoolSequence (batching/kv.py: chat). The cell operations speak the global layers' slots
+(`cell_names`); the rings are copied whole (`read_ring`, `write_ring`)."""
 from __future__ import annotations
 
 import numpy as np
 
 from edgekv.errors import EdgeKVError
-from edgekv.format.bundle import Bundle, io_names
+from edgekv.format.bundle import Bundle, io_names, layer_of, local_slots
 from edgekv.runtime.memory import HostMemory, KVMemory, MovesRows, RowMemory
 from edgekv.runtime.sequence import Sequence
 
@@ -30,7 +36,10 @@ def default_capacity(bundle: Bundle) -> int:
 
 
 class KVCache:
-    def __init__(self, bundle: Bundle, capacity: int, memory: KVMemory | None = None):
+    def __init__(self, bundle: Bundle, capacity: int, memory: KVMemory | None = None, windowed: bool = False,
+                 rings: int = 1, margin: int = 0):
+        """`windowed`: the local layers keep `rings` rings of their window's W - 1 slots (capped at
+        the capacity) plus `margin` (what a kept sequence may truncate without losing its window)."""
         if capacity < 1:
             raise EdgeKVError(f"the cache capacity must be at least 1 (got {capacity})", setting="capacity",
                               fix="raise {}")
@@ -47,12 +56,21 @@ class KVCache:
         self.scheme = bundle.scheme
         self.window = bundle.window  # the local layers' sliding window: the graph takes local_key_mask (None: no such layers)
         self.names = io_names(m["n_layers"], self.scheme)["past"]
+        # the local layers' slots (None: every buffer has `capacity`); only for one stream's
+        # cache, in host slot-major memory, of a graph whose local past has its own length
+        self.local_ring, self.rings = None, 0
+        if windowed and bundle.windowed and self.memory.slots == 1 and self.layout == "slots" and rings > 0:
+            self.local_ring, self.rings = min(local_slots(bundle.window), capacity) + margin, rings
+        local = set(bundle.local_layers) if self.local_ring else set()
+        self.local_names = [name for name in self.names if layer_of(name) in local]
+        self.cell_names = [name for name in self.names if name not in self.local_names]  # the global layers'
         float_dtype = bundle.dtype
         shapes = {}
         for name in self.names:
             spec = self.scheme.spec_of(name)
             dtype = NP_DTYPES[float_dtype if spec.dtype == "float" else spec.dtype]
-            shapes[name] = (spec.shape(capacity, 1, m["n_kv_heads"], m["head_dim"]), dtype)
+            slots = self.local_ring * self.rings if name in self.local_names else capacity
+            shapes[name] = (spec.shape(slots, 1, m["n_kv_heads"], m["head_dim"]), dtype)
         need = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in shapes.values())
         free = self.memory.free_bytes()
         if free is not None and need > free:
@@ -66,11 +84,36 @@ class KVCache:
         self.row_bytes = {name: int(np.prod(shape[1:])) * self.dtypes[name].itemsize
                           for name, shape in self.shapes.items()}
         self.nbytes = need
-        self.bytes_per_token = need // capacity
+        # the local rings' bytes are fixed (a ring in full use once it is full); the rest grows per token
+        self.local_row = sum(self.row_bytes[name] for name in self.local_names)  # one slot of every local buffer
+        self.local_bytes = self.local_row * (self.local_ring or 0) * self.rings
+        self.bytes_per_token = (need - self.local_bytes) // capacity
 
     def new_sequence(self) -> Sequence:
         """A sequence over this cache's slots."""
-        return Sequence(self.capacity, self.max_positions, self.window)
+        return Sequence(self.capacity, self.max_positions, self.window, self.local_ring)
+
+    def slots_of(self, name: str, count: int) -> int:
+        """Of `count` slots, those buffer `name` has (a local layer's ring holds at most its own)."""
+        return min(count, self.local_ring) if name in self.local_names else count
+
+    def write_local(self, name: str, slots: np.ndarray, rows: np.ndarray) -> None:
+        """Copy rows [k, 1, Hkv, D] to the given slots of a local layer's buffer (in order; a run
+        that wraps past a ring's end is two copies)."""
+        i = 0
+        for a, b in runs(np.asarray(slots, np.int64)):
+            self.memory.write_rows(self.buffers[name], a, rows[i: i + b - a])
+            i += b - a
+
+    def read_ring(self, ring: int) -> dict[str, np.ndarray]:
+        """Host copies of ring `ring`'s slots of every local buffer."""
+        a = ring * self.local_ring
+        return {name: self.memory.read_rows(self.buffers[name], a, a + self.local_ring) for name in self.local_names}
+
+    def write_ring(self, ring: int, rows: dict[str, np.ndarray]) -> None:
+        """Put back what `read_ring` copied."""
+        for name in self.local_names:
+            self.memory.write_rows(self.buffers[name], ring * self.local_ring, rows[name])
 
     @property
     def layout(self) -> str:
@@ -88,11 +131,12 @@ class KVCache:
         return [count] + list(self.shapes[name][1:])
 
     def used_bytes(self, slots: int) -> int:
-        return slots * self.bytes_per_token
+        """Bytes a sequence of `slots` tokens holds (in a windowed cache: its ring's filled slots too)."""
+        return slots * self.bytes_per_token + min(slots, self.local_ring or 0) * self.local_row
 
     def read(self, n: int) -> dict[str, np.ndarray]:
         """Host copies of the first n slots of every buffer (a snapshot)."""
-        return {name: self.memory.read(buf, n) for name, buf in self.buffers.items()}
+        return {name: self.memory.read(self.buffers[name], n) for name in self.cell_names}
 
     @property
     def reads_rows(self) -> bool:
@@ -101,12 +145,12 @@ class KVCache:
 
     def read_rows(self, start: int, stop: int) -> dict[str, np.ndarray]:
         """Host copies of slots [start, stop) of every buffer."""
-        return {name: self.memory.read_rows(buf, start, stop) for name, buf in self.buffers.items()}
+        return {name: self.memory.read_rows(self.buffers[name], start, stop) for name in self.cell_names}
 
     def write_rows(self, start: int, rows: dict[str, np.ndarray]) -> None:
         """Copy `rows` (from read_rows) back to the slots from `start` on."""
-        for name, buf in self.buffers.items():
-            self.memory.write_rows(buf, start, rows[name])
+        for name in self.cell_names:
+            self.memory.write_rows(self.buffers[name], start, rows[name])
 
     def read_cells(self, cells) -> dict[str, np.ndarray]:
         """Host copies of the given slots of every buffer, in that order."""
@@ -116,20 +160,20 @@ class KVCache:
             return {name: v[cells] for name, v in whole.items()}
         parts = [self.read_rows(int(a), int(b)) for a, b in runs(cells)]
         return {name: np.concatenate([p[name] for p in parts]) if parts else
-                np.zeros(self.slots_shape(name, 0), self.dtypes[name]) for name in self.names}
+                np.zeros(self.slots_shape(name, 0), self.dtypes[name]) for name in self.cell_names}
 
     def write_cells(self, cells, snap: dict[str, np.ndarray]) -> None:
         """Copy a snapshot's slots (checked with `slots_in`) to the given slots, in that order."""
         cells = np.asarray(cells, np.int64)
         if not self.reads_rows:
             whole = self.read(self.capacity)
-            for name in self.names:
+            for name in self.cell_names:
                 whole[name][cells] = snap[name]
             self.write(whole)
             return
         i = 0
         for a, b in runs(cells):
-            self.write_rows(int(a), {name: snap[name][i: i + b - a] for name in self.names})
+            self.write_rows(int(a), {name: snap[name][i: i + b - a] for name in self.cell_names})
             i += b - a
 
     def move_cells(self, src, dst) -> None:
@@ -140,7 +184,7 @@ class KVCache:
         if not src.size:
             return
         moves = isinstance(self.memory, MovesRows)  # once per call, not per buffer: ~15 µs a Protocol check
-        for buf in self.buffers.values():
+        for buf in (self.buffers[name] for name in self.cell_names):
             if moves:
                 self.memory.move_rows(buf, src, dst)
             else:
@@ -151,17 +195,17 @@ class KVCache:
     def slots_in(self, snap: dict[str, np.ndarray]) -> int:
         """The slots a snapshot holds; an error unless it fits this cache's layout."""
         n = {v.shape[0] for v in snap.values()}
-        if len(n) != 1 or set(snap) != set(self.buffers):
+        if len(n) != 1 or set(snap) != set(self.cell_names):
             raise EdgeKVError("snapshot does not match this cache's layout")
-        for name in self.buffers:
+        for name in self.cell_names:
             if snap[name].shape[1:] != tuple(self.shapes[name][1:]) or snap[name].dtype != self.dtypes[name]:
                 raise EdgeKVError("snapshot does not match this cache's layout")
         return n.pop()
 
     def write(self, snap: dict[str, np.ndarray]) -> None:
         """Copy a snapshot (checked with `slots_in`) into the first slots of every buffer."""
-        for name, buf in self.buffers.items():
-            self.memory.write(buf, snap[name])
+        for name in self.cell_names:
+            self.memory.write(self.buffers[name], snap[name])
 
 
 def runs(cells: np.ndarray) -> list[tuple[int, int]]:

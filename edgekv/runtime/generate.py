@@ -43,7 +43,8 @@ class Stats:
 def kv_line(cache: KVCache, seq: "Sequence | PoolSequence") -> str:
     """What the cache holds: slots and bytes used / allocated."""
     mib = 2 ** 20
-    return f"KV {seq.n}/{cache.capacity} slots, {cache.used_bytes(seq.n) / mib:.2f} / {cache.nbytes / mib:.2f} MiB"
+    ring = f" (local layers: last {cache.local_ring})" if getattr(cache, "local_ring", None) else ""  # a windowed cache
+    return f"KV {seq.n}/{cache.capacity} slots{ring}, {cache.used_bytes(seq.n) / mib:.2f} / {cache.nbytes / mib:.2f} MiB"
 
 
 def ring_note(seq: "Sequence | PoolSequence") -> str:
@@ -81,10 +82,16 @@ class Generator:
 
     def snapshot(self) -> dict[str, np.ndarray]:
         """The filled slots (a wrapped ring's too: restore it with its write slot `seq.w`)."""
+        self._whole_cells()
         return self.cache.read(self.seq.n)
+
+    def _whole_cells(self) -> None:
+        if self.cache.local_ring is not None:  # (chat's batcher snapshots a windowed pool, with its rings)
+            raise EdgeKVError("a windowed cache (its local layers keep only their window) has no snapshot of its slots")
 
     def restore(self, snap: dict[str, np.ndarray], ids: list[int], w: int | None = None) -> None:
         """Continue a saved sequence: its slots, the token ids it was fed and a wrapped ring's write slot."""
+        self._whole_cells()
         n = self.cache.slots_in(snap)
         self.seq.check_restore(n, ids, w)  # both checked before either changes
         self.cache.write(snap)

@@ -7,7 +7,11 @@ which slots to bind, and the generator records each call with `advance`. Nothing
 these fields: they are read-only properties, changed through the methods below.
 
 A single stream never wraps: the ring (StreamingLLM) is chat's, on the batcher's pool sequence
-(batching/poolseq.py); tests/ring_reference.py keeps a ring of this kind as a test oracle."""
+(batching/poolseq.py); tests/ring_reference.py keeps a ring of this kind as a test oracle.
+
+In a windowed cache (`local_ring`: KVCache(windowed=True), docs/models.md) the local layers keep
+only their last `local_ring` tokens: the i-th token fed since the reset sits in their slot
+i mod local_ring, and `local_key_mask` is built from the positions those slots hold."""
 from __future__ import annotations
 
 import numpy as np
@@ -18,10 +22,11 @@ from edgekv.errors import ContextOverflow, EdgeKVError
 class Sequence:
     wrapped = False  # (the stats line asks every sequence)
 
-    def __init__(self, capacity: int, max_positions: int, window: int | None = None):
+    def __init__(self, capacity: int, max_positions: int, window: int | None = None, local_ring: int | None = None):
         self.capacity = capacity  # slots it may fill
         self.max_positions = max_positions  # positions the bundle was verified for
         self.window = window  # the local layers' sliding window (None: the model has none)
+        self.local_ring = local_ring  # the local layers' slots in a windowed cache (None: they hold every slot)
         self._ids: list[int] = []  # token ids fed since the last reset, in order
         self._n = 0  # filled slots: the past the graph sees is slots [0, n)
         self._pos = 0  # the next token's RoPE position
@@ -97,14 +102,47 @@ class Sequence:
     def local_key_mask(self, s: int, past: int | None = None) -> np.ndarray | None:
         """local_key_mask [1, s, past + s] of the next call (None for a model without local
         layers): key_mask's keys within the window, q_pos - k_pos < window. Slot i holds position
-        pos - n + i (a linear cache that may have started at any position: reset(pos))."""
+        pos - n + i (a linear cache that may have started at any position: reset(pos)). In a
+        windowed cache `past` counts the local layers' slots (default: the filled ones)."""
         if self.window is None:
             return None
+        if self.local_ring is not None:
+            return self._ring_mask(s, self.local_filled() if past is None else past)
         m = self.key_mask(s, past).copy()  # key_mask's decode row is reused: not written here
         p = m.shape[2] - s
         q = np.arange(self._pos, self._pos + s)
         k = np.concatenate([np.arange(p) + (self._pos - self._n), q])  # slots [n, p): masked already
         m[0] &= (q[:, None] - k[None, :]) < self.window
+        return m
+
+    # -- the local layers' ring (a windowed cache)
+    def local_filled(self) -> int:
+        """The local layers' slots that hold a token: the first min(n, ring)."""
+        return min(self._n, self.local_ring)
+
+    def local_positions(self, past: int) -> np.ndarray:
+        """The position each of the local slots [0, past) holds, -1 where none: slot j holds the
+        last token fed whose index i (since the reset) is j mod ring."""
+        n, r = self._n, self.local_ring
+        j = np.arange(past)
+        i = (n - 1) - ((n - 1 - j) % r)  # the latest index < n in slot j
+        return np.where((j < min(n, r)) & (i >= 0), self._pos - n + i, -1)
+
+    def local_slots(self, s: int) -> tuple[int, np.ndarray]:
+        """Where the next call's K/V go in the local layers: (the first of its s tokens that is
+        kept, their slots); only the last `ring` of a longer call stay."""
+        first = max(0, s - self.local_ring)
+        return first, (self._n + np.arange(first, s)) % self.local_ring
+
+    def _ring_mask(self, s: int, past: int) -> np.ndarray:
+        if not 0 <= past <= self.local_ring:
+            raise ValueError(f"a local past of {past} slots in a ring of {self.local_ring}")
+        q = np.arange(self._pos, self._pos + s)
+        kp = self.local_positions(past)
+        m = np.zeros((1, s, past + s), dtype=np.bool_)
+        m[0, :, :past] = (kp[None, :] >= 0) & (q[:, None] - kp[None, :] < self.window)
+        d = q[:, None] - q[None, :]  # the new block: causal and within the window
+        m[0, :, past:] = (d >= 0) & (d < self.window)
         return m
 
     # -- changes
@@ -124,6 +162,10 @@ class Sequence:
         """Forget everything after the first n slots (undo / regenerate)."""
         if not 0 <= n <= self._n or len(self._ids) != self._n:
             raise ValueError(f"cannot truncate a sequence of {self._n} tokens to {n}")
+        if self.local_ring is not None and n < self._n and self._n > self.local_ring:
+            # the local layers' slots of the tokens before n were overwritten by those after it
+            raise EdgeKVError(f"a windowed cache cannot truncate {self._n} tokens to {n}: its local layers keep "
+                              f"only the last {self.local_ring}")
         self._pos -= self._n - n
         self._n = n
         del self._ids[n:]

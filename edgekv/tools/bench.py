@@ -76,7 +76,7 @@ def time_once(g: Generator, prompt: list[int], decode_tokens: int) -> tuple[floa
 def measure(rt: Runtime, configs: list[tuple[int, int]], decode_tokens: int, repeat: int) -> dict:
     """Time every (capacity, prompt length) configuration; one backend (one session) serves all.
     A line after each round (a round of the default bench takes about a minute here)."""
-    caches = {C: rt.cache(C) for C in sorted({c for c, _ in configs})}
+    caches = {C: rt.cache(C, windowed=True) for C in sorted({c for c, _ in configs})}  # as generate's
     gens = {key: rt.generator(cache=caches[key[0]]) for key in configs}
     t0 = time.perf_counter()
 
@@ -240,6 +240,8 @@ def cmd_bench(args) -> int:
     big = max(caps)
     res = {"bundle": str(bundle.path), "kv_scheme": bundle.scheme.name, "weights": bundle.weights, "threads": threads,
            "kv_bytes_per_token": bundle.kv_bytes_per_token(), "runs": []}
+    if bundle.windowed:  # Gemma 3: the windowed cache's bytes (global layers per token, the local ring per sequence)
+        res["kv_windowed"] = dict(zip(("global_bytes_per_token", "local_bytes"), bundle.windowed_kv_bytes()))
     note(f"edgekv bench: {bundle.path.name} (kv {bundle.scheme.name}, weights {bundle.weights}, {threads} threads, "
          f"median of {args.repeat})")
 

@@ -109,7 +109,7 @@ def compare_policies(rt, ctx: int, turns: int, reply_tokens: int, system: str | 
 
     # 1. the reference conversation: greedy, the whole history in the cache
     big = bundle.max_context
-    batcher = rt.batcher(big, parallel=1, max_queue=1, max_prefixes=0)  # what `edgekv chat` runs
+    batcher = rt.batcher(big, parallel=1, max_queue=1, max_prefixes=0, windowed=True)  # what `edgekv chat` runs
     sess = ChatSession(bundle, codec, batcher, SamplingParams(temperature=0.0), system, reply_tokens)
     t0 = time.time()
     for i, q in enumerate(questions):
@@ -136,7 +136,7 @@ def compare_policies(rt, ctx: int, turns: int, reply_tokens: int, system: str | 
     full_gen = rt.generator(big)
     ref = score(full_gen, full_ids, spans)
     k = sink_count(codec, system) if sinks is None else sinks
-    ring = score_ring(rt.batcher(ctx, parallel=1, max_queue=1, max_prefixes=0), k, full_ids, spans)
+    ring = score_ring(rt.batcher(ctx, parallel=1, max_queue=1, max_prefixes=0, windowed=True), k, full_ids, spans)
     # a ring prefills only the new message and template glue: from the last reply's end to this one's start
     ring_prefill = [s - prev_e for prev_e, (s, _) in zip([0] + [e for _, e in spans[:-1]], spans)]
 

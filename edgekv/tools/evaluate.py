@@ -135,8 +135,11 @@ def evaluate(paths: list[str], text: str | None = None, ctx: int = 1024, chunks:
                                   setting="capacity", fix="use a smaller {}")
             rt = open_runtime(b, ctx, "auto", threads, max_logits_rows=prefill_chunk, log=None)
             runtimes.append(rt)
-            runners.append(functools.partial(run_window, rt.generator(prefill_chunk=prefill_chunk)))
-            results.append(SchemeResult(b.path.name, b.scheme.name, b.kv_bytes_per_token(), b.weights,
+            gen = rt.generator(prefill_chunk=prefill_chunk)
+            runners.append(functools.partial(run_window, gen))
+            # a windowed cache (Gemma 3's local layers keep their window): what it holds per token at ctx
+            per_token = b.kv_bytes_per_token() if gen.cache.local_ring is None else round(gen.cache.nbytes / ctx)
+            results.append(SchemeResult(b.path.name, b.scheme.name, per_token, b.weights,
                                         stored_weight_bytes(b), b.graph_bytes()))
         if llama_cpp is not None:  # scored after every bundle, compared with the same reference
             m = bundles[0].model

@@ -44,44 +44,60 @@ class Binding:
         return logits
 
     # -- the graph as written
-    def small(self, s: int, k: int, past: int, local_mask: bool) -> dict[str, np.ndarray]:
-        """The small inputs' own arrays for this call's shapes, bound once per shape."""
-        if self._bound.get("small") != (s, k, past):
+    def small(self, s: int, k: int, past: int, local_mask: bool, local_past: int | None = None) -> dict[str, np.ndarray]:
+        """The small inputs' own arrays for this call's shapes, bound once per shape (local_past:
+        a windowed cache's local layers' slots, local_key_mask's own past)."""
+        lp = past if local_past is None else local_past
+        if self._bound.get("small") != (s, k, past, lp):
             self._bound.pop("small", None)  # an interrupt half-way must not leave a stale key
             self._small = {"input_ids": np.zeros((1, s), np.int64), "position_ids": np.zeros((1, s), np.int64),
                            "logits_index": np.zeros((1, k), np.int64), "key_mask": np.zeros((1, s, past + s), np.bool_)}
             if local_mask:
-                self._small[LOCAL_MASK] = np.zeros((1, s, past + s), np.bool_)
+                self._small[LOCAL_MASK] = np.zeros((1, s, lp + s), np.bool_)
             for name, a in self._small.items():  # by address: the arrays are overwritten in place
                 self._host_input(name, a)
-            self._bound["small"] = (s, k, past)
+            self._bound["small"] = (s, k, past, lp)
         return self._small
 
-    def past(self, cache: KVCache, past: int) -> None:
+    def past(self, cache: KVCache, past: int, local_past: int | None = None) -> None:
         """past.* as the first `past` slots of every buffer (the cache is held in the key, so
-        its identity cannot be taken by another one while bound)."""
+        its identity cannot be taken by another one while bound); a windowed cache's local
+        layers as their first `local_past` slots."""
         bound = self._bound.get("past")
-        if bound and bound[0] is cache and bound[1] == past:
+        if bound and bound[0] is cache and bound[1:] == (past, local_past):
             return
         self._bound.pop("past", None)  # a Ctrl-C half-way through leaves some bound, some not: rebind all next time
+        local = set(cache.local_names)
         for name in cache.names:
-            self.io.bind_input(name, self.device, 0, cache.dtypes[name], cache.slots_shape(name, past),
+            count = local_past if name in local else past
+            self.io.bind_input(name, self.device, 0, cache.dtypes[name], cache.slots_shape(name, count),
                                cache.ptr(name, 0))
-        self._bound["past"] = (cache, past)
+        self._bound["past"] = (cache, past, local_past)
 
-    def present_at(self, cache: KVCache, w: int, s: int) -> None:
-        """present.* straight into the cache at the write slot: the graph writes it in place."""
+    def present_at(self, cache: KVCache, w: int, s: int) -> dict[str, np.ndarray]:
+        """present.* straight into the cache at the write slot: the graph writes it in place. A
+        windowed cache's local layers get arrays of their own (returned: the caller copies their
+        kept rows into the ring after the run; in place they could wrap, or overwrite slots
+        the call's earlier tokens still read)."""
         self._bound["present"] = None  # before: a half-done rebinding must not pass for the staged one
+        scratch = {name: np.empty(cache.slots_shape(name, s), cache.dtypes[name]) for name in cache.local_names}
         for name in cache.names:
+            if name in scratch:
+                self._host_output("present" + name[4:], scratch[name])
+                continue
             self.io.bind_output("present" + name[4:], self.device, 0, cache.dtypes[name], cache.slots_shape(name, s),
                                 cache.ptr(name, w))
+        return scratch
 
-    def staged_present(self, cache: KVCache) -> list[tuple[int, int, int]]:
+    def staged_present(self, cache: KVCache) -> list[tuple[int, int, int, bool]]:
         """present.* of a one-token call into staging arrays, bound once per cache; returns what
-        the copy after the run needs: (buffer address, bytes per slot, staging address) each."""
+        the copy after the run needs: (buffer address, bytes per slot, staging address, whether
+        the buffer is a local layer's ring) each."""
         if self._stage[0] is not cache:
             arrays = {name: np.zeros(cache.slots_shape(name, 1), cache.dtypes[name]) for name in cache.names}
-            copies = [(cache.ptr(name, 0), cache.row_bytes[name], a.ctypes.data) for name, a in arrays.items()]
+            local = set(cache.local_names)
+            copies = [(cache.ptr(name, 0), cache.row_bytes[name], a.ctypes.data, name in local)
+                      for name, a in arrays.items()]
             self._stage = (cache, arrays, copies)
         _, arrays, copies = self._stage
         bound = self._bound.get("present")

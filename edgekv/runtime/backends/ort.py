@@ -548,6 +548,13 @@ class OrtBackend:
         capacity), so the binding changes once per bucket; the sequence's key mask hides the rest."""
         return bound_past(seq.n, self.past_bucket, cache.capacity)
 
+    @property
+    def windows_cache(self) -> bool:
+        """A single stream's cache may keep only the local layers' window (KVCache(windowed=True)):
+        the graph as written on host memory binds the ring; the fused graph (one length for every
+        layer's cache) and device memory keep the full capacity."""
+        return self.fused is None and self.device == "cpu"
+
     def run(self, cache: KVCache, seq: Sequence, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
         self._check_cache(cache)
         s = input_ids.shape[1]
@@ -556,8 +563,20 @@ class OrtBackend:
             local = seq.local_key_mask(s, seq.n) if self.local_bias else None  # the window: never the op's rule
             return self._run_fused(cache, seq.n, seq.w, input_ids, seq.positions(s), mask, logits_index, local)
         past = self.past_slots(cache, seq)
+        if cache.local_ring is not None:  # the local layers' ring, bound at its own bucket
+            return self._run(cache, past, seq.w, input_ids, seq.positions(s), seq.key_mask(s, past), logits_index,
+                             *self._ring_call(cache, seq, s))
         local = seq.local_key_mask(s, past) if self.local_mask else None
         return self._run(cache, past, seq.w, input_ids, seq.positions(s), seq.key_mask(s, past), logits_index, local)
+
+    def _ring_call(self, cache: KVCache, seq: Sequence, s: int) -> tuple:
+        """A windowed cache's local layers: (their mask, the slots bound as their past, where the
+        call's kept tokens go: the first kept and their ring slots)."""
+        if cache.local_ring != seq.local_ring:
+            raise EdgeKVError(f"{self.name}: a windowed cache runs its own sequences (cache.new_sequence())")
+        local_past = bound_past(seq.local_filled(), self.past_bucket, cache.local_ring)
+        first, slots = seq.local_slots(s)
+        return seq.local_key_mask(s, local_past), local_past, (np.arange(first, s), slots)
 
     def _check_cache(self, cache: KVCache) -> None:
         if cache.memory.device != self.device or cache.layout != getattr(self.memory, "layout", "slots"):
@@ -566,10 +585,13 @@ class OrtBackend:
                               f"memory (build it with memory=backend.memory)")
 
     def _run(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
-             key_mask: np.ndarray, logits_index: np.ndarray, local_key_mask: np.ndarray | None = None) -> np.ndarray:
-        """One graph call: past = slots [0, past), present to slots [write, write + S)."""
+             key_mask: np.ndarray, logits_index: np.ndarray, local_key_mask: np.ndarray | None = None,
+             local_past: int | None = None, ring: tuple | None = None) -> np.ndarray:
+        """One graph call: past = slots [0, past), present to slots [write, write + S); a windowed
+        cache's local layers: past = their slots [0, local_past), and the call's token rows ring[0]
+        go to their ring slots ring[1]."""
         b, s = input_ids.shape
-        small = self.binding.small(s, logits_index.shape[1], past, self.local_mask)
+        small = self.binding.small(s, logits_index.shape[1], past, self.local_mask, local_past)
         np.copyto(small["input_ids"], input_ids)
         np.copyto(small["position_ids"], position_ids)
         np.copyto(small["logits_index"], logits_index)
@@ -578,30 +600,40 @@ class OrtBackend:
             if local_key_mask is None:
                 raise EdgeKVError(f"{self.name}: this graph has sliding-window layers and needs their {LOCAL_MASK}")
             np.copyto(small[LOCAL_MASK], local_key_mask)
-        self.binding.past(cache, past)
+        self.binding.past(cache, past, local_past)
         staged = s == 1 and self.stage_present
         if staged:
             stage = self.binding.staged_present(cache)
         else:
-            self.binding.present_at(cache, write, s)
+            scratch = self.binding.present_at(cache, write, s)
         logits = self.binding.logits_for(b, logits_index.shape[1])
         self.binding.run(self.session)
         if staged:  # by address: the cache's memory may be any host memory (numpy, OrtValues)
-            for base, row, src in stage:
-                ctypes.memmove(base + write * row, src, row)
+            local_slot = int(ring[1][0]) if ring else write
+            for base, row, src, local in stage:
+                ctypes.memmove(base + (local_slot if local else write) * row, src, row)
+        elif scratch:  # the local layers' kept rows into their ring
+            for name, rows in scratch.items():
+                cache.write_local(name, ring[1], rows[ring[0]])
         return logits
 
     def run_cells(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
                   key_mask: np.ndarray, logits_index: np.ndarray,
-                  local_key_mask: np.ndarray | None = None) -> np.ndarray:
+                  local_key_mask: np.ndarray | None = None, ring: tuple | None = None) -> np.ndarray:
         """One call over a pool of cells shared by several sequences (edgekv/runtime/batching/):
         past = cells [0, past), present written at cells [write, write + S), positions and the
         per-token mask [1, S, past + S] given whole. Cells of the write run that lie inside the
         past are free, hence masked (as a ring's overwritten slots). The same constant-work
-        binding as `run`: own small arrays, the past rebound only when `past` changes."""
+        binding as `run`: own small arrays, the past rebound only when `past` changes. A windowed
+        pool (cache.local_ring): the local layers' past is every ring's slots, local_key_mask
+        [1, S, rings * local_ring + S] over them, and `ring` = (token rows, ring slots) the call's
+        kept local K/V go to."""
         self._check_cache(cache)
         if self.fused is not None:
             return self._run_fused(cache, past, write, input_ids, position_ids, key_mask, logits_index, local_key_mask)
+        if cache.local_ring is not None:
+            return self._run(cache, past, write, input_ids, position_ids, key_mask, logits_index, local_key_mask,
+                             cache.local_ring * cache.rings, ring)
         return self._run(cache, past, write, input_ids, position_ids, key_mask, logits_index, local_key_mask)
 
     # -- the fused graph (docs/fused.md, "The runtime"): the cache is head-major, one buffer per

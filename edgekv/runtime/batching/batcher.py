@@ -17,7 +17,7 @@ import numpy as np
 
 from edgekv.errors import ContextOverflow, EdgeKVError, note
 from edgekv.runtime.backends.base import PREFILL_CHUNK, BatchBackend
-from edgekv.runtime.batching.kv import KVManager
+from edgekv.runtime.batching.kv import RING, KVManager, split_ring
 from edgekv.runtime.batching.poolseq import PoolSequence
 from edgekv.runtime.batching.postprocess import Health, PostProcess
 from edgekv.runtime.batching.request import Request, now
@@ -30,7 +30,8 @@ from edgekv.runtime.memory import SlotMemory
 
 def cell_pool(backend, cache: KVCache, max_prefixes: int):
     """The unified cell pool's KV manager and step runner (every backend's run_cells)."""
-    return KVManager(cache, backend.past_bucket, max_prefixes), StepRunner(backend, cache)
+    kv = KVManager(cache, backend.past_bucket, max_prefixes)
+    return kv, StepRunner(backend, cache, kv.ring_writes)
 
 
 def fused_slots(backend, cache: KVCache, max_prefixes: int):
@@ -219,6 +220,12 @@ class Batcher:
         self._check_idle(seq)
         self.kv.unhold(seq)
 
+    def can_truncate(self, seq: PoolSequence, n: int) -> bool:
+        """`truncate(seq, n)` keeps all the next token needs (not after a ring wrapped, nor in a
+        windowed pool once its local layers' ring lost the window before n): else start over."""
+        can = getattr(self.kv, "can_truncate", None)  # (serve's fused slots: no windowed pool there)
+        return can(seq, n) if can else 0 <= n <= seq.n and not seq.wrapped
+
     def truncate(self, seq: PoolSequence, n: int) -> None:
         """Forget everything of `seq` after its first n tokens (undo / regenerate)."""
         self._check_idle(seq)
@@ -239,7 +246,8 @@ class Batcher:
         sinks. `w`: the write slot of a wrapped ring saved in slot order (its oldest token at
         slot w, after the sinks): its slots are put in position order. All or nothing."""
         self._check_idle(seq)
-        n = self.cache.slots_in(snap)
+        n = self.slots_in(snap)
+        cells, ring = split_ring(snap)  # a windowed pool's snapshot also carries its ring
         with self.turn():
             self.kv.reset(seq)
             if seq.ring:
@@ -249,8 +257,21 @@ class Batcher:
                 if not seq.ring or not seq.sinks <= w < n:
                     raise EdgeKVError("snapshot of a wrapped ring does not fit this cache")
                 order = np.r_[0: seq.sinks, w: n, seq.sinks: w]
-                snap = {k: v[order] for k, v in snap.items()}
+                snap = {**{k: v[order] for k, v in cells.items()}, **{RING + k: v for k, v in ring.items()}}
             self.kv.restore(seq, snap, ids, n)
+
+    def slots_in(self, snap: dict[str, np.ndarray]) -> int:
+        """The cells a snapshot holds; an error unless it fits this pool: its cells' buffers, and
+        beside them a windowed pool's ring part or, from a cache that keeps every position, the
+        local layers' rows of the same cells (a windowed pool takes its ring from those)."""
+        cells, _ = split_ring(snap)
+        names = self.cache.cell_names
+        n = self.cache.slots_in({k: v for k, v in cells.items() if k in names})
+        for k in set(cells) - set(names):
+            if k not in self.cache.local_names or cells[k].shape != (n, *self.cache.shapes[k][1:]) \
+                    or cells[k].dtype != self.cache.dtypes[k]:
+                raise EdgeKVError("snapshot does not match this cache's layout")
+        return n
 
     def _check_idle(self, seq: PoolSequence) -> None:
         if any(r.seq is seq for r in self.running) or any(r.ask.seq is seq for r in self.waiting):

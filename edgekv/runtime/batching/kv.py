@@ -7,7 +7,14 @@ Before a step the pool is compacted where that helps (`tidy`): the sequences' ce
 cells only the prefix cache holds at the top, the free cells one run between. The past is cells
 [0, the highest a sequence holds), rounded up to the backend's bucket. A step's new tokens land
 in a contiguous run of free cells (where the pool is fragmented — a chat turn, which does not
-compact — a step is split over several calls)."""
+compact — a step is split over several calls).
+
+A windowed pool (cache.local_ring: chat's, docs/models.md) also gives each sequence a ring of
+the local layers' slots for as long as it lives (`new` .. `release`/`unhold`): a call's kept
+local K/V land at slot p mod local_ring of its sequence's ring (`ring_writes`, `commit`), a
+turn copies the kept sequences' rings whole, a truncation keeps the ring only while it still
+holds the window before the new end (`can_truncate`), and a snapshot carries the ring's rows
+in position order (`RING` keys)."""
 from __future__ import annotations
 
 import time
@@ -31,6 +38,16 @@ class KVCounters:
     compaction_seconds: float = 0.0
 
 
+RING = "ring."  # a windowed pool's snapshot: "ring." + a local buffer's name, and RING_POSITIONS
+RING_POSITIONS = RING + "positions"
+
+
+def split_ring(snap: dict) -> tuple[dict, dict]:
+    """(a snapshot's cells, its ring part: the RING keys without their prefix)."""
+    cells = {k: v for k, v in snap.items() if not k.startswith(RING)}
+    return cells, {k[len(RING):]: v for k, v in snap.items() if k.startswith(RING)}
+
+
 class KVManager:
     def __init__(self, cache: KVCache, past_bucket: int, max_prefixes: int):
         self.cache, self.capacity, self.past_bucket = cache, cache.capacity, past_bucket
@@ -42,14 +59,27 @@ class KVManager:
         self.sequences: list[PoolSequence] = []  # every sequence handed out and not yet released
         self.kept: list[PoolSequence] = []  # of which those held across requests (chat)
         self.counters = KVCounters()
+        self.free_rings = list(range(cache.rings))  # a windowed pool's rings not given to a sequence
+        if cache.rings:  # each running sequence has its own ring
+            self.max_sequences = cache.rings
 
     # -- sequences
     def new(self, kept: bool = False) -> PoolSequence:
         seq = PoolSequence(self.limit, self.cache.max_positions)
+        if self.cache.local_ring is not None:
+            if not self.free_rings:
+                raise EdgeKVError(f"every one of the {self.cache.rings} rings of the local layers' window is in use")
+            seq._ring, seq._ring_pos = self.free_rings.pop(0), np.full(self.cache.local_ring, -1, np.int64)
         self.sequences.append(seq)
         if kept:
             self.kept.append(seq)
         return seq
+
+    def _forget(self, seq: PoolSequence) -> None:
+        """A sequence is no longer the manager's: its ring goes back."""
+        self.sequences.remove(seq)
+        if seq.local_ring is not None:
+            self.free_rings.append(seq.local_ring)
 
     def release(self, seq: PoolSequence, remember: list[int] | None = None, tenant: str = "") -> None:
         """Give a sequence's cells back (`remember`: its token ids, cached for `tenant` first);
@@ -58,12 +88,12 @@ class KVManager:
             self.pool.remember(remember[: seq.n], np.asarray(seq.cell_view()), tenant)
         self.reset(seq)
         if seq not in self.kept:
-            self.sequences.remove(seq)
+            self._forget(seq)
 
     def unhold(self, seq: PoolSequence) -> None:
         self.reset(seq)
         self.kept.remove(seq)
-        self.sequences.remove(seq)
+        self._forget(seq)
 
     def attach_prefix(self, seq: PoolSequence, ids: list[int], tenant: str) -> int:
         """An empty sequence takes the cells of `tenant`'s longest cached prefix of `ids`; its length."""
@@ -79,30 +109,90 @@ class KVManager:
     def reset(self, seq: PoolSequence) -> None:
         self.pool.drop(seq.cell_view())
         seq._set([], [])
+        if seq.local_ring is not None:
+            seq._ring_pos[:] = -1
+
+    def can_truncate(self, seq: PoolSequence, n: int) -> bool:
+        """`truncate(seq, n)` keeps everything the next token sees: a wrapped ring cannot, and a
+        windowed pool's ring only while it holds the window's positions before n."""
+        if not 0 <= n <= seq.n or seq.wrapped:
+            return False
+        ring = seq.ring_positions()
+        need = np.arange(max(0, n - (self.cache.window or 1) + 1), n)
+        return ring is None or bool(np.isin(need, ring).all())
 
     def truncate(self, seq: PoolSequence, n: int) -> None:
-        if not 0 <= n <= seq.n or seq.wrapped:
+        if not self.can_truncate(seq, n):
             raise ValueError(f"cannot truncate a sequence of {seq.n} tokens to {n}"
-                             + (" (the ring has wrapped)" if seq.wrapped else ""))
+                             + (" (the ring has wrapped)" if seq.wrapped else
+                                " (its local layers' ring no longer holds that window)" if 0 <= n <= seq.n else ""))
         cells = seq.cells
         self.pool.drop(cells[n:])
         seq._set(cells[:n], seq.ids[:n])
+        if seq.local_ring is not None:
+            seq._ring_pos[seq._ring_pos >= n] = -1
 
     def snapshot(self, seq: PoolSequence) -> dict[str, np.ndarray]:
-        return self.cache.read_cells(seq.cells)
+        snap = self.cache.read_cells(seq.cells)
+        if seq.local_ring is not None:  # its ring's filled slots, in position order
+            pos = seq.ring_positions()
+            slots = np.flatnonzero(pos >= 0)
+            slots = slots[np.argsort(pos[slots])]
+            rows = self.cache.read_ring(seq.local_ring)
+            snap.update({RING + name: v[slots] for name, v in rows.items()})
+            snap[RING_POSITIONS] = pos[slots].copy()
+        return snap
 
     def restore(self, seq: PoolSequence, snap: dict[str, np.ndarray], ids: list[int], n: int) -> None:
         """Fill an empty sequence with a snapshot (in position order) and the ids it was fed."""
+        snap, ring = split_ring(snap)
         free = np.flatnonzero(self.pool.refs == 0)
         if free.size < n:
             raise ContextOverflow(f"snapshot holds {n} tokens, {free.size} cells are free", setting="capacity",
                                   fix="raise {}")
+        ring = self._ring_rows(seq, snap, ring, ids, n)  # checked before anything is written
         cells = [int(c) for c in free[:n]]
         self.pool.take(cells)
         for a, b in runs(np.asarray(cells)):
             self.turns.protect(a, b - a)
-        self.cache.write_cells(cells, snap)
+        self.cache.write_cells(cells, {k: snap[k] for k in self.cache.cell_names})
         seq._set(cells, ids)
+        if ring is not None:
+            self._put_ring(seq, *ring)
+
+    def _ring_rows(self, seq: PoolSequence, snap: dict, ring: dict, ids: list[int], n: int):
+        """The (positions, rows) a windowed sequence's ring restores: the snapshot's ring part, or
+        a full cache's snapshot's last local_ring cells of the local layers; None without a ring."""
+        local = self.cache.local_names
+        if seq.local_ring is None:
+            if ring:
+                raise EdgeKVError("a snapshot of a windowed cache (its local layers keep only their window) "
+                                  "does not load into a cache that keeps every position")
+            return None
+        if not ring:  # a snapshot of the full cache: its cells, in position order, hold every local row
+            if not set(local) <= set(snap):
+                raise EdgeKVError("snapshot does not match this cache's layout")
+            gone = len(ids) - n  # a wrapped ring's cells after its sinks hold the last positions
+            sinks = seq.sinks or 0
+            pos = np.r_[np.arange(min(sinks, n)), np.arange(min(sinks, n), n) + gone].astype(np.int64)
+            keep = np.flatnonzero(pos >= len(ids) - self.cache.local_ring)
+            return pos[keep], {name: snap[name][keep] for name in local}
+        pos = np.asarray(ring.get("positions", np.zeros(0)), np.int64)
+        if set(ring) != set(local) | {"positions"} or pos.ndim != 1 \
+                or len(set(pos.tolist())) != len(pos) or (len(pos) and not 0 <= pos.min() <= pos.max() < len(ids)) \
+                or any(ring[k].shape != (len(pos), *self.cache.shapes[k][1:]) or ring[k].dtype != self.cache.dtypes[k]
+                       for k in local):
+            raise EdgeKVError("snapshot does not match this cache's layout")
+        keep = np.argsort(pos)[-self.cache.local_ring:]  # (a longer ring's save: its last positions)
+        return pos[keep], {k: ring[k][keep] for k in local}
+
+    def _put_ring(self, seq: PoolSequence, pos: np.ndarray, rows: dict) -> None:
+        slots = pos % self.cache.local_ring
+        order = np.argsort(slots)  # write_local copies runs of consecutive slots
+        for name in self.cache.local_names:
+            self.cache.write_local(name, seq.local_ring * self.cache.local_ring + slots[order], rows[name][order])
+        seq._ring_pos[:] = -1
+        seq._ring_pos[slots] = pos
 
     # -- a step's cells
     def past(self) -> int:
@@ -149,12 +239,29 @@ class KVManager:
         return count
 
     def commit(self, call: Call) -> None:
-        """A call wrote its tokens' K/V at [write, write + size): the sequences hold them."""
+        """A call wrote its tokens' K/V at [write, write + size): the sequences hold them (a
+        windowed pool: the kept local K/V in their rings, ring_writes')."""
         self.pool.take(np.arange(call.write, call.write + call.size))
         w = call.write
         for p in call.pieces:
+            if p.seq.local_ring is not None:
+                kept = p.seq.pos + np.arange(max(0, len(p.tokens) - self.cache.local_ring), len(p.tokens))
+                p.seq._ring_pos[kept % self.cache.local_ring] = kept
             p.seq._extend(range(w, w + len(p.tokens)), p.tokens)
             w += len(p.tokens)
+
+    def ring_writes(self, call: Call) -> tuple[np.ndarray, np.ndarray]:
+        """A windowed pool's call: (the token rows whose local K/V are kept, their ring slots):
+        each piece's last local_ring tokens, position p to slot p mod local_ring of its ring."""
+        ring = self.cache.local_ring
+        rows, slots, r = [], [], 0
+        for p in call.pieces:
+            n = len(p.tokens)
+            first = max(0, n - ring)
+            rows.append(r + np.arange(first, n))
+            slots.append(p.seq.local_ring * ring + (p.seq.pos + np.arange(first, n)) % ring)
+            r += n
+        return np.concatenate(rows), np.concatenate(slots)
 
     def protect(self, call: Call) -> None:
         """Before a call writes its cells: an open turn copies those it may have to restore."""

@@ -5,7 +5,11 @@ on an empty sequence); everyone else reads it.
 
 `cells` are the cells of the tokens in context, in position order; `ids` every token fed since
 the last reset (a ring's overwritten ones too), so the next position is len(ids). A ring
-(StreamingLLM) keeps its first `sinks` cells forever and overwrites the oldest of the rest."""
+(StreamingLLM) keeps its first `sinks` cells forever and overwrites the oldest of the rest.
+
+In a windowed pool (docs/models.md) it also has a ring of the local layers' slots (`local_ring`:
+which ring, `ring_positions`: the position each of its slots holds, -1 none), written by the KV
+manager: position p sits in slot p mod the ring's length."""
 from __future__ import annotations
 
 import numpy as np
@@ -22,6 +26,8 @@ class PoolSequence:
         self._cells: list[int] = []
         self._ids: list[int] = []
         self._sinks: int | None = None
+        self._ring: int | None = None  # its ring of the local layers' slots (a windowed pool)
+        self._ring_pos: np.ndarray | None = None  # [local_ring] the position each slot holds, -1 none
 
     # -- what it holds (read-only)
     @property
@@ -51,6 +57,14 @@ class PoolSequence:
         out = np.arange(n, dtype=np.int64)
         out[self._sinks or 0:] += gone
         return out
+
+    @property
+    def local_ring(self) -> int | None:
+        return self._ring
+
+    def ring_positions(self) -> np.ndarray | None:
+        """[local_ring] the position each of its ring's slots holds (-1: none); read, never changed."""
+        return self._ring_pos
 
     @property
     def sinks(self) -> int | None:
@@ -123,8 +137,11 @@ class PoolSequence:
         self._cells = perm[self._cells].tolist() if self._cells else []
 
     def _state(self) -> tuple:
-        return list(self._cells), list(self._ids), self._sinks
+        ring = None if self._ring_pos is None else self._ring_pos.copy()
+        return list(self._cells), list(self._ids), self._sinks, ring
 
     def _restore_state(self, state: tuple) -> None:
-        cells, ids, self._sinks = state
+        cells, ids, self._sinks, ring = state
         self._cells, self._ids = list(cells), list(ids)
+        if ring is not None:
+            self._ring_pos[:] = ring

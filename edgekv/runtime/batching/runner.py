@@ -16,8 +16,9 @@ from edgekv.runtime.cache import KVCache
 
 
 class StepRunner:
-    def __init__(self, backend: BatchBackend, cache: KVCache):
+    def __init__(self, backend: BatchBackend, cache: KVCache, ring_writes=None):
         self.backend, self.cache = backend, cache
+        self.ring_writes = ring_writes  # a windowed pool: KVManager.ring_writes (call -> rows, ring slots)
         self.calls = 0
 
     def inputs(self, call: Call) -> tuple[np.ndarray, ...]:
@@ -63,11 +64,32 @@ class StepRunner:
             r += n
         return local & mask
 
+    def ring_mask(self, call: Call, pos: np.ndarray) -> np.ndarray:
+        """A windowed pool's local_key_mask [1, S, L + S], L every ring's slots: per piece its own
+        ring's slots whose position is within the window, and its own new tokens (causally)."""
+        ring, window, s = self.cache.local_ring, self.cache.window, call.size
+        L = ring * self.cache.rings
+        local = np.zeros((1, s, L + s), np.bool_)
+        r = 0
+        for piece in call.pieces:
+            n, seq = len(piece.tokens), piece.seq
+            q = pos[0, r: r + n, None]  # [n, 1]
+            held = seq.ring_positions()  # [ring]: -1 where none
+            base = seq.local_ring * ring
+            local[0, r: r + n, base: base + ring] = (held >= 0)[None] & (q - held[None] < window)
+            d = q - pos[0, None, r: r + n]
+            local[0, r: r + n, L + r: L + r + n] = (d >= 0) & (d < window)
+            r += n
+        return local
+
     def run(self, call: Call) -> np.ndarray:
         """logits [K, V]: each returned piece's rows, in the call's order (a view into the
         backend's buffer, valid until the next call)."""
         ids, pos, mask, idx = self.inputs(call)
-        if self.cache.window is None:
+        if self.cache.local_ring is not None:  # a windowed pool: the local layers read and write their rings
+            logits = self.backend.run_cells(self.cache, call.past, call.write, ids, pos, mask, idx,
+                                            local_key_mask=self.ring_mask(call, pos), ring=self.ring_writes(call))
+        elif self.cache.window is None:
             logits = self.backend.run_cells(self.cache, call.past, call.write, ids, pos, mask, idx)
         else:  # a model with sliding-window layers: their mask too
             logits = self.backend.run_cells(self.cache, call.past, call.write, ids, pos, mask, idx,

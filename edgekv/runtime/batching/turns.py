@@ -19,6 +19,7 @@ class Turn:
         self.rows: list[tuple[int, dict]] = []
         self.whole: dict | None = None  # the whole cache, where the memory cannot copy row ranges
         self.saved = np.zeros(capacity, np.bool_)
+        self.rings: list[tuple[int, dict]] = []  # a windowed pool: the kept sequences' rings, copied whole
         self.committed = False  # what it changed is kept (set before the turn closes)
 
 
@@ -33,6 +34,9 @@ class Turns:
 
     def begin(self, kept: list) -> Turn:
         self.current = Turn(self.pool.state(), [(s, s._state()) for s in kept], self.cache.capacity)
+        # a ring is small (the window) and any call may write any of its slots: copied at the start
+        self.current.rings = [(s.local_ring, self.cache.read_ring(s.local_ring)) for s in kept
+                              if s.local_ring is not None]
         return self.current
 
     def commit(self) -> None:
@@ -51,6 +55,8 @@ class Turns:
             self.cache.write(turn.whole)
         for start, rows in turn.rows:
             self.cache.write_rows(start, rows)
+        for ring, rows in turn.rings:
+            self.cache.write_ring(ring, rows)
         self.pool.set_state(turn.pool)
         for seq, state in turn.kept:
             seq._restore_state(state)
