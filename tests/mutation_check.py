@@ -57,6 +57,7 @@ SERVE_ENGINE = ("tests/test_serve_engine.py", "-k", "not real")
 CAST_READS = ("tests/test_backends.py", "-k", "cast_with_the_same_logits or unit_scalar")
 
 TRT_FAKE = ("tests/test_trt_fake.py",)
+STAMP = ("tests/test_stamp.py", "-k", "runs_as_the_traced_one")
 W_TRT = ("tests/test_weights.py", "-k", "tensorrt or engine_build or gguf_blocks or tied")
 AWQ = ("tests/test_awq.py",)
 
@@ -730,6 +731,9 @@ MUTATIONS = [
     M("nbits: every remainder dropped (the term's speed for +20 % PPL)", "weights", "edgekv/runtime/backends/nbits.py", "        if r.any():", "        if False:", NBITS),
     M("fused: later layers' key scale off", "fused", "edgekv/runtime/backends/fused.py", "nh.from_array(L.k_scale.astype(np.float32).reshape(1, Hkv, 1, D), ins[-2])", "nh.from_array(L.k_scale.astype(np.float32).reshape(1, Hkv, 1, D) * (1.01 if i else 1.0), ins[-2])", FUSED + ("-k", "static_int8")),
     M("backends: a signal during a native import not held", "serve", "edgekv/runtime/backends/__init__.py", "    if threading.current_thread() is threading.main_thread():", "    if False:", ("tests/test_serve_signals.py", "-k", "native_import")),
+    M("stamp: every copy reads the traced layer's weights", "export", "export/stamp.py", "weights[new] = tensors[_model_key(new, tensors)]", "weights[new] = tensors[_model_key(name, tensors)]", STAMP),
+    M("stamp: what reads the cache taken for layer-invariant", "export", "export/stamp.py", '{x_in[j], *io_of("past", j, True), *layer_inits[j]}', "{x_in[j], *layer_inits[j]}", STAMP),
+    M("stamp: the head reads the last traced layer, not the last copy", "export", "export/stamp.py", "    latest[x_out[len(reps) - 1]] = x\n", "", STAMP),
 ]
 
 _IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", "bundles", "*.egg-info",
