@@ -259,3 +259,27 @@ def install(monkeypatch) -> tuple[FakeTensorRT, FakeCudart]:
     for name, mod in (("tensorrt", trt), ("cuda", cuda), ("cuda.bindings", bindings), ("cuda.bindings.runtime", rt)):
         monkeypatch.setitem(sys.modules, name, mod)
     return trt, rt
+
+
+# -- ort-cuda's own code on the CPU provider -----------------------------------------------------
+
+def cuda_on_cpu():
+    """OrtCudaBackend's own choices and code (its fused graph, its OrtValue memories, its calls),
+    its device a parameter: the CPU provider, host OrtValues (tests/test_fused_cuda.py,
+    tests/test_backends.py)."""
+    from edgekv.runtime.backends.ort import OrtCudaBackend
+
+    class CudaOnCpu(OrtCudaBackend):
+        device = "cpu"
+
+        def check_available(self, ort):
+            pass
+
+        def providers(self):
+            return ["CPUExecutionProvider"]
+
+        def check_session(self):
+            pass
+
+    return CudaOnCpu
+

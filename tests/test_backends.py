@@ -362,21 +362,10 @@ def test_ort_cuda_runs_the_graph_as_written_and_says_why(tiny_bundle_float, monk
     docs/fused.md, tests/test_fused_cuda.py for the float16 ones): its class on the CPU provider
     keeps the graph as written under auto with the reason in its load line, and
     EDGEKV_ATTENTION=fused there is one line, not a silent plain run."""
-    from edgekv.runtime.backends.gpu import OrtValueMemory
-    from edgekv.runtime.backends.ort import ATTENTION_ENV, OrtCudaBackend
+    from edgekv.runtime.backends.ort import ATTENTION_ENV
+    from tests.fake_gpu import cuda_on_cpu
 
-    class OnCpu(OrtCudaBackend):  # ort-cuda's own choices, run by the CPU provider
-        def check_available(self, ort):
-            pass
-
-        def providers(self):
-            return ["CPUExecutionProvider"]
-
-        def check_session(self):
-            pass
-
-        def make_memory(self):
-            return OrtValueMemory(self.ort, "cpu")
+    OnCpu = cuda_on_cpu()  # ort-cuda's own choices, run by the CPU provider
 
     monkeypatch.delenv(ATTENTION_ENV, raising=False)
     b = load_bundle(tiny_bundle_float)

@@ -16,26 +16,15 @@ onnx = pytest.importorskip("onnx")
 from edgekv.errors import BackendUnavailable, EdgeKVError  # noqa: E402
 from edgekv.format.bundle import load_bundle  # noqa: E402
 from edgekv.runtime.backends.fused import BIAS  # noqa: E402
-from edgekv.runtime.backends.ort import ATTENTION_ENV, OrtBackend, OrtCudaBackend  # noqa: E402
+from edgekv.runtime.backends.ort import ATTENTION_ENV, OrtBackend  # noqa: E402
 from edgekv.runtime.cache import KVCache  # noqa: E402
+from tests.fake_gpu import cuda_on_cpu  # noqa: E402
 from test_fused import CALLS, CAPACITY, needs_gqa, random_cells_call  # noqa: E402
 
 pytestmark = needs_gqa
 
 
-class CudaOnCpu(OrtCudaBackend):
-    """ort-cuda's own choices and code (its graph without attention_bias, its OrtValue memories,
-    its calls), with the device a parameter: the CPU provider, host OrtValues."""
-    device = "cpu"
-
-    def check_available(self, ort):
-        pass
-
-    def providers(self):
-        return ["CPUExecutionProvider"]
-
-    def check_session(self):
-        pass
+CudaOnCpu = cuda_on_cpu()  # ort-cuda's code, the device a parameter: the CPU provider, host OrtValues
 
 
 class CudaWithoutBias(CudaOnCpu):
