@@ -36,7 +36,7 @@ import numpy as np
 from edgekv.errors import BackendUnavailable, EdgeKVError
 from edgekv.format.bundle import load_bundle
 from edgekv.runtime.assemble import Runtime, open_runtime
-from edgekv.runtime.backends.ort import OrtCudaBackend
+from edgekv.runtime.backends.ort_cuda import OrtCudaBackend
 from edgekv.runtime.text import TextCodec
 
 PROMPT = "What is the capital of France? Answer in one sentence."

@@ -267,7 +267,7 @@ def cuda_on_cpu():
     """OrtCudaBackend's own choices and code (its fused graph, its OrtValue memories, its calls),
     its device a parameter: the CPU provider, host OrtValues (tests/test_fused_cuda.py,
     tests/test_backends.py)."""
-    from edgekv.runtime.backends.ort import OrtCudaBackend
+    from edgekv.runtime.backends.ort_cuda import OrtCudaBackend
 
     class CudaOnCpu(OrtCudaBackend):
         device = "cpu"

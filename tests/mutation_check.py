@@ -563,10 +563,10 @@ MUTATIONS = [
     M("fused: a wrapped ring's overwritten slots seen", "fused", "edgekv/runtime/backends/ort.py", "mask = seq.key_mask(s, seq.n) if seq.w != seq.n else None", "mask = None", FUSED + ("-k", "ring")),
     # issue 24 item 4: the fused graph on ort-cuda (its code on the CPU provider, host OrtValues)
     M("ort-cuda fused: the cache in host memory (copied to the GPU and back every call)", "fused",
-      "edgekv/runtime/backends/ort.py",
+      "edgekv/runtime/backends/ort_cuda.py",
       "        return OrtValueHeadMajorMemory(self.ort, self.device, 0 if self.single_stream else FUSED_SPARE)",
       "        return HeadMajorMemory(0 if self.single_stream else FUSED_SPARE)", FUSED_CUDA + ("-k", "equals_the_plain_graph")),
-    M("ort-cuda fused: a call hiding past cells run without its mask", "fused", "edgekv/runtime/backends/ort.py",
+    M("ort-cuda fused: a call hiding past cells run without its mask", "fused", "edgekv/runtime/backends/ort_cuda.py",
       "return bool(key_mask[0, :, :past].all()) and np.array_equal(", "return True or np.array_equal(",
       FUSED_CUDA + ("-k", "one_line")),
     M("ort-cuda fused: a moved call's device copy strided without the spare slots", "fused",
@@ -580,7 +580,7 @@ MUTATIONS = [
     M("fused on an onnxruntime below 1.27", "fused", "edgekv/runtime/backends/ort.py", "    elif not ort_version_ok(backend.ort.__version__):", "    elif False:", FUSED + ("-k", "older_onnxruntime")),
     M("a cache of the other layout accepted", "fused", "edgekv/runtime/backends/ort.py", ' or cache.layout != getattr(self.memory, "layout", "slots"):', ":", FUSED + ("-k", "refuses_a_head")),
     M("fused calls beyond the spare slots", "fused", "edgekv/runtime/backends/ort.py", "            self.max_tokens_per_call = FUSED_SPARE", "            pass", FUSED + ("-k", "spare_slots")),
-    M("ort-cuda fuses a float32 graph", "fused", "edgekv/runtime/backends/ort.py", '        if bundle.dtype == "float32":', "        if False:", ("tests/test_backends.py", "-k", "ort_cuda_runs")),
+    M("ort-cuda fuses a float32 graph", "fused", "edgekv/runtime/backends/ort_cuda.py", '        if bundle.dtype == "float32":', "        if False:", ("tests/test_backends.py", "-k", "ort_cuda_runs")),
     M("bench: llama.cpp once, not per round", "bench", "edgekv/tools/bench.py", "if gguf is not None and failed is None and (args.attention or r == rounds - 1):", "if gguf is not None and failed is None and r == rounds - 1:", ("tests/test_bench_llama_cpp.py", "-k", "attentions_take_turns")),
     M("bench: ratios of round 1, not the median", "bench", "edgekv/tools/bench.py", 'rows.append({**row, **{f: statistics.median(x[f] for x in same) for f in row if f != "prompt_tokens"}})', "rows.append(row)", ("tests/test_bench_llama_cpp.py", "-k", "median_ratios")),
     # issue 26: structured output (grammar, logprobs, tools)

@@ -7,7 +7,8 @@ import os
 from edgekv.errors import BackendUnavailable, BundleError, EdgeKVError
 from edgekv.format.bundle import Bundle
 from edgekv.runtime.backends.base import Backend
-from edgekv.runtime.backends.ort import MATMUL_ACCURACY, OrtBackend, OrtCudaBackend
+from edgekv.runtime.backends.ort import MATMUL_ACCURACY, OrtBackend
+from edgekv.runtime.backends.ort_cuda import OrtCudaBackend
 from edgekv.runtime.cache import default_capacity
 
 BACKENDS = ("auto", "ort-cpu", "ort-cuda", "trt")
