@@ -99,8 +99,8 @@ def stamp_layers(traced: onnx.ModelProto, model: Transformer, reps: list[int], v
     traced_of_kind = {kinds[r]: j for j, r in enumerate(reps)}
     scopes = [_scope(n) for n in g.node]
     inside = [k for k, s in enumerate(scopes) if s is not None]
-    if not inside or scopes[inside[0]:inside[-1] + 1] != sorted(scopes[inside[0]:inside[-1] + 1]) \
-            or None in scopes[inside[0]:inside[-1] + 1]:
+    run = scopes[inside[0]:inside[-1] + 1] if inside else [None]
+    if None in run or run != sorted(run):
         return None  # each traced layer's nodes one run, in layer order
     pre, post = list(g.node[:inside[0]]), list(g.node[inside[-1] + 1:])
     body = {j: [n for n, s in zip(g.node, scopes) if s == j] for j in range(len(reps))}

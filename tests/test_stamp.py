@@ -107,6 +107,10 @@ def test_unrecognised_layers_are_not_stamped(graphs):
     names = io_names(m.cfg.n_layers, m.scheme)
     view_names = io_names(len(reps), m.scheme)
     assert stamp_layers(traced, m, reps, view_names, names) is not None  # (graph, weights)
+    inside = [n for n in traced.graph.node if any("layers." in p.value for p in n.metadata_props
+                                                   if p.key == "pkg.torch.onnx.name_scopes")]
+    inside[len(inside) // 2].ClearField("metadata_props")  # a node amid a layer's run outside every layer
+    assert stamp_layers(traced, m, reps, view_names, names) is None
     for n in traced.graph.node:  # torch's module scopes gone
         n.ClearField("metadata_props")
     assert stamp_layers(traced, m, reps, view_names, names) is None
