@@ -507,8 +507,9 @@ class Transformer(nn.Module):
         view.scheme, view.layer_rope = self.scheme, [self.layer_rope[i] for i in keep]
         for name, module in self.named_children():
             setattr(view, name, nn.ModuleList(self.layers[i] for i in keep) if name == "layers" else module)
+        kept = self.state_dict(keep_vars=True).keys()  # the persistent buffers' names among them
         for name, buf in self.named_buffers(recurse=False):
-            view.register_buffer(name, buf, persistent=name in self.state_dict())
+            view.register_buffer(name, buf, persistent=name in kept)
         return view
 
     def rope_tables(self, position_ids, inv_freq, dtype):

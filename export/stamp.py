@@ -146,7 +146,7 @@ def stamp_layers(traced: onnx.ModelProto, model: Transformer, reps: list[int], v
         if not own(t.name):
             inits.append(t)
     layer_inits = {j: [t.name for t in g.initializer if own(t.name) and _layer_of(t.name) == j] for j in body}
-    nodes, value_info = [_copy(n, n.name, [to_full.get(v, v) for v in n.input], list(n.output)) for n in pre], []
+    nodes = [_copy(n, n.name, [to_full.get(v, v) for v in n.input], list(n.output)) for n in pre]
     value_info = [v for v in g.value_info if v.name not in maker]
     latest: dict[str, str] = {}  # a traced layer's value -> its newest copy's name (read by others)
     shared = {j: _invariant(body[j], {x_in[j], *io_of("past", j, True), *layer_inits[j]}) for j in body}
