@@ -30,6 +30,7 @@ from functools import cached_property
 import numpy as np
 
 from edgekv.format.bundle import WEIGHT_FORMATS  # the runtime's list of what it reads
+from edgekv.format.weight_forms import code_width, pack_codes, packable
 from export.gguf_blocks import CODE_BITS, HALF_SCALES, decode
 GROUPS = (32, 64, 128)
 METHODS = ("awq", "clip", "rtn")  # requantizing float to INT4: AWQ scales + clip search, clip search, round-to-nearest
@@ -68,7 +69,8 @@ class QuantWeight:
         return (f"INT{self.bits} blocks of {self.block}" + (f", codes q - {self.shift}" if self.shift else "")
                 + (" + blocksum(x)·min" if self.mins is not None else "")
                 + (", fp16 scales" + (" and minimums" if self.mins is not None else "") + " (the file's)"
-                   if self.half_scales else ""))
+                   if self.half_scales else "")
+                + (f", stored as {self.width[0]}-bit codes" if self.width[0] < self.bits else ""))
 
     @cached_property
     def half_scales(self) -> bool:
@@ -80,10 +82,19 @@ class QuantWeight:
             return False
         return all(exact_in_half(a) for a in (self.scales, self.mins) if a is not None)
 
+    @cached_property
+    def width(self) -> tuple[int, int]:
+        """(bits, offset) the 8-bit codes are stored at: a GGUF's 5- and 6-bit codes (Q5_*, Q6_K) at
+        their own width, unpacked by the graph (edgekv/format/weight_forms.py); (bits, 0) otherwise."""
+        if self.bits != 8:
+            return self.bits, 0
+        bits, offset = code_width(self.codes)
+        return (bits, offset) if packable(self.codes.T.shape, bits) and packable(self.codes.shape, bits) else (8, 0)
+
     @property
     def nbytes(self) -> int:
         """Bytes in the bundle: packed codes + the scales (+ the minimums), fp16 where half_scales."""
-        codes = self.codes.size * self.bits // 8
+        codes = self.codes.size * self.width[0] // 8
         side = 2 if self.half_scales else 4
         return codes + side * (self.scales.size + (self.mins.size if self.mins is not None else 0))
 
@@ -299,7 +310,7 @@ def quantize_initializers(m, targets: dict[str, tuple[np.ndarray, QuantWeight]],
         return arrays[tname]
 
     twin = table_twin(targets, embed)
-    done, new_nodes, new_inits = set(), [], []
+    done, new_nodes, new_inits = set(), [], Emitted()
     for node in g.node:
         if node.op_type == "MatMul":
             b = node.input[1]
@@ -335,7 +346,30 @@ def quantize_initializers(m, targets: dict[str, tuple[np.ndarray, QuantWeight]],
     del g.initializer[:]
     g.initializer.extend(kept + new_inits)
     del g.value_info[:]
+    g.value_info.extend(new_inits.value_info)
     return m
+
+
+class Emitted(list):
+    """The initializers a rewrite adds, and the value_info of the forms among them (a packed
+    code tensor's type and shape: what the runtime's rewrites read without unpacking it)."""
+    def __init__(self):
+        super().__init__()
+        self.value_info: list = []
+
+
+def _codes(name: str, codes: np.ndarray, q: QuantWeight, inits: list) -> list:
+    """`codes` (q's, laid out as the graph reads them) as the initializer `name`, or at q.width's
+    bits as a form named `name` (weight_forms.pack_codes). Returns the form's nodes."""
+    bits, offset = q.width
+    if bits >= q.bits or not packable(codes.shape, bits):
+        inits.append(_int_tensor(name, codes, q.bits))
+        return []
+    tensors, nodes, info = pack_codes(name, np.ascontiguousarray(codes), bits, offset)
+    inits.extend(tensors)
+    if isinstance(inits, Emitted):
+        inits.value_info.append(info)
+    return nodes
 
 
 def _int_tensor(name: str, codes: np.ndarray, bits: int):
@@ -375,14 +409,14 @@ def _quantized_matmul(node, name: str, q: QuantWeight, dtype, inits: list) -> li
     from onnx import helper, numpy_helper
 
     base = name.replace(".", "_")
-    inits.append(_int_tensor(base + "_q", q.codes.T, q.bits))
+    unpack = _codes(base + "_q", q.codes.T, q, inits)
     if q.block is None:
         inits.append(numpy_helper.from_array(q.scales.astype(dtype), base + "_scale"))
         dq = helper.make_node("DequantizeLinear", [base + "_q", base + "_scale"], [base + "_dq"], axis=1,
                               name=base + "_dq")
-        nodes = []
+        nodes = unpack
     else:
-        nodes = _side(base + "_scale", q.scales.T, dtype, q.half_scales, inits)
+        nodes = unpack + _side(base + "_scale", q.scales.T, dtype, q.half_scales, inits)
         dq = helper.make_node("DequantizeLinear", [base + "_q", base + "_scale"], [base + "_dq"], axis=0,
                               block_size=q.block, name=base + "_dq")
     out = node.output[0]
@@ -455,8 +489,8 @@ def _shared_gather(node, head: str, q: QuantWeight, dtype, inits: list) -> list:
     widen = _side(base + "_scale", scales, dtype, q.half_scales, inits)
     if q.mins is not None:
         widen += _side(base + "_min", q.mins.T, dtype, q.half_scales, inits)
-    inits += [_int_tensor(base + "_q", q.codes.T, 8),
-              numpy_helper.from_array(np.array(1.0, dtype), base + "_unit"),
+    widen += _codes(base + "_q", q.codes.T, q, inits)
+    inits += [numpy_helper.from_array(np.array(1.0, dtype), base + "_unit"),
               numpy_helper.from_array(np.array(0, np.int8), base + "_zero"),
               numpy_helper.from_array(np.array([-3], np.int64), base + "_axis"),
               numpy_helper.from_array(np.array([k // b, b, 1, 1], np.int64), base + "_blocks"),
@@ -495,10 +529,10 @@ def _quantized_gather(node, name: str, q: QuantWeight, dtype, inits: list) -> li
     nb = 1 if q.block is None else k // q.block
     # a block-wise table is stored [V, K/B, B] so that the gathered rows meet their scales without
     # a Reshape between DequantizeLinear and Mul (onnxruntime's Q/DQ propagation mishandles that)
-    inits.append(_int_tensor(base + "_q", q.codes.reshape(n, nb, k // nb) if q.block else q.codes, 8))
+    unpack = _codes(base + "_q", q.codes.reshape(n, nb, k // nb) if q.block else q.codes, q, inits)
     inits.append(numpy_helper.from_array(np.array(1.0, dtype), base + "_unit"))
     inits.append(numpy_helper.from_array(np.array(0, np.int8), base + "_zero"))
-    nodes = _side(base + "_scale", q.scales.reshape(n, nb, 1) if q.block else q.scales.reshape(n, 1), dtype,
+    nodes = unpack + _side(base + "_scale", q.scales.reshape(n, nb, 1) if q.block else q.scales.reshape(n, 1), dtype,
                   q.half_scales, inits)
     if q.shift:
         raise ValueError("the embedding's codes are 8-bit, never shifted")

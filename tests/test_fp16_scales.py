@@ -126,6 +126,7 @@ def test_the_bundles_dequantize_is_the_files_values_bit_for_bit(bundles):
     why the Cast. Every matrix, minimums included, read back through the graph's arithmetic (the
     TensorRT staging's float32 scales): bit for bit too."""
     from edgekv.format.trt_graph import widen_half_scales
+    from edgekv.format.weight_forms import cone
     from tests.test_gguf_kquants import file_weights
     from tests.test_weights import decoded_weights
 
@@ -139,12 +140,13 @@ def test_the_bundles_dequantize_is_the_files_values_bit_for_bit(bundles):
     for name in plain:
         base = name.replace(".", "_")
         dq = made[base + "_dq"]
-        got = _run_nodes(m, [made[dq.input[1]], dq], dq.output[0])  # [K, N]
+        codes = cone(dq.input[0], made, {i.name for i in m.graph.initializer})  # Q5_0's packed codes: unpacked by their nodes
+        got = _run_nodes(m, codes + [made[dq.input[1]], dq], dq.output[0])  # [K, N]
         assert got.dtype == np.float32
         np.testing.assert_array_equal(got.T, ref[name], err_msg=name)
         direct = helper.make_node("DequantizeLinear", [dq.input[0], dq.input[1] + "_f16"], ["w16"],
                                   axis=0, block_size=32)
-        rounded += int((_run_nodes(m, [direct], "w16", TensorProto.FLOAT16).astype(np.float32).T != ref[name]).sum())
+        rounded += int((_run_nodes(m, codes + [direct], "w16", TensorProto.FLOAT16).astype(np.float32).T != ref[name]).sum())
     assert rounded > 0
     assert widen_half_scales(m, str(bundle))
     assert not any(t.data_type == TensorProto.FLOAT16 for t in m.graph.initializer)

@@ -18,6 +18,7 @@ from edgekv.format.bundle import load_bundle
 from edgekv.runtime.assemble import open_runtime
 from edgekv.runtime.backends.engines import tensorrt_graph
 from edgekv.format.trt_graph import widen_half_scales
+from edgekv.format.weight_forms import fold_forms
 from edgekv.format.trt_rules import check_model
 from tests.conftest import make_hf_folder
 
@@ -45,6 +46,7 @@ def decoded_weights(onnx_path) -> dict[str, np.ndarray]:
     file at `onnx_path`, or of a ModelProto with its weights)."""
     m = onnx_path if isinstance(onnx_path, onnx.ModelProto) else onnx.load(str(onnx_path))
     widen_half_scales(m, "")  # fp16 scales behind their Casts: as the runtime's pre-pass reads them (weights loaded)
+    fold_forms(m, "")  # 5/6-bit codes packed: unpacked by onnx's reference evaluator running the graph's own nodes
     inits = {i.name: i for i in m.graph.initializer}
     arr = lambda n: numpy_helper.to_array(inits[n]).astype(np.float64)  # noqa: E731
     out = {}

@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 
 from edgekv.format.trt_graph import TYPES, GraphFacts, Violation, block_size, graph_facts, read_onnx, widen_half_scales
+from edgekv.format.weight_forms import FORM_OPS, cone, fold_forms
 
 DATA = Path(__file__).parent.parent / "data" / "trt_onnx_ops.json"
 
@@ -42,9 +43,32 @@ def check_model(model, trt: str = "10.3") -> list[Violation]:
         pass
     opset, out = _check_opsets(model, ver, trt)
     facts = graph_facts(model.graph)
+    forms, staged = _packed_forms(model.graph, table, ver)
+    out.extend(forms)
     for idx, n in enumerate(model.graph.node):
-        out.extend(_check_node(n, n.name or f"node#{idx}", facts, table, ver, trt, opset))
+        if id(n) not in staged:
+            out.extend(_check_node(n, n.name or f"node#{idx}", facts, table, ver, trt, opset))
     return out + _check_quantized_tensors(facts)
+
+
+def _packed_forms(g, table: dict, ver: dict) -> tuple[list[Violation], set[int]]:
+    """A bundle's weight forms with ops TensorRT's parser lacks (packed codes' BitShift, ...): one
+    line each naming the staging that unfolds it (edgekv/format/weight_forms.py), and the ids of
+    their nodes, not checked one by one. Forms of supported ops (an fp16 scale's Cast) are checked
+    as nodes."""
+    sup, not_yet = table["supported"], set(ver["not_yet"])
+    inits = {i.name for i in g.initializer}
+    producers = {o: n for n in g.node for o in n.output}
+    out, staged = [], set()
+    for name in dict.fromkeys(i for n in g.node if n.op_type not in FORM_OPS for i in n.input):
+        nodes = cone(name, producers, inits)
+        lacking = sorted({n.op_type for n in nodes or [] if n.op_type not in sup or n.op_type in not_yet})
+        if lacking:
+            staged.update(id(n) for n in nodes)
+            out.append(Violation(name, "form", f"{name} is a weight stored packed ({len(nodes)} constant nodes: "
+                                 f"{', '.join(lacking)}, which TensorRT's parser lacks); the engine build's staging "
+                                 "unpacks it (check the bundle, not its bare model.onnx: edgekv check-trt BUNDLE)"))
+    return out, staged
 
 
 def _check_opsets(model, ver: dict, trt: str) -> tuple[int, list[Violation]]:
@@ -227,6 +251,7 @@ def check_as_built(path: Path, trt: str, rewrite) -> tuple[list[Violation], list
     model = read_onnx(path)
     try:
         widen_half_scales(model, path.parent)  # fp16 scales -> float32 initializers, as the engine build's staging
+        fold_forms(model, path.parent)  # packed codes -> INT8 initializers, likewise
         converted = rewrite(model, path.parent)
     except (OSError, ValueError, RuntimeError) as e:  # the weights beside the graph missing or unreadable
         raise EdgeKVError(f"{path}: cannot read its weights to check them as the engine build would "

@@ -37,7 +37,7 @@ import numpy as np
 
 from edgekv.errors import BundleError
 from edgekv.format.bundle import Bundle
-from edgekv.format.trt_graph import is_half_cast
+from edgekv.format.weight_forms import cone, evaluate
 
 # GroupQueryAttention's CPU kernel takes an int8 cache from onnxruntime 1.27 (docs/fused.md)
 MIN_ORT = (1, 27)
@@ -74,6 +74,7 @@ class _Graph:
         self.onnx, self.nh = onnx, numpy_helper
         self.model, self.g, self.base_dir = model, model.graph, base_dir
         self.inits = {t.name: t for t in self.g.initializer}
+        self.infos = {v.name: v for v in self.g.value_info}
         self.tables: dict[tuple, tuple] = {}  # (cos, sin, positions) -> the graph's RoPE tables, evaluated
         self.reindex()
 
@@ -86,9 +87,8 @@ class _Graph:
                     self.consumers.setdefault(i, []).append(n)
 
     def const(self, name: str) -> np.ndarray | None:
-        """The value of a constant tensor (initializer, Constant node, or an fp16 block scale's
-        Cast to float32: export/weights.py keeps the GGUF's fp16 behind one; fp16 -> float32 is
-        exact), else None."""
+        """The value of a constant tensor (initializer, Constant node, or a weight form: an fp16
+        block scale's Cast to float32, packed codes; edgekv/format/weight_forms.py), else None."""
         t = self.inits.get(name)
         if t is not None:
             if t.data_location == self.onnx.TensorProto.EXTERNAL:
@@ -97,13 +97,22 @@ class _Graph:
         n = self.producer.get(name)
         if n is not None and n.op_type == "Constant":
             return self.nh.to_array(n.attribute[0].t) if n.attribute[0].name == "value" else None
-        if is_half_cast(n, self.inits):
-            return self.const(n.input[0]).astype(np.float32)
-        return None
+        nodes = cone(name, self.producer, self.inits)
+        return evaluate(name, nodes, self.inits, self.base_dir) if nodes else None
 
     def is_const(self, name: str) -> bool:
-        """An initializer, or the float32 Cast of an fp16 one (a constant onnxruntime folds at load)."""
-        return name in self.inits or is_half_cast(self.producer.get(name), self.inits)
+        """An initializer, or a weight form over initializers (a constant onnxruntime folds at load)."""
+        return cone(name, self.producer, self.inits) is not None
+
+    def tensor(self, name: str) -> tuple[int, list[int]] | None:
+        """(element type, dims) of an initializer or a weight form (its value_info), else None."""
+        t = self.inits.get(name)
+        if t is not None:
+            return t.data_type, list(t.dims)
+        v = self.infos.get(name)
+        if v is not None and self.is_const(name):
+            return v.type.tensor_type.elem_type, [d.dim_value for d in v.type.tensor_type.shape.dim]
+        return None
 
     def const_dims(self, name: str) -> list[int] | None:
         """Dims of a weight: an initializer, or the DequantizeLinear of one (quantized weights)."""
@@ -113,9 +122,8 @@ class _Graph:
         n = self.producer.get(name)
         if n is not None and n.op_type == "Constant":
             return list(n.attribute[0].t.dims)
-        if n is not None and n.op_type == "DequantizeLinear" and n.input[0] in self.inits:
-            return list(self.inits[n.input[0]].dims)
-        return None
+        codes = self.tensor(n.input[0]) if n is not None and n.op_type == "DequantizeLinear" else None
+        return codes[1] if codes else None
 
     def op(self, name: str, *ops: str):
         """The node producing `name` if it is one of `ops`, else None."""
@@ -687,9 +695,12 @@ def _prune(g: _Graph) -> None:
     inputs = [i for i in g.g.input if i.name in need or i.name.startswith("past.")]
     del g.g.input[:]
     g.g.input.extend(inputs)
-    del g.g.value_info[:]
     g.inits = {t.name: t for t in g.g.initializer}
     g.reindex()
+    forms = [v for v in g.g.value_info if v.name in need and g.is_const(v.name)]  # packed codes' types (nbits reads them)
+    del g.g.value_info[:]
+    g.g.value_info.extend(forms)
+    g.infos = {v.name: v for v in forms}
 
 
 def _check_fused(g: _Graph, n_layers: int) -> None:

@@ -100,7 +100,7 @@ def _match(g: _Graph, add) -> MinTerm | None:
     for a, b in (add.input, add.input[::-1]):
         mm, mt = g.op(a, "MatMul"), g.op(b, "MatMul")
         dq = mm and g.op(mm.input[1], "DequantizeLinear")
-        if dq is None or mt is None or dq.input[0] not in g.inits or (len(dq.input) > 2 and dq.input[2]):
+        if dq is None or mt is None or g.tensor(dq.input[0]) is None or (len(dq.input) > 2 and dq.input[2]):
             continue
         block, x = g.attr(dq, "block_size", 0), mm.input[0]
         if not block or g.attr(dq, "axis", 1) != 0 or not g.is_const(dq.input[1]):
@@ -210,7 +210,8 @@ def fold_minimums(model, base_dir: str) -> FoldReport:
     sums = _Blocksums(model, helper, g.nh)
     for t in find_min_terms(g):
         codes = t.dq.input[0]
-        bits = {TP.INT4: 4, TP.INT8: 8}.get(g.inits[codes].data_type)
+        codes_type, codes_dims = g.tensor(codes)  # an initializer, or packed codes (their value_info)
+        bits = {TP.INT4: 4, TP.INT8: 8}.get(codes_type)
         if bits is None:
             report.kept[codes] = "codes neither INT4 nor INT8"
             continue
@@ -225,7 +226,7 @@ def fold_minimums(model, base_dir: str) -> FoldReport:
         if r.any():  # the remainder on blocksum(x): |r| <= |s|/2 where a block spans 0
             model.graph.initializer.append(_handed(TP, base + "_r", r))
             report.buffers.append((base + "_r", r))
-            k, block = g.inits[codes].dims[0], g.attr(t.dq, "block_size")  # codes [K, N]
+            k, block = codes_dims[0], g.attr(t.dq, "block_size")  # codes [K, N]
             t.term.input[0], t.term.input[1] = sums.of(t.mm.input[0], k, block), base + "_r"
         else:  # the zero points carry all of it: W x is the MatMul's output
             t.mm.output[0] = t.add.output[0]
