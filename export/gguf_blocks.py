@@ -131,6 +131,24 @@ CODE_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_0": 8, "Q5_1": 8, "
 HALF_SCALES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"})
 
 
+def k_factors(kind: str, raw: np.ndarray, shape: tuple[int, int]):
+    """A K-quant's scales (and minimums) as the file factors them: (d [N, K/256] float32 of fp16,
+    sc [N, K/B] int8, dmin, mn) with scale = d·sc and min = -dmin·mn per sub-block (None for
+    Q6_K's minimum; None for a type that is not a K-quant): what the bundle stores instead of the
+    float32 products (export/weights.py: Factors)."""
+    if kind not in ("Q4_K", "Q5_K", "Q6_K"):
+        return None
+    _, per, nbytes = DECODERS[kind]
+    n, k = shape
+    raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n * k // per, nbytes)
+    if kind == "Q6_K":
+        sc = raw[:, 192:208].copy().view(np.int8)
+        return _f16(raw, 208).reshape(n, -1), sc.reshape(n, -1), None, None
+    sc, mn = k_scale_min(raw[:, 4:16])
+    return (_f16(raw, 0).reshape(n, -1), sc.astype(np.int8).reshape(n, -1),
+            _f16(raw, 2).reshape(n, -1), mn.astype(np.int8).reshape(n, -1))
+
+
 def decode(kind: str, raw: np.ndarray, shape: tuple[int, int]):
     """The codes, scales, block and mins of a matrix [N, K] stored as `kind`, or None when the type
     has no decoder here (IQ*, Q2_K, Q3_K, float types)."""

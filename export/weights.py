@@ -31,10 +31,26 @@ import numpy as np
 
 from edgekv.format.bundle import WEIGHT_FORMATS  # the runtime's list of what it reads
 from edgekv.format.weight_forms import code_width, pack_codes, packable
-from export.gguf_blocks import CODE_BITS, HALF_SCALES, decode
+from export.gguf_blocks import CODE_BITS, HALF_SCALES, decode, k_factors
 GROUPS = (32, 64, 128)
 METHODS = ("awq", "clip", "rtn")  # requantizing float to INT4: AWQ scales + clip search, clip search, round-to-nearest
 CLIP_RATIOS = tuple(np.round(np.arange(1.0, 0.49, -0.05), 2))  # searched per group, best error kept
+
+
+@dataclass
+class Factors:
+    """A K-quant's per-block scales (or minimums) as its file stores them: values = d·sc, with d
+    [N, K/256] float32 holding fp16 values (one per super-block) and sc [N, K/B] small integers
+    (int8). The product is exact in float32 (at most 11 + 8 significant bits)."""
+    d: np.ndarray
+    sc: np.ndarray
+
+    def rows(self, fn) -> "Factors":
+        return Factors(fn(self.d), fn(self.sc))
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.d.size + self.sc.size
 
 
 @dataclass
@@ -48,6 +64,8 @@ class QuantWeight:
     mins: np.ndarray | None = None   # float32 [N, K/block]: a GGUF type's minimum, W = (codes + shift)*scales + mins
     shift: int = 0                   # 4-bit codes of an unsigned type stored as q - shift (signed INT4)
     source: str = ""                 # the GGUF block type(s) the codes are ("Q4_K", "Q5_0|Q5_0|Q8_0"); "" = requantized
+    scale_factors: Factors | None = None  # a K-quant's scales as the file factors them (stored so)
+    min_factors: Factors | None = None    # ... and its minimums (-dmin·mn: d = -dmin, sc = mn)
 
     def dequantize(self) -> np.ndarray:
         """The float values the graph computes with, in float64 rounded once to float32 (each
@@ -70,7 +88,8 @@ class QuantWeight:
                 + (" + blocksum(x)·min" if self.mins is not None else "")
                 + (", fp16 scales" + (" and minimums" if self.mins is not None else "") + " (the file's)"
                    if self.half_scales else "")
-                + (f", stored as {self.width[0]}-bit codes" if self.width[0] < self.bits else ""))
+                + (f", stored as {self.width[0]}-bit codes" if self.width[0] < self.bits else "")
+                + (", scales (and minimums) as the file's fp16 d times integer sc" if self.scale_factors else ""))
 
     @cached_property
     def half_scales(self) -> bool:
@@ -96,7 +115,10 @@ class QuantWeight:
         """Bytes in the bundle: packed codes + the scales (+ the minimums), fp16 where half_scales."""
         codes = self.codes.size * self.width[0] // 8
         side = 2 if self.half_scales else 4
-        return codes + side * (self.scales.size + (self.mins.size if self.mins is not None else 0))
+
+        def cost(values, factors):
+            return 0 if values is None else factors.nbytes if factors is not None else side * values.size
+        return codes + cost(self.scales, self.scale_factors) + cost(self.mins, self.min_factors)
 
 
 def exact_in_half(a: np.ndarray) -> bool:
@@ -111,7 +133,7 @@ def to_eight_bit(q: QuantWeight) -> QuantWeight:
     if q.bits == 8:
         return q
     return QuantWeight(8, (q.codes.astype(np.int16) + q.shift).astype(np.int8), q.scales, q.block, q.origin, q.mins,
-                       0, q.source)
+                       0, q.source, q.scale_factors, q.min_factors)
 
 
 def _reblock(q: QuantWeight, block: int, shift: int, with_mins: bool) -> QuantWeight:
@@ -122,7 +144,9 @@ def _reblock(q: QuantWeight, block: int, shift: int, with_mins: bool) -> QuantWe
     mins = np.repeat(q.mins, r, axis=1) if q.mins is not None else (np.zeros_like(scales) if with_mins else None)
     if shift != q.shift:  # Q4_0's signed codes beside Q4_1's shifted ones: (c + 8)*s - 8s = c*s
         mins = mins - np.float32(shift - q.shift) * scales  # a power of two times s: exact
-    return QuantWeight(q.bits, q.codes, scales, block, q.origin, mins, shift, q.source)
+    same = r == 1 and shift == q.shift  # the factors hold only where the values are the file's
+    return QuantWeight(q.bits, q.codes, scales, block, q.origin, mins, shift, q.source,
+                       q.scale_factors if same else None, q.min_factors if same and q.mins is not None else None)
 
 
 def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
@@ -144,13 +168,22 @@ def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
     source = sources[0] if len(set(sources)) == 1 else "|".join(sources)
     origin = a.origin if len({p.origin for p in parts}) == 1 else f"gguf {source}"
     return QuantWeight(bits, np.concatenate([p.codes for p in parts]), np.concatenate([p.scales for p in parts]),
-                       block, origin, np.concatenate([p.mins for p in parts]) if with_mins else None, shift, source)
+                       block, origin, np.concatenate([p.mins for p in parts]) if with_mins else None, shift, source,
+                       _concat_factors([p.scale_factors for p in parts]), _concat_factors([p.min_factors for p in parts]))
+
+
+def _concat_factors(fs: list) -> Factors | None:
+    """Stacked rows of every part's factors, where each part has them at the same shape per row."""
+    if any(f is None for f in fs) or len({(f.d.shape[1], f.sc.shape[1]) for f in fs}) != 1:
+        return None
+    return Factors(np.concatenate([f.d for f in fs]), np.concatenate([f.sc for f in fs]))
 
 
 def permute_rows(q: QuantWeight, fn) -> QuantWeight:
     """Apply a row permutation (llama.cpp's q/k interleave undone) to codes, scales and mins."""
     return QuantWeight(q.bits, fn(q.codes), fn(q.scales), q.block, q.origin, None if q.mins is None else fn(q.mins),
-                       q.shift, q.source)
+                       q.shift, q.source, q.scale_factors and q.scale_factors.rows(fn),
+                       q.min_factors and q.min_factors.rows(fn))
 
 
 # --- GGUF blocks, read as they are ---------------------------------------------------------
@@ -186,7 +219,9 @@ def from_gguf_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> Quan
     bits, shift = KEPT_BITS[kind], 0
     if bits == 4 and mins is not None:
         codes, shift = codes - 8, 8
-    return QuantWeight(bits, codes, scales, block, f"gguf {kind}", mins, shift, kind)
+    f = k_factors(kind, raw, shape)
+    sf, mf = (Factors(f[0], f[1]), Factors(-f[2], f[3]) if f[2] is not None else None) if f else (None, None)
+    return QuantWeight(bits, codes, scales, block, f"gguf {kind}", mins, shift, kind, sf, mf)
 
 
 # --- from float ------------------------------------------------------------------------------
@@ -404,6 +439,32 @@ def _side(name: str, values: np.ndarray, dtype, half: bool, inits: list) -> list
     return [helper.make_node("Cast", [name + HALF], [name], to=TensorProto.FLOAT, name=name + "_widen")]
 
 
+def _factored(name: str, f: Factors | None, k_first: bool, dtype, inits: list) -> list | None:
+    """The scales (or minimums) `name`, [K/B, N] (k_first) or [N, K/B, 1], as f.d·f.sc computed by
+    four constant nodes (a weight form: edgekv/format/weight_forms.py) from the file's fp16 d and
+    integer sc: its bytes, not float32 products. None without factors, or in a float16 graph
+    (which rounds d·sc to its own type)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    if f is None or np.dtype(dtype) != np.float32:
+        return None
+    n, supers = f.d.shape
+    blocks = f.sc.shape[1]
+    per = blocks // supers  # sub-blocks per super-block
+    if k_first:
+        d, sc, shape = f.d.T.reshape(supers, 1, n), f.sc.T.reshape(supers, per, n), [blocks, n]
+    else:
+        d, sc, shape = f.d.reshape(n, supers, 1), f.sc.reshape(n, supers, per), [n, blocks, 1]
+    inits += [numpy_helper.from_array(np.ascontiguousarray(d).astype(np.float16), name + "_d"),
+              numpy_helper.from_array(np.ascontiguousarray(sc).astype(np.int8), name + "_sc"),
+              numpy_helper.from_array(np.array(shape, np.int64), name + "_shape")]
+    mk = helper.make_node
+    return [mk("Cast", [name + "_d"], [name + "_dw"], to=TensorProto.FLOAT, name=name + "_dw"),
+            mk("Cast", [name + "_sc"], [name + "_scw"], to=TensorProto.FLOAT, name=name + "_scw"),
+            mk("Mul", [name + "_scw", name + "_dw"], [name + "_prod"], name=name + "_prod"),
+            mk("Reshape", [name + "_prod", name + "_shape"], [name], name=name + "_factored")]
+
+
 def _quantized_matmul(node, name: str, q: QuantWeight, dtype, inits: list) -> list:
     """DQ(codes^T [K, N]) -> MatMul (+ the Q4_1 term)."""
     from onnx import helper, numpy_helper
@@ -416,7 +477,8 @@ def _quantized_matmul(node, name: str, q: QuantWeight, dtype, inits: list) -> li
                               name=base + "_dq")
         nodes = unpack
     else:
-        nodes = unpack + _side(base + "_scale", q.scales.T, dtype, q.half_scales, inits)
+        nodes = unpack + (_factored(base + "_scale", q.scale_factors, True, dtype, inits)
+                          or _side(base + "_scale", q.scales.T, dtype, q.half_scales, inits))
         dq = helper.make_node("DequantizeLinear", [base + "_q", base + "_scale"], [base + "_dq"], axis=0,
                               block_size=q.block, name=base + "_dq")
     out = node.output[0]
@@ -439,7 +501,8 @@ def _min_term(x: str, mm_out: str, out: str, base: str, q: QuantWeight, dtype, i
     nb = k // q.block
     inits.append(numpy_helper.from_array(np.array([0, 0, nb, q.block], np.int64), base + "_blocks"))
     inits.append(numpy_helper.from_array(np.array([-1], np.int64), base + "_last"))
-    nodes = _side(base + "_min", q.mins.T, dtype, q.half_scales, inits)
+    nodes = (_factored(base + "_min", q.min_factors, True, dtype, inits)
+             or _side(base + "_min", q.mins.T, dtype, q.half_scales, inits))
     nodes += [helper.make_node("Reshape", [x, base + "_blocks"], [base + "_xblocks"], name=base + "_xblocks"),
              helper.make_node("ReduceSum", [base + "_xblocks", base + "_last"], [base + "_xsum"], keepdims=0,
                               name=base + "_xsum")]
@@ -486,9 +549,11 @@ def _shared_gather(node, head: str, q: QuantWeight, dtype, inits: list) -> list:
     n, k = q.codes.shape
     b = q.block or k
     scales = q.scales.T if q.block else q.scales  # as the head's DequantizeLinear holds them (fp16 alike)
-    widen = _side(base + "_scale", scales, dtype, q.half_scales, inits)
+    widen = ((q.block and _factored(base + "_scale", q.scale_factors, True, dtype, inits))
+             or _side(base + "_scale", scales, dtype, q.half_scales, inits))
     if q.mins is not None:
-        widen += _side(base + "_min", q.mins.T, dtype, q.half_scales, inits)
+        widen += (_factored(base + "_min", q.min_factors, True, dtype, inits)
+                  or _side(base + "_min", q.mins.T, dtype, q.half_scales, inits))
     widen += _codes(base + "_q", q.codes.T, q, inits)
     inits += [numpy_helper.from_array(np.array(1.0, dtype), base + "_unit"),
               numpy_helper.from_array(np.array(0, np.int8), base + "_zero"),
@@ -532,8 +597,9 @@ def _quantized_gather(node, name: str, q: QuantWeight, dtype, inits: list) -> li
     unpack = _codes(base + "_q", q.codes.reshape(n, nb, k // nb) if q.block else q.codes, q, inits)
     inits.append(numpy_helper.from_array(np.array(1.0, dtype), base + "_unit"))
     inits.append(numpy_helper.from_array(np.array(0, np.int8), base + "_zero"))
-    nodes = unpack + _side(base + "_scale", q.scales.reshape(n, nb, 1) if q.block else q.scales.reshape(n, 1), dtype,
-                  q.half_scales, inits)
+    nodes = unpack + ((q.block and _factored(base + "_scale", q.scale_factors, False, dtype, inits))
+                      or _side(base + "_scale", q.scales.reshape(n, nb, 1) if q.block else q.scales.reshape(n, 1), dtype,
+                               q.half_scales, inits))
     if q.shift:
         raise ValueError("the embedding's codes are 8-bit, never shifted")
     scaled = out if q.block is None else base + "_rows_bs"
@@ -544,7 +610,8 @@ def _quantized_gather(node, name: str, q: QuantWeight, dtype, inits: list) -> li
              helper.make_node("Mul", [base + "_rows", base + "_rows_scale"],
                               [scaled if q.mins is None else base + "_rows_bs_nomin"], name=base + "_scale_rows")]
     if q.mins is not None:  # a type with a minimum (Q4_K, Q5_1, ...): + the rows' block minimums
-        nodes += _side(base + "_min", q.mins.reshape(n, nb, 1), dtype, q.half_scales, inits)
+        nodes += (_factored(base + "_min", q.min_factors, False, dtype, inits)
+                  or _side(base + "_min", q.mins.reshape(n, nb, 1), dtype, q.half_scales, inits))
         nodes += [helper.make_node("Gather", [base + "_min", ids], [base + "_rows_min"], axis=0, name=base + "_gather_m"),
                   helper.make_node("Add", [base + "_rows_bs_nomin", base + "_rows_min"], [scaled], name=base + "_min_rows")]
     if q.block is not None:

@@ -77,6 +77,7 @@ GEMMA_WINDOW = ("tests/test_gemma3.py", "-k", "windowed or truncates")
 GEMMA_POOL = ("tests/test_gemma3.py", "-k", "pool or rolled or truncates_within or starts_over or saves")
 NBITS = ("tests/test_nbits.py",)
 FP16 = ("tests/test_fp16_scales.py",)
+FORMS = ("tests/test_weight_forms.py",)
 FUSED_ARCHS = ("tests/test_fused_archs.py",)
 FUSED_SERVE = ("tests/test_fused_serve.py",)
 FUSED_CUDA = ("tests/test_fused_cuda.py",)
@@ -726,7 +727,13 @@ MUTATIONS = [
     M("Cast-fed scale rule misses fp16", "format", "edgekv/format/trt_rules.py", 'f.types.get(prod.input[0]) == "FP16"', 'f.types.get(prod.input[0]) == "FP32"', TRT_W),
     M("K-quant scales stored fp16", "export", "export/gguf_blocks.py", 'HALF_SCALES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"})', 'HALF_SCALES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K"})', KQ),
     M("Q8_0 scales float32", "export", "export/gguf_blocks.py", 'HALF_SCALES = frozenset({"Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"})', 'HALF_SCALES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1"})', FP16),
-    M("nbits: an fp16 scale's Cast not taken for a constant", "weights", "edgekv/runtime/backends/fused.py", "        return name in self.inits or is_half_cast(self.producer.get(name), self.inits)", "        return name in self.inits", FP16 + ("-k", "tokens_unchanged")),
+    M("nbits: an fp16 scale's Cast not taken for a constant", "weights", "edgekv/runtime/backends/fused.py", "        return cone(name, self.producer, self.inits) is not None", "        return name in self.inits", FP16 + ("-k", "tokens_unchanged")),
+    M("packed codes: the high bits' places reversed", "format", "edgekv/format/weight_forms.py", "hi |= (high[j::per] << (h * j)).astype(np.uint8)", "hi |= (high[j::per] << (h * (per - 1 - j))).astype(np.uint8)", FORMS),
+    M("packed codes: the offset not applied", "format", "edgekv/format/weight_forms.py", "q = (codes.astype(np.int16) + offset).astype(np.uint8)", "q = codes.astype(np.int16).astype(np.uint8)", FORMS),
+    M("factored scales: d laid out untransposed", "export", "export/weights.py", "d, sc, shape = f.d.T.reshape(supers, 1, n)", "d, sc, shape = f.d.reshape(supers, 1, n)", FORMS),
+    M("packed codes counted at 8 bits", "export", "export/weights.py", "codes = self.codes.size * self.width[0] // 8", "codes = self.codes.size * self.bits // 8", KQ + ("-k", "stored_as")),
+    M("engine build: packed codes not unpacked", "trt", "edgekv/runtime/backends/engines.py", "    fold_forms(model, folder)  # packed", "    pass  # packed", KQ + ("-k", "tensorrt_rules")),
+    M("fused: the forms' value_info dropped", "weights", "edgekv/runtime/backends/fused.py", "forms = [v for v in g.g.value_info if v.name in need and g.is_const(v.name)]", "forms = []", FP16 + ("-k", "tokens_unchanged")),
     M("engine build: fp16 scales not widened", "trt", "edgekv/runtime/backends/engines.py", "    widen_half_scales(model, folder)  # fp16 block scales", "    pass  # fp16 block scales", ("tests/test_weights.py", "-k", "engine_build")),
     M("nbits: every remainder dropped (the term's speed for +20 % PPL)", "weights", "edgekv/runtime/backends/nbits.py", "        if r.any():", "        if False:", NBITS),
     M("fused: later layers' key scale off", "fused", "edgekv/runtime/backends/fused.py", "nh.from_array(L.k_scale.astype(np.float32).reshape(1, Hkv, 1, D), ins[-2])", "nh.from_array(L.k_scale.astype(np.float32).reshape(1, Hkv, 1, D) * (1.01 if i else 1.0), ins[-2])", FUSED + ("-k", "static_int8")),

@@ -215,10 +215,12 @@ def test_mixed_file_exports_with_its_blocks_bit_for_bit(mixed_bundle):
     assert mats["embed.weight"]["source"] == "Q4_K" and "min" in mats["embed.weight"]["carried"]
 
 
-def test_kquant_scales_stay_float32_and_the_files_fp16_ones_go_fp16(mixed_bundle):
+def test_scales_are_stored_as_the_file_holds_them(mixed_bundle):
     """A matrix all of whose parts keep fp16 scales in the file (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) stores
-    them as fp16 behind a Cast; one with a K-quant part (its d·sc products are not fp16) keeps
-    float32 initializers, read by the DequantizeLinear directly."""
+    them as fp16 behind a Cast; one of K-quant parts alike (Q4_K, Q5_K, Q6_K) as the file's fp16 d
+    times its int8 sub-block scales (Cast, Cast, Mul, Reshape; minimums alike); a fused matrix
+    mixing the two (the products are neither) keeps float32 initializers, read by the
+    DequantizeLinear directly. Each one's stored bytes are what the manifest says."""
     import onnx
     from onnx import TensorProto
 
@@ -229,20 +231,33 @@ def test_kquant_scales_stay_float32_and_the_files_fp16_ones_go_fp16(mixed_bundle
     m = onnx.load(str(b.onnx_path), load_external_data=False)
     inits = {i.name: i for i in m.graph.initializer}
     made = {o: n for n in m.graph.node for o in n.output}
-    kinds = {True: 0, False: 0}
+    size = lambda t: int(next(e.value for e in t.external_data if e.key == "length")) if t.external_data else len(t.raw_data)  # noqa: E731
+    kinds = {"half": 0, "factored": 0, "float32": 0}
     for name, rec in b.manifest["weights"]["matrices"].items():
         if name == "embed.weight":  # the table's lookup: no DequantizeLinear of its own
             continue
-        half = set(rec["source"].split("|")) <= HALF_SCALES
-        scale = made[name.replace(".", "_") + "_dq"].input[1]
-        if half:
-            cast = made[scale]
+        parts, base = set(rec["source"].split("|")), name.replace(".", "_")
+        scale = made[base + "_dq"].input[1]
+        if parts <= HALF_SCALES:
+            cast, kind = made[scale], "half"
             assert cast.op_type == "Cast" and inits[cast.input[0]].data_type == TensorProto.FLOAT16, name
+        elif parts <= {"Q4_K", "Q5_K", "Q6_K"} and len(parts) == 1:
+            kind = "factored"
+            reshape = made[scale]
+            mul = made[reshape.input[0]]
+            assert reshape.op_type == "Reshape" and mul.op_type == "Mul", name
+            assert sorted(inits[made[i].input[0]].data_type for i in mul.input) == [TensorProto.INT8, TensorProto.FLOAT16]
         else:
+            kind = "float32"
             assert scale not in made and inits[scale].data_type == TensorProto.FLOAT, name
-        assert ("fp16 scales" in rec["carried"]) == half, name
-        kinds[half] += 1
-    assert kinds[True] == 3 and kinds[False] == 6  # half: layer 0 q|k|v (Q5_0|Q5_0|Q8_0), layer 1 o (Q5_1) and down (Q4_1)
+        assert ("fp16 scales" in rec["carried"]) == (kind == "half"), name
+        assert ("fp16 d times integer sc" in rec["carried"]) == (kind == "factored"), name
+        stored = [t for t in inits.values() if t.name.startswith(base + "_") and t.name.endswith(
+            ("_q", "_q_lo", "_q_hi", "_scale", "_f16", "_min", "_scale_d", "_scale_sc", "_min_d", "_min_sc"))]
+        assert sum(size(t) for t in stored) == rec["bytes"], name
+        kinds[kind] += 1
+    # half: layer 0 q|k|v (Q5_0|Q5_0|Q8_0), layer 1 o (Q5_1) and down (Q4_1); float32: layer 1 q|k|v (Q4_K|Q4_0|Q4_1)
+    assert kinds == {"half": 3, "factored": 5, "float32": 1}
 
 
 def test_mixed_file_fuses_and_passes_tensorrt_rules(mixed_bundle, monkeypatch, tmp_path):

@@ -12,7 +12,8 @@ import pytest
 from onnx import TensorProto, helper
 
 from edgekv.runtime.backends.nbits import FoldReport, fold_minimums, fold_weights
-from export.weights import QuantWeight, _quantized_matmul
+from edgekv.format.weight_forms import cone
+from export.weights import Emitted, QuantWeight, _quantized_matmul
 
 B = 32
 
@@ -45,11 +46,12 @@ def exact_w(q: QuantWeight) -> np.ndarray:
 def matrix_graph(q: QuantWeight) -> onnx.ModelProto:
     """One projection y = x W^T written as the exporter writes it (DQ -> MatMul + minimum term)."""
     n, k = q.codes.shape
-    inits: list = []
+    inits = Emitted()  # Q5_1's codes packed at 5 bits: their value_info is how the fold reads their type
     node = helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")
     nodes = _quantized_matmul(node, "layers.0.mlp.up.weight", q, np.float32, inits)
     g = helper.make_graph(nodes, "m", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, "s", k])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "s", n])], inits)
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, "s", n])], inits,
+                          value_info=inits.value_info)
     return as_loaded(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]))
 
 
@@ -147,9 +149,13 @@ def test_folded_matrix_is_one_matmulnbits_with_zero_points(bits, tmp_path):
     m, report = folded(q, 4)
     assert report.folded == 1 and not report.kept
     dq = next(n for n in m.graph.node if n.op_type == "DequantizeLinear")
-    casts = [n for n in m.graph.node if n.op_type == "Cast"]  # only the scale's fp16 -> float32 (the minimum's went with its term)
+    made, names = {o: n for n in m.graph.node for o in n.output}, {t.name for t in m.graph.initializer}
+    form = {id(n) for n in cone(dq.input[0], made, names)}  # Q5_1's codes unpacked (weight_forms), as written
+    rest = [n for n in m.graph.node if id(n) not in form]
+    assert bool(form) == (bits == 8)
+    casts = [n for n in rest if n.op_type == "Cast"]  # only the scale's fp16 -> float32 (the minimum's went with its term)
     assert len(casts) <= 1 and all(c.output[0] == dq.input[1] for c in casts)
-    ops = sorted(n.op_type for n in m.graph.node if n.op_type != "Cast")
+    ops = sorted(n.op_type for n in rest if n.op_type != "Cast")
     assert ops == ["Add", "DequantizeLinear", "MatMul", "MatMul", "MatMul"]
     inits = {t.name: t for t in m.graph.initializer}
     assert inits[dq.input[2]].data_type == (TensorProto.INT4 if bits == 4 else TensorProto.INT8)

@@ -203,6 +203,9 @@ def _scale_rule(scale: str, f: GraphFacts, trt: str) -> str:
         return (f"scale {scale} is a Cast of the fp16 constant {prod.input[0]}; TensorRT {trt} needs the scale "
                 "itself constant: the engine build's staging folds the Cast (check the bundle, not its bare "
                 "model.onnx: edgekv check-trt BUNDLE)")
+    if cone(scale, f.producers, f.constants):  # a K-quant's d·sc: constant nodes the staging folds (weight_forms)
+        return (f"scale {scale} is computed from constants (the file's d·sc); TensorRT {trt} needs it folded: the "
+                "engine build's staging does (check the bundle, not its bare model.onnx: edgekv check-trt BUNDLE)")
     return (f"scale {scale} is computed at run time; TensorRT {trt} needs a build-time constant "
             "(runtime scales arrive in 10.13)")
 
