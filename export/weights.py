@@ -89,7 +89,8 @@ class QuantWeight:
                 + (", fp16 scales" + (" and minimums" if self.mins is not None else "") + " (the file's)"
                    if self.half_scales else "")
                 + (f", stored as {self.width[0]}-bit codes" if self.width[0] < self.bits else "")
-                + (", scales (and minimums) as the file's fp16 d times integer sc" if self.scale_factors else ""))
+                + (", scales" + (" and minimums" if self.min_factors else "") + " as the file's fp16 d times integer sc"
+                   if self.scale_factors else ""))
 
     @cached_property
     def half_scales(self) -> bool:
@@ -455,6 +456,8 @@ def _factored(name: str, f: Factors | None, k_first: bool, dtype, inits: list) -
         d, sc, shape = f.d.T.reshape(supers, 1, n), f.sc.T.reshape(supers, per, n), [blocks, n]
     else:
         d, sc, shape = f.d.reshape(n, supers, 1), f.sc.reshape(n, supers, per), [n, blocks, 1]
+    if isinstance(inits, Emitted):  # its type and shape, for what reads it without evaluating it (check-trt)
+        inits.value_info.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, shape))
     inits += [numpy_helper.from_array(np.ascontiguousarray(d).astype(np.float16), name + "_d"),
               numpy_helper.from_array(np.ascontiguousarray(sc).astype(np.int8), name + "_sc"),
               numpy_helper.from_array(np.array(shape, np.int64), name + "_shape")]

@@ -279,3 +279,23 @@ def test_mixed_file_fuses_and_passes_tensorrt_rules(mixed_bundle, monkeypatch, t
     assert widen_half_scales(m, b.onnx_path.parent)
     converted = tensorrt_graph(m, b.onnx_path.parent)  # the INT8 blocks (here 5 of the 9) go per channel
     assert len(converted) == 5 and check_model(m, "10.3") == []
+
+
+def test_bare_graph_names_each_stored_form_once(mixed_bundle):
+    """check-trt of the bare model.onnx (no staging): each packed code tensor and factored scale is
+    one line naming the staging, none of their bit-operation nodes or UINT8 values is reported
+    on its own, and the bundle check (the staged graph) has no violation at all."""
+    from edgekv.format.bundle import load_bundle
+    from edgekv.format.trt_rules import check_as_built, check_model
+    from edgekv.runtime.backends.engines import tensorrt_graph
+
+    b = load_bundle(mixed_bundle[1])
+    violations = check_model(b.onnx_path, "10.3")
+    forms = {v.node for v in violations if v.op == "form"}
+    mats = b.manifest["weights"]["matrices"]
+    packed = {n.replace(".", "_") + "_q" for n, r in mats.items() if "-bit codes" in r["carried"]}
+    factored = {n.replace(".", "_") + s for n, r in mats.items() if "integer sc" in r["carried"]
+                for s in ("_scale", "_min") if s == "_scale" or "scales and minimums" in r["carried"]}
+    assert packed and factored and forms == packed | factored
+    assert not [v for v in violations if v.op in ("BitShift", "BitwiseAnd", "BitwiseOr", "tensor")]
+    assert check_as_built(b.onnx_path, "10.3", tensorrt_graph)[0] == []

@@ -42,33 +42,51 @@ def check_model(model, trt: str = "10.3") -> list[Violation]:
     except Exception:  # type inference is a help, not a requirement
         pass
     opset, out = _check_opsets(model, ver, trt)
-    facts = graph_facts(model.graph)
-    forms, staged = _packed_forms(model.graph, table, ver)
+    model, forms = _forms_as_constants(model)
     out.extend(forms)
+    facts = graph_facts(model.graph)
     for idx, n in enumerate(model.graph.node):
-        if id(n) not in staged:
-            out.extend(_check_node(n, n.name or f"node#{idx}", facts, table, ver, trt, opset))
+        out.extend(_check_node(n, n.name or f"node#{idx}", facts, table, ver, trt, opset))
     return out + _check_quantized_tensors(facts)
 
 
-def _packed_forms(g, table: dict, ver: dict) -> tuple[list[Violation], set[int]]:
-    """A bundle's weight forms with ops TensorRT's parser lacks (packed codes' BitShift, ...): one
-    line each naming the staging that unfolds it (edgekv/format/weight_forms.py), and the ids of
-    their nodes, not checked one by one. Forms of supported ops (an fp16 scale's Cast) are checked
-    as nodes."""
-    sup, not_yet = table["supported"], set(ver["not_yet"])
+def _forms_as_constants(model):
+    """(the graph with each weight form, edgekv/format/weight_forms.py, replaced by a weightless
+    initializer of its value_info's type and shape, one line per form naming the staging that
+    folds it). A bare model.onnx holds them; the engine build's staging folds them before TensorRT
+    sees the graph (check_as_built checks that graph). The single Cast of an fp16 scale stays: the
+    DequantizeLinear's scale rule names it."""
+    from onnx import ModelProto, TensorProto
+
+    g = model.graph
     inits = {i.name for i in g.initializer}
     producers = {o: n for n in g.node for o in n.output}
-    out, staged = [], set()
+    infos = {v.name: v.type.tensor_type for v in g.value_info}
+    out, gone, fake = [], set(), []
     for name in dict.fromkeys(i for n in g.node if n.op_type not in FORM_OPS for i in n.input):
         nodes = cone(name, producers, inits)
-        lacking = sorted({n.op_type for n in nodes or [] if n.op_type not in sup or n.op_type in not_yet})
-        if lacking:
-            staged.update(id(n) for n in nodes)
-            out.append(Violation(name, "form", f"{name} is a weight stored packed ({len(nodes)} constant nodes: "
-                                 f"{', '.join(lacking)}, which TensorRT's parser lacks); the engine build's staging "
-                                 "unpacks it (check the bundle, not its bare model.onnx: edgekv check-trt BUNDLE)"))
-    return out, staged
+        if not nodes or len(nodes) == 1 or name not in infos:
+            continue
+        gone.update(id(n) for n in nodes)
+        fake.append(TensorProto(name=name, data_type=infos[name].elem_type,
+                                dims=[d.dim_value for d in infos[name].shape.dim]))
+        ops = ", ".join(dict.fromkeys(n.op_type for n in nodes))
+        out.append(Violation(name, "form", f"{name} is a weight stored compactly ({len(nodes)} constant nodes: {ops}); "
+                             "the engine build's staging folds it into one tensor (check the bundle, not its bare "
+                             "model.onnx: edgekv check-trt BUNDLE)"))
+    if not gone:
+        return model, []
+    m = ModelProto()
+    m.CopyFrom(model)
+    nodes = [n for n, old in zip(m.graph.node, g.node) if id(old) not in gone]
+    inside = {o for n, old in zip(m.graph.node, g.node) if id(old) in gone for o in n.output}
+    del m.graph.node[:]
+    m.graph.node.extend(nodes)
+    m.graph.initializer.extend(fake)
+    infos = [v for v in m.graph.value_info if v.name not in inside]
+    del m.graph.value_info[:]
+    m.graph.value_info.extend(infos)
+    return m, out
 
 
 def _check_opsets(model, ver: dict, trt: str) -> tuple[int, list[Violation]]:
