@@ -145,9 +145,10 @@ def _reblock(q: QuantWeight, block: int, shift: int, with_mins: bool) -> QuantWe
     mins = np.repeat(q.mins, r, axis=1) if q.mins is not None else (np.zeros_like(scales) if with_mins else None)
     if shift != q.shift:  # Q4_0's signed codes beside Q4_1's shifted ones: (c + 8)*s - 8s = c*s
         mins = mins - np.float32(shift - q.shift) * scales  # a power of two times s: exact
-    same = r == 1 and shift == q.shift  # the factors hold only where the values are the file's
+    # the factors hold only where the values are the file's: the scales at their block, the minimums unshifted too
     return QuantWeight(q.bits, q.codes, scales, block, q.origin, mins, shift, q.source,
-                       q.scale_factors if same else None, q.min_factors if same and q.mins is not None else None)
+                       q.scale_factors if r == 1 else None,
+                       q.min_factors if r == 1 and shift == q.shift and q.mins is not None else None)
 
 
 def concat_rows(parts: list[QuantWeight]) -> QuantWeight:
@@ -443,12 +444,13 @@ def _side(name: str, values: np.ndarray, dtype, half: bool, inits: list) -> list
 def _factored(name: str, f: Factors | None, k_first: bool, dtype, inits: list) -> list | None:
     """The scales (or minimums) `name`, [K/B, N] (k_first) or [N, K/B, 1], as f.d·f.sc computed by
     four constant nodes (a weight form: edgekv/format/weight_forms.py) from the file's fp16 d and
-    integer sc: its bytes, not float32 products. None without factors, or in a float16 graph
-    (which rounds d·sc to its own type)."""
+    integer sc: its bytes, not float32 products (exact). A float16 graph gets the product Cast to
+    float16: rounded once, as its float16 initializer was. None without factors."""
     from onnx import TensorProto, helper, numpy_helper
 
-    if f is None or np.dtype(dtype) != np.float32:
+    if f is None:
         return None
+    elem = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     n, supers = f.d.shape
     blocks = f.sc.shape[1]
     per = blocks // supers  # sub-blocks per super-block
@@ -457,15 +459,18 @@ def _factored(name: str, f: Factors | None, k_first: bool, dtype, inits: list) -
     else:
         d, sc, shape = f.d.reshape(n, supers, 1), f.sc.reshape(n, supers, per), [n, blocks, 1]
     if isinstance(inits, Emitted):  # its type and shape, for what reads it without evaluating it (check-trt)
-        inits.value_info.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, shape))
+        inits.value_info.append(helper.make_tensor_value_info(name, elem, shape))
     inits += [numpy_helper.from_array(np.ascontiguousarray(d).astype(np.float16), name + "_d"),
               numpy_helper.from_array(np.ascontiguousarray(sc).astype(np.int8), name + "_sc"),
               numpy_helper.from_array(np.array(shape, np.int64), name + "_shape")]
     mk = helper.make_node
     return [mk("Cast", [name + "_d"], [name + "_dw"], to=TensorProto.FLOAT, name=name + "_dw"),
             mk("Cast", [name + "_sc"], [name + "_scw"], to=TensorProto.FLOAT, name=name + "_scw"),
-            mk("Mul", [name + "_scw", name + "_dw"], [name + "_prod"], name=name + "_prod"),
-            mk("Reshape", [name + "_prod", name + "_shape"], [name], name=name + "_factored")]
+            mk("Mul", [name + "_scw", name + "_dw"], [name + "_prod"], name=name + "_prod")] + (
+        [mk("Reshape", [name + "_prod", name + "_shape"], [name], name=name + "_factored")]
+        if elem == TensorProto.FLOAT else
+        [mk("Reshape", [name + "_prod", name + "_shape"], [name + "_f32"], name=name + "_factored"),
+         mk("Cast", [name + "_f32"], [name], to=elem, name=name + "_narrow")])
 
 
 def _quantized_matmul(node, name: str, q: QuantWeight, dtype, inits: list) -> list:

@@ -91,7 +91,10 @@ def test_factored_scales_are_the_decoded_products(kind, k_first):
         for got in (_ort(model, True), _ort(model, False), _folded(model, "s")):
             np.testing.assert_array_equal(got, want)
         assert sum(len(t.raw_data) for t in inits if t.name in ("s_d", "s_sc")) == f.nbytes == 2 * n * k // 256 + n * k // q.block
-    assert _factored("s", q.scale_factors, True, np.float16, []) is None  # a float16 graph rounds d·sc: not factored
+    inits: list = []  # a float16 graph: the exact product rounded once to float16, as its initializer was
+    model = _model(_factored("s", q.scale_factors, True, np.float16, inits), inits, "s", TensorProto.FLOAT16, (k // q.block, n))
+    for got in (_ort(model, True), _ort(model, False), _folded(model, "s")):
+        np.testing.assert_array_equal(got, q.scales.T.astype(np.float16))
 
 
 def test_every_kept_type_costs_at_most_its_files_bytes_plus_the_k_quants_sub_scales():
