@@ -10,22 +10,35 @@ from edgekv.runtime.backends import MATMUL_ACCURACY, make_backend
 from edgekv.runtime.backends.base import PREFILL_CHUNK, Backend
 from edgekv.runtime.cache import KVCache, default_capacity
 from edgekv.runtime.batching import Batcher
+from edgekv.runtime.batching.batcher import MAX_PREFIXES
 from edgekv.runtime.generate import Generator
 from edgekv.runtime.text import TextCodec
 
 
 RING_MARGIN = 64  # a windowed pool's slots per ring beyond the window's W - 1 (chat's truncations)
+# serve's rings: a cached prefix's window (batching/windows.py) serves matches ending up to this
+# many tokens before the entry's end (a repeated prompt's match stops one short)
+SERVE_MARGIN = 16
 
 
 def pool_cache(bundle: Bundle, backend: Backend, capacity: int, windowed: bool, parallel: int,
-               margin: int = RING_MARGIN) -> KVCache:
+               margin: int = RING_MARGIN, copies: int = 0) -> KVCache:
     """A batcher's pool of `capacity` cells; `windowed` where the bundle and the backend allow it
     and it is smaller: a ring per running sequence (chat: its kept one), each W - 1 slots plus
-    `margin` (a turn may give back its last tokens, a re-rendered reply, without a re-prefill)."""
+    `margin` (a turn may give back its last tokens, a re-rendered reply, without a re-prefill);
+    `copies`: ring-sized copies kept beside the pool (serve's prefix windows), counted too."""
     window = bundle.window or 0
     windowed = windowed and getattr(backend, "windows_cache", False) and \
-        parallel * (min(window - 1, capacity) + margin) < capacity
+        (parallel + copies) * (min(window - 1, capacity) + margin) < capacity
     return KVCache(bundle, capacity, memory=backend.memory, windowed=windowed, rings=parallel, margin=margin)
+
+
+def serve_pool(bundle: Bundle, backend: Backend, capacity: int, windowed: bool, parallel: int) -> tuple[KVCache, int]:
+    """Serve's cell pool and the prefixes its cache keeps: windowed where smaller, a ring per
+    running sequence and a copy of one per cached prefix (at most `parallel` of them: docs/serve.md);
+    else every position of every layer, and MAX_PREFIXES cached prefixes."""
+    cache = pool_cache(bundle, backend, capacity, windowed, parallel, SERVE_MARGIN, copies=parallel)
+    return cache, parallel if cache.local_ring is not None else MAX_PREFIXES
 
 
 class Runtime:

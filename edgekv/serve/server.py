@@ -27,9 +27,10 @@ from typing import NamedTuple
 
 from edgekv.errors import BackendUnavailable, EdgeKVError, note
 from edgekv.format.bundle import load_bundle
-from edgekv.runtime.assemble import Runtime, open_runtime
+from edgekv.runtime.assemble import SERVE_MARGIN, Runtime, open_runtime, serve_pool
 from edgekv.runtime.backends.base import PREFILL_CHUNK
 from edgekv.runtime.batching import Batcher, Done, Request, Token
+from edgekv.runtime.batching.batcher import MAX_PREFIXES
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.sampling import SamplingParams
 from edgekv.runtime.text import StreamDecoder
@@ -75,22 +76,24 @@ def open_serve_runtime(bundle, ctx: int | None, backend: str, threads: int | Non
 
 class Layout(NamedTuple):
     """Where serve's requests keep their K/V: `slots` 0 = the shared cell pool, else that many
-    fused slots of `capacity` / `slots` cells; `why`: the load line."""
+    fused slots of `capacity` / `slots` cells; `why`: the load line; `windowed`: the cell pool's
+    local layers keep only their window where that is smaller (Gemma 3; False: --full-kv)."""
     slots: int
     capacity: int
     why: str
+    windowed: bool = True
 
 
-def serve_layout(rt: Runtime, slots, parallel: int, ctx: int | None = None) -> Layout:
+def serve_layout(rt: Runtime, slots, parallel: int, ctx: int | None = None, full_kv: bool = False) -> Layout:
     """What `--slots` (auto, 0 or K) means on this runtime; a K that leaves a slot under MIN_SLOT
     cells, or cannot run here, is one line."""
     capacity = ctx or rt.capacity
     if slots == 0:
-        return Layout(0, capacity, "KV: the shared cell pool (--slots 0)")
+        return Layout(0, capacity, "KV: the shared cell pool (--slots 0)", not full_kv)
     memory_error = _slots_unavailable(rt)
     if slots == SLOTS_AUTO:
         if memory_error is not None:
-            return Layout(0, capacity, f"KV: the shared cell pool: {memory_error}")
+            return Layout(0, capacity, f"KV: the shared cell pool: {memory_error}", not full_kv)
         slots = parallel
     elif memory_error is not None:
         raise EdgeKVError(f"--slots {slots}: {memory_error} (--slots 0 serves the shared cell pool)")
@@ -117,10 +120,30 @@ def _slots_unavailable(rt: Runtime) -> str | None:
 def engine(rt: Runtime, layout: Layout, parallel: int = 4, max_queue: int = 64,
            prefill_chunk: int = PREFILL_CHUNK) -> Batcher:
     """The batcher over `layout`'s cache (not started)."""
-    memory = rt.backend.slot_memory(layout.slots) if layout.slots else rt.backend.memory
-    cache = KVCache(rt.bundle, layout.capacity, memory=memory)
+    if layout.slots:
+        cache = KVCache(rt.bundle, layout.capacity, memory=rt.backend.slot_memory(layout.slots))
+        prefixes = MAX_PREFIXES
+    else:
+        cache, prefixes = serve_pool(rt.bundle, rt.backend, layout.capacity, layout.windowed, parallel)
     return Batcher(rt.backend, cache, parallel=layout.slots or parallel, max_queue=max_queue,
-                   prefill_chunk=prefill_chunk)
+                   prefill_chunk=prefill_chunk, max_prefixes=prefixes)
+
+
+def kv_summary(batcher: Batcher, bundle) -> str:
+    """The load line on the KV's memory: what the pool allocated, and for a windowed pool its
+    parts, what the prefix cache reuses, and the full capacity it replaces."""
+    cache, mib = batcher.cache, 2 ** 20
+    if cache.local_ring is None:  # (a model with local layers: theirs too, docs/serve.md says when)
+        also = ", the local layers' every position too" if cache.window else ""
+        return f"KV: {cache.nbytes / mib:.1f} MiB for {cache.capacity} cells{also}"
+    ring = cache.local_bytes // cache.rings
+    full = cache.capacity * bundle.kv_bytes_per_token()
+    return (f"KV: {cache.nbytes / mib:.1f} MiB: {cache.capacity} cells of the global layers "
+            f"({(cache.nbytes - cache.local_bytes) / mib:.1f} MiB) and {cache.rings} rings of {cache.local_ring} "
+            f"slots for the local layers' window ({cache.local_bytes / mib:.1f} MiB), one per running request; the "
+            f"prefix cache keeps up to {batcher.kv.pool.max_prefixes} copies of a ring (at most {ring / mib:.1f} MiB "
+            f"each) and reuses a cached prompt only from its end or up to {SERVE_MARGIN} tokens before it "
+            f"(--full-kv: every position, {full / mib:.1f} MiB, any cached prefix reused)")
 
 
 def build_server(rt: Runtime, ctx: int | None = None, parallel: int = 4, max_queue: int = 64,
@@ -559,10 +582,11 @@ def cmd_serve(args) -> int:
             t0 = time.perf_counter()
             with signals.immediately():
                 rt = open_serve_runtime(bundle, args.ctx, args.backend, args.threads, args.slots)
-            layout = serve_layout(rt, args.slots, args.parallel, args.ctx)
+            layout = serve_layout(rt, args.slots, args.parallel, args.ctx, args.full_kv)
             note(f"edgekv serve: {layout.why}")
             batcher, server = build_server(rt, args.ctx, args.parallel, args.queue, slots=layout, api_keys=keys,
                                           max_body_bytes=args.max_body, bind_host=args.host)
+            note(f"edgekv serve: {kv_summary(batcher, rt.bundle)}")
             server.set_state("loading")
             gate.open(server.app())  # the app answers "loading" itself until ready
             signals.check()
