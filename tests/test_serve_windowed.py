@@ -87,7 +87,11 @@ def test_serve_takes_the_windowed_pool_where_it_is_smaller_and_says_so(bundles):
     assert (st["kv_bytes"], st["kv_local_rings"], st["kv_prefix_window_bytes"]) == (cache.nbytes, 2, 0)
     line = kv_summary(e, b)
     assert f"2 rings of {RING} slots" in line and "--full-kv" in line and f"{full.nbytes / 2**20:.1f} MiB" in line
-    for other in (serve_engine(b, parallel=2, full_kv=True), serve_engine(b, parallel=3)):  # 3: 6 * 23 > 128
+    # the prefix cache's copies as many as fit with the rings under the full pool: (rings + copies) * 23 < 128
+    three, five = serve_engine(b, parallel=3), serve_engine(b, parallel=5)
+    assert (three.cache.rings, three.pool.max_prefixes, five.cache.rings, five.pool.max_prefixes) == (3, 2, 5, 0)
+    assert "up to 2 copies" in kv_summary(three, b) and "no prefix cache" in kv_summary(five, b)
+    for other in (serve_engine(b, parallel=2, full_kv=True), serve_engine(b, parallel=6)):  # 6 * 23 > 128
         assert other.cache.local_ring is None and other.cache.nbytes == full.nbytes
         assert other.pool.max_prefixes == 32 and other.stats()["kv_local_rings"] == 0
         assert "every position" in kv_summary(other, b)

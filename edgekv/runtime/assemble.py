@@ -34,11 +34,15 @@ def pool_cache(bundle: Bundle, backend: Backend, capacity: int, windowed: bool, 
 
 
 def serve_pool(bundle: Bundle, backend: Backend, capacity: int, windowed: bool, parallel: int) -> tuple[KVCache, int]:
-    """Serve's cell pool and the prefixes its cache keeps: windowed where smaller, a ring per
-    running sequence and a copy of one per cached prefix (at most `parallel` of them: docs/serve.md);
-    else every position of every layer, and MAX_PREFIXES cached prefixes."""
-    cache = pool_cache(bundle, backend, capacity, windowed, parallel, SERVE_MARGIN, copies=parallel)
-    return cache, parallel if cache.local_ring is not None else MAX_PREFIXES
+    """Serve's cell pool and the prefixes its cache keeps. Windowed where the bundle and the
+    backend allow it and it is smaller: a ring per running sequence, and the prefix cache keeps
+    a copy of one per entry (batching/windows.py), as many entries as fit with the rings under
+    the full pool's bytes, at most `parallel` (none: no prefix cache); else every position of
+    every layer, and MAX_PREFIXES cached prefixes (docs/serve.md, "Windowed KV")."""
+    ring = min((bundle.window or 0) - 1, capacity) + SERVE_MARGIN
+    copies = min(parallel, (capacity - 1) // ring - parallel)  # (parallel + copies) * ring < capacity
+    cache = pool_cache(bundle, backend, capacity, windowed and copies >= 0, parallel, SERVE_MARGIN, max(copies, 0))
+    return cache, copies if cache.local_ring is not None else MAX_PREFIXES
 
 
 class Runtime:

@@ -136,14 +136,16 @@ def kv_summary(batcher: Batcher, bundle) -> str:
     if cache.local_ring is None:  # (a model with local layers: theirs too, docs/serve.md says when)
         also = ", the local layers' every position too" if cache.window else ""
         return f"KV: {cache.nbytes / mib:.1f} MiB for {cache.capacity} cells{also}"
-    ring = cache.local_bytes // cache.rings
+    ring, copies = cache.local_bytes // cache.rings, batcher.kv.pool.max_prefixes
+    reuse = f"the prefix cache keeps up to {copies} copies of a ring (at most {ring / mib:.1f} MiB each: rings and " \
+            f"copies stay under the full pool's bytes) and reuses a cached prompt only from its end or up to " \
+            f"{SERVE_MARGIN} tokens before it" if copies else "no prefix cache (no room for a ring's copy under the " \
+            "full pool's bytes)"
     full = cache.capacity * bundle.kv_bytes_per_token()
     return (f"KV: {cache.nbytes / mib:.1f} MiB: {cache.capacity} cells of the global layers "
             f"({(cache.nbytes - cache.local_bytes) / mib:.1f} MiB) and {cache.rings} rings of {cache.local_ring} "
-            f"slots for the local layers' window ({cache.local_bytes / mib:.1f} MiB), one per running request; the "
-            f"prefix cache keeps up to {batcher.kv.pool.max_prefixes} copies of a ring (at most {ring / mib:.1f} MiB "
-            f"each) and reuses a cached prompt only from its end or up to {SERVE_MARGIN} tokens before it "
-            f"(--full-kv: every position, {full / mib:.1f} MiB, any cached prefix reused)")
+            f"slots for the local layers' window ({cache.local_bytes / mib:.1f} MiB), one per running request; "
+            f"{reuse} (--full-kv: every position, {full / mib:.1f} MiB, any cached prefix reused)")
 
 
 def build_server(rt: Runtime, ctx: int | None = None, parallel: int = 4, max_queue: int = 64,
