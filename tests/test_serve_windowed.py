@@ -12,14 +12,16 @@ import urllib.request
 import numpy as np
 import pytest
 
+from edgekv.errors import EdgeKVError
 from edgekv.format.bundle import load_bundle
 from edgekv.runtime.assemble import SERVE_MARGIN, open_runtime, serve_pool
 from edgekv.runtime.backends import OrtBackend
 from edgekv.runtime.batching import Batcher, Request
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.generate import Generator
-from edgekv.serve.server import engine, kv_summary, serve_layout
+from edgekv.serve.server import WINDOW_AUTO, engine, kv_summary, serve_layout
 from tests.archs import GEMMA_PARITY_STEPS
+from tests.conftest import cli
 from tests.serving import built, run_until_done, staggered
 
 CONTEXT = 128  # the bundles' verified context (test_gemma3's: the same exports)
@@ -65,10 +67,11 @@ def windowed_pool(b, rings, parallel=4, prefixes=None, chunk=8):
                    max_prefixes=rings if prefixes is None else prefixes)
 
 
-def serve_engine(b, parallel=2, full_kv=False, chunk=8):
-    """The batcher `edgekv serve` builds for the cell pool (server.engine, not started)."""
+def serve_engine(b, parallel=2, window=WINDOW_AUTO, chunk=8):
+    """The batcher `edgekv serve` builds for the cell pool (server.engine, not started); `window`:
+    Layout's (None: --full-kv; N: --prefix-windows N)."""
     rt = open_runtime(b.path, CONTEXT, "ort-cpu", threads=1)
-    return engine(rt, serve_layout(rt, 0, parallel, CONTEXT, full_kv), parallel, prefill_chunk=chunk)
+    return engine(rt, serve_layout(rt, 0, parallel, CONTEXT, window), parallel, prefill_chunk=chunk)
 
 
 # -- what serve builds ------------------------------------------------------------------------
@@ -86,15 +89,33 @@ def test_serve_takes_the_windowed_pool_where_it_is_smaller_and_says_so(bundles):
     st = e.stats()
     assert (st["kv_bytes"], st["kv_local_rings"], st["kv_prefix_window_bytes"]) == (cache.nbytes, 2, 0)
     line = kv_summary(e, b)
-    assert f"2 rings of {RING} slots" in line and "--full-kv" in line and f"{full.nbytes / 2**20:.1f} MiB" in line
+    assert f"+ 2 rings of {RING} slots" in line and f"--full-kv: every position, {full.nbytes / 2**20:.1f} MiB" in line
     # the prefix cache's copies as many as fit with the rings under the full pool: (rings + copies) * 23 < 128
     three, five = serve_engine(b, parallel=3), serve_engine(b, parallel=5)
     assert (three.cache.rings, three.pool.max_prefixes, five.cache.rings, five.pool.max_prefixes) == (3, 2, 5, 0)
-    assert "up to 2 copies" in kv_summary(three, b) and "no prefix cache" in kv_summary(five, b)
-    for other in (serve_engine(b, parallel=2, full_kv=True), serve_engine(b, parallel=6)):  # 6 * 23 > 128
+    assert "up to 2 window copies" in kv_summary(three, b) and "no prefix cache" in kv_summary(five, b)
+    for other in (serve_engine(b, parallel=2, window=None), serve_engine(b, parallel=6)):  # 6 * 23 > 128
         assert other.cache.local_ring is None and other.cache.nbytes == full.nbytes
         assert other.pool.max_prefixes == 32 and other.stats()["kv_local_rings"] == 0
         assert "every position" in kv_summary(other, b)
+
+
+def test_prefix_windows_chooses_the_copies_and_too_many_is_one_line(bundles):
+    """--prefix-windows N: the prefix cache keeps N window copies (0: none); more than leave the
+    pool under the full one's bytes is refused with one line (before any request), as is asking
+    for copies together with --full-kv."""
+    b = load_bundle(bundles("float"))
+    for n in (0, 1, 3):  # 2 rings: (2 + 3) * 23 < 128
+        e = serve_engine(b, parallel=2, window=n)
+        assert e.cache.local_ring == RING and e.pool.max_prefixes == n
+    with pytest.raises(EdgeKVError, match=r"^--prefix-windows 4: 2 rings and 4 window copies .* at most 3 copies here$"):
+        serve_engine(b, parallel=2, window=4)
+    with pytest.raises(EdgeKVError, match=r"--prefix-windows 0: 6 rings of 23 slots .* drop --prefix-windows$"):
+        serve_engine(b, parallel=6, window=0)
+    r = cli("serve", b.path, "--full-kv", "--prefix-windows", "1", "--port", "0")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines() == ["edgekv serve: error: --prefix-windows counts a windowed pool's copies; "
+                                             "--full-kv keeps every position: give one of them"]
 
 
 # -- batched = alone through the full cache ----------------------------------------------------
