@@ -740,6 +740,7 @@ MUTATIONS = [
     M("serve windowed: any match reused, its window covered or not", "engine", "edgekv/runtime/batching/windows.py", "        return w is not None and w.holds(max(0, k - self.cache.window + 1), k)", "        return w is not None", SERVE_WINDOWED),
     M("serve windowed: the copy's positions after the match kept", "engine", "edgekv/runtime/batching/windows.py", "        keep = w.positions < k\n", "        keep = w.positions >= 0\n", SERVE_WINDOWED),
     M("serve windowed: more sequences than rings admitted", "engine", "edgekv/runtime/batching/kv.py", "            self.max_sequences = cache.rings\n", "", SERVE_WINDOWED),
+    M("serve windowed: window copies beyond what keeps the pool under the full one", "engine", "edgekv/runtime/assemble.py", "    copies = min(parallel, fit) if copies is None else copies", "    copies = parallel if copies is None else copies", SERVE_WINDOWED),
     M("serve windowed: a ring not given back with its request", "engine", "edgekv/runtime/batching/kv.py", "            self.free_rings.append(seq.local_ring)", "            pass", SERVE_WINDOWED),
 ]
 

@@ -160,6 +160,22 @@ def test_admission_waits_for_a_free_ring_not_only_for_cells(bundles):
     assert sorted(e.kv.free_rings) == [0, 1]
 
 
+def test_a_preempted_request_resumes_through_a_ring_the_same_as_alone(bundles):
+    """Two requests whose replies outgrow the pool's 128 cells: the younger is preempted (its ring
+    given back), readmitted with a ring and its prompt's cached window, and both equal alone."""
+    b = load_bundle(bundles("float"))
+    e = windowed_pool(b, rings=2)
+    reqs = [Request(ids(20, 70 + i), 60, record_logits=True) for i in range(2)]
+    for r in reqs:
+        e.submit(r)
+    run_until_done(e, reqs)
+    assert e.counters["preempted"] >= 1
+    for r in reqs:
+        assert len(r.out) == 60
+        assert_alone(b, r)
+    assert sorted(e.kv.free_rings) == [0, 1]
+
+
 # -- the prefix cache --------------------------------------------------------------------------
 
 def conversation(e, first, second):
