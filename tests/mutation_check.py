@@ -74,6 +74,7 @@ ARCH = ("tests/test_architectures.py",)
 KQ = ("tests/test_gguf_kquants.py",)
 GEMMA = ("tests/test_gemma3.py",)
 GEMMA_WINDOW = ("tests/test_gemma3.py", "-k", "windowed or truncates")
+SERVE_WINDOWED = ("tests/test_serve_windowed.py",)
 GEMMA_POOL = ("tests/test_gemma3.py", "-k", "pool or rolled or truncates_within or starts_over or saves")
 NBITS = ("tests/test_nbits.py",)
 FP16 = ("tests/test_fp16_scales.py",)
@@ -741,6 +742,13 @@ MUTATIONS = [
     M("stamp: every copy reads the traced layer's weights", "export", "export/stamp.py", "weights[new] = tensors[_model_key(new, tensors)]", "weights[new] = tensors[_model_key(name, tensors)]", STAMP),
     M("stamp: what reads the cache taken for layer-invariant", "export", "export/stamp.py", '{x_in[j], *io_of("past", j, True), *layer_inits[j]}', "{x_in[j], *layer_inits[j]}", STAMP),
     M("stamp: the head reads the last traced layer, not the last copy", "export", "export/stamp.py", "    latest[x_out[len(reps) - 1]] = x\n", "", STAMP),
+    # serve's windowed pool (tests/test_serve_windowed.py)
+    M("serve windowed: a cached prefix reused without its window", "engine", "edgekv/runtime/batching/kv.py", "            self._put_ring(seq, *self.windows.before(key, k))", "            pass", SERVE_WINDOWED),
+    M("serve windowed: any match reused, its window covered or not", "engine", "edgekv/runtime/batching/windows.py", "        return w is not None and w.holds(max(0, k - self.cache.window + 1), k)", "        return w is not None", SERVE_WINDOWED),
+    M("serve windowed: the copy's positions after the match kept", "engine", "edgekv/runtime/batching/windows.py", "        keep = w.positions < k\n", "        keep = w.positions >= 0\n", SERVE_WINDOWED),
+    M("serve windowed: more sequences than rings admitted", "engine", "edgekv/runtime/batching/kv.py", "            self.max_sequences = cache.rings\n", "", SERVE_WINDOWED),
+    M("serve windowed: window copies beyond what keeps the pool under the full one", "engine", "edgekv/runtime/assemble.py", "    copies = min(parallel, fit) if copies is None else copies", "    copies = parallel if copies is None else copies", SERVE_WINDOWED),
+    M("serve windowed: a ring not given back with its request", "engine", "edgekv/runtime/batching/kv.py", "            self.free_rings.append(seq.local_ring)", "            pass", SERVE_WINDOWED),
 ]
 
 _IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", "bundles", "*.egg-info",

@@ -226,6 +226,14 @@ def _serve_parser(sub) -> None:
     p.add_argument("--port", type=int_range(0, 65535), default=8080, help="port to listen on")
     p.add_argument("--parallel", type=int_range(1, 1024), default=4, help="sequences decoded together at most")
     p.add_argument("--slots", type=slots_arg, default="auto", metavar="K|auto", help=SLOTS_HELP)
+    p.add_argument("--full-kv", action="store_true",
+                   help="Gemma 3 (sliding-window layers) in the cell pool: keep every position of the local layers "
+                        "too (more memory; the prefix cache then reuses any cached prefix, not only whole cached "
+                        "prompts: docs/serve.md, \"Windowed KV\")")
+    p.add_argument("--prefix-windows", type=int_range(0, 1024), default=None, metavar="N",
+                   help="Gemma 3 in the windowed cell pool: cached prefixes whose local layers' window is kept (a "
+                        "copy of a ring each; 0: no prefix cache; default: as many as keep the pool under the full "
+                        "one's bytes, at most --parallel)")
     p.add_argument("--queue", type=int_range(0, 1 << 20), default=64,
                    help="requests that may wait for room; more get HTTP 429 (0: none wait, a request that can start "
                         "at once still starts)")

@@ -4,28 +4,54 @@ from __future__ import annotations
 import os
 from functools import cached_property
 
-from edgekv.errors import note
+from edgekv.errors import EdgeKVError, note
 from edgekv.format.bundle import Bundle, load_bundle
 from edgekv.runtime.backends import MATMUL_ACCURACY, make_backend
 from edgekv.runtime.backends.base import PREFILL_CHUNK, Backend
 from edgekv.runtime.cache import KVCache, default_capacity
 from edgekv.runtime.batching import Batcher
+from edgekv.runtime.batching.batcher import MAX_PREFIXES
 from edgekv.runtime.generate import Generator
 from edgekv.runtime.text import TextCodec
 
 
 RING_MARGIN = 64  # a windowed pool's slots per ring beyond the window's W - 1 (chat's truncations)
+# serve's rings: a cached prefix's window (batching/windows.py) serves matches ending up to this
+# many tokens before the entry's end (a repeated prompt's match stops one short)
+SERVE_MARGIN = 16
 
 
 def pool_cache(bundle: Bundle, backend: Backend, capacity: int, windowed: bool, parallel: int,
-               margin: int = RING_MARGIN) -> KVCache:
+               margin: int = RING_MARGIN, copies: int = 0) -> KVCache:
     """A batcher's pool of `capacity` cells; `windowed` where the bundle and the backend allow it
     and it is smaller: a ring per running sequence (chat: its kept one), each W - 1 slots plus
-    `margin` (a turn may give back its last tokens, a re-rendered reply, without a re-prefill)."""
+    `margin` (a turn may give back its last tokens, a re-rendered reply, without a re-prefill);
+    `copies`: ring-sized copies kept beside the pool (serve's prefix windows), counted too."""
     window = bundle.window or 0
     windowed = windowed and getattr(backend, "windows_cache", False) and \
-        parallel * (min(window - 1, capacity) + margin) < capacity
+        (parallel + copies) * (min(window - 1, capacity) + margin) < capacity
     return KVCache(bundle, capacity, memory=backend.memory, windowed=windowed, rings=parallel, margin=margin)
+
+
+def serve_pool(bundle: Bundle, backend: Backend, capacity: int, windowed: bool, parallel: int,
+               copies: int | None = None) -> tuple[KVCache, int]:
+    """Serve's cell pool and the prefixes its cache keeps. Windowed where the bundle and the
+    backend allow it and it is smaller: a ring per running sequence, and the prefix cache keeps
+    a copy of one per entry (batching/windows.py): `copies` of them (None: as many as fit with
+    the rings under the full pool's bytes, at most `parallel`; 0: no prefix cache); else every
+    position of every layer, and MAX_PREFIXES cached prefixes (docs/serve.md, "Windowed KV").
+    Asked for more copies than leave the pool smaller: one line."""
+    ring = min((bundle.window or 0) - 1, capacity) + SERVE_MARGIN
+    fit = (capacity - 1) // ring - parallel  # the most copies with (parallel + copies) * ring < capacity
+    can = windowed and bundle.windowed and getattr(backend, "windows_cache", False)
+    if can and copies is not None and copies > fit:  # (the flag's words: only serve passes copies)
+        held = f"{parallel} rings" + (f" and {copies} window copies" if fit >= 0 else "")
+        raise EdgeKVError(f"--prefix-windows {copies}: {held} of {ring} slots are not fewer than the {capacity} "
+                          f"cells of the full pool; " + (f"at most {fit} copies here" if fit >= 0 else
+                                                        "raise --ctx, lower --parallel or drop --prefix-windows"))
+    copies = min(parallel, fit) if copies is None else copies
+    cache = pool_cache(bundle, backend, capacity, can and copies >= 0, parallel, SERVE_MARGIN, max(copies, 0))
+    return cache, copies if cache.local_ring is not None else MAX_PREFIXES
 
 
 class Runtime:

@@ -98,8 +98,11 @@ class KVCache:
         return min(count, self.local_ring) if name in self.local_names else count
 
     def write_local(self, name: str, slots: np.ndarray, rows: np.ndarray) -> None:
-        """Copy rows [k, 1, Hkv, D] to the given slots of a local layer's buffer (in order; a run
-        that wraps past a ring's end is two copies)."""
+        """Copy rows [k, 1, Hkv, D] to the given (distinct) slots of a local layer's buffer, in order."""
+        buf = self.buffers[name]
+        if type(buf) is np.ndarray:  # host slot-major memory (a windowed cache's): one scatter, ~1 µs, not one per run
+            buf[np.asarray(slots, np.int64)] = rows
+            return
         i = 0
         for a, b in runs(np.asarray(slots, np.int64)):
             self.memory.write_rows(self.buffers[name], a, rows[i: i + b - a])

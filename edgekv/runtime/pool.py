@@ -101,10 +101,18 @@ class CellPool:
         return int(starts[i]), int(min(lengths[i], want))
 
     # -- prefix cache
-    def lookup(self, ids: list[int], tenant: str = "") -> tuple[int, np.ndarray]:
+    def lookup(self, ids: list[int], tenant: str = "", usable=None) -> tuple[int, np.ndarray]:
         """The longest prefix of `ids` cached by `tenant`: (its length, its cells). The entry
         becomes the most recently used. Another tenant's entries are never matched: a reused
-        prefix (faster, and reported as cached tokens) would tell a client another's prompt."""
+        prefix (faster, and reported as cached tokens) would tell a client another's prompt.
+        `usable`: as `match`'s."""
+        k, key = self.match(ids, tenant, usable)
+        return (k, self.use(key, k)) if key is not None else (0, np.zeros(0, np.int64))
+
+    def match(self, ids: list[int], tenant: str = "", usable=None) -> tuple[int, Prefix | None]:
+        """(the length of the longest prefix of `ids` cached by `tenant`, the entry holding it;
+        None: none). `usable(key, k)`: whether entry `key` may serve a match of its first k
+        tokens (a windowed pool's: where it kept the local layers' window before k)."""
         best, best_key = 0, None
         arr = np.asarray(ids, np.int64)
         for key in self.prefixes:
@@ -113,12 +121,14 @@ class CellPool:
                 continue
             same = np.asarray(key[:n], np.int64) == arr[:n]
             k = n if same.all() else int(np.argmin(same))
-            if k > best:
+            if k > best and (usable is None or usable(key, k)):
                 best, best_key = k, key
-        if best_key is None:
-            return 0, np.zeros(0, np.int64)
-        self.prefixes.move_to_end(best_key)
-        return best, self.prefixes[best_key][:best]
+        return best, best_key
+
+    def use(self, key: Prefix, k: int) -> np.ndarray:
+        """The first k cells of entry `key`, which becomes the most recently used."""
+        self.prefixes.move_to_end(key)
+        return self.prefixes[key][:k]
 
     def remember(self, ids: list[int], cells: np.ndarray, tenant: str = "") -> None:
         """Cache the cells of `ids` (a computed prompt) for `tenant`; an entry of the same

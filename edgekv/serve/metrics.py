@@ -36,7 +36,11 @@ class BatcherCollector:
                            ("cells_free", "free KV cells"),
                            ("cells_cached_only", "KV cells held only by the prefix cache (reclaimable)"),
                            ("cells_bound", "KV cells a step binds as its past (its attention's length)"),
-                           ("capacity", "KV cells in the pool")):
+                           ("capacity", "KV cells in the pool"),
+                           ("kv_bytes", "bytes of the KV pool (a windowed pool: the global layers' cells and the "
+                                        "local layers' rings)"),
+                           ("kv_local_rings", "rings of the local layers' window (a windowed pool; 0: none)"),
+                           ("kv_prefix_window_bytes", "host bytes of the cached prefixes' window copies")):
             yield GaugeMetricFamily(f"edgekv_{key}", help_, value=st[key])
 
 

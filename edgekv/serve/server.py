@@ -27,9 +27,10 @@ from typing import NamedTuple
 
 from edgekv.errors import BackendUnavailable, EdgeKVError, note
 from edgekv.format.bundle import load_bundle
-from edgekv.runtime.assemble import Runtime, open_runtime
+from edgekv.runtime.assemble import SERVE_MARGIN, Runtime, open_runtime, serve_pool
 from edgekv.runtime.backends.base import PREFILL_CHUNK
 from edgekv.runtime.batching import Batcher, Done, Request, Token
+from edgekv.runtime.batching.batcher import MAX_PREFIXES
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.sampling import SamplingParams
 from edgekv.runtime.text import StreamDecoder
@@ -73,24 +74,30 @@ def open_serve_runtime(bundle, ctx: int | None, backend: str, threads: int | Non
         raise EdgeKVError(f"--slots {slots}: {e} (--slots 0 serves the shared cell pool)") from None
 
 
+WINDOW_AUTO = -1  # Layout.window: a windowed pool's prefix cache keeps as many window copies as fit
+
+
 class Layout(NamedTuple):
     """Where serve's requests keep their K/V: `slots` 0 = the shared cell pool, else that many
-    fused slots of `capacity` / `slots` cells; `why`: the load line."""
+    fused slots of `capacity` / `slots` cells; `why`: the load line. The cell pool's local layers
+    (Gemma 3) keep only their window where that is smaller: `window` None = not (--full-kv), else
+    the window copies its prefix cache keeps (WINDOW_AUTO: as many as fit; --prefix-windows)."""
     slots: int
     capacity: int
     why: str
+    window: int | None = WINDOW_AUTO
 
 
-def serve_layout(rt: Runtime, slots, parallel: int, ctx: int | None = None) -> Layout:
+def serve_layout(rt: Runtime, slots, parallel: int, ctx: int | None = None, window: int | None = WINDOW_AUTO) -> Layout:
     """What `--slots` (auto, 0 or K) means on this runtime; a K that leaves a slot under MIN_SLOT
-    cells, or cannot run here, is one line."""
+    cells, or cannot run here, is one line. `window`: Layout's (from --full-kv, --prefix-windows)."""
     capacity = ctx or rt.capacity
     if slots == 0:
-        return Layout(0, capacity, "KV: the shared cell pool (--slots 0)")
+        return Layout(0, capacity, "KV: the shared cell pool (--slots 0)", window)
     memory_error = _slots_unavailable(rt)
     if slots == SLOTS_AUTO:
         if memory_error is not None:
-            return Layout(0, capacity, f"KV: the shared cell pool: {memory_error}")
+            return Layout(0, capacity, f"KV: the shared cell pool: {memory_error}", window)
         slots = parallel
     elif memory_error is not None:
         raise EdgeKVError(f"--slots {slots}: {memory_error} (--slots 0 serves the shared cell pool)")
@@ -117,10 +124,40 @@ def _slots_unavailable(rt: Runtime) -> str | None:
 def engine(rt: Runtime, layout: Layout, parallel: int = 4, max_queue: int = 64,
            prefill_chunk: int = PREFILL_CHUNK) -> Batcher:
     """The batcher over `layout`'s cache (not started)."""
-    memory = rt.backend.slot_memory(layout.slots) if layout.slots else rt.backend.memory
-    cache = KVCache(rt.bundle, layout.capacity, memory=memory)
+    if layout.slots:
+        cache = KVCache(rt.bundle, layout.capacity, memory=rt.backend.slot_memory(layout.slots))
+        prefixes = MAX_PREFIXES
+    else:
+        copies = None if layout.window == WINDOW_AUTO else layout.window
+        cache, prefixes = serve_pool(rt.bundle, rt.backend, layout.capacity, layout.window is not None, parallel, copies)
     return Batcher(rt.backend, cache, parallel=layout.slots or parallel, max_queue=max_queue,
-                   prefill_chunk=prefill_chunk)
+                   prefill_chunk=prefill_chunk, max_prefixes=prefixes)
+
+
+def window_of(args) -> int | None:
+    """Layout.window from --full-kv and --prefix-windows (both: one line)."""
+    if args.full_kv and args.prefix_windows is not None:
+        raise EdgeKVError("--prefix-windows counts a windowed pool's copies; --full-kv keeps every position: "
+                          "give one of them")
+    return None if args.full_kv else WINDOW_AUTO if args.prefix_windows is None else args.prefix_windows
+
+
+def kv_summary(batcher: Batcher, bundle) -> str:
+    """The load line on the KV's memory: what the pool allocated, and for a windowed pool its
+    parts, what the prefix cache reuses, and the full capacity it replaces."""
+    cache, mib = batcher.cache, 2 ** 20
+    if cache.local_ring is None:  # (a model with local layers: theirs too, docs/serve.md says when)
+        also = ", the local layers' every position too" if cache.window else ""
+        return f"KV: {cache.nbytes / mib:.1f} MiB for {cache.capacity} cells{also}"
+    ring, copies = cache.local_bytes // cache.rings, batcher.kv.pool.max_prefixes
+    reuse = f"prefix cache: up to {copies} window copies ({ring / mib:.1f} MiB each), a cached prompt reused only " \
+            f"from its end or up to {SERVE_MARGIN} tokens before it" if copies else \
+        "no prefix cache (no window copies: --prefix-windows, or no room for one under the full pool's bytes)"
+    full = cache.capacity * bundle.kv_bytes_per_token()
+    return (f"KV: {cache.nbytes / mib:.1f} MiB: {cache.capacity} cells of the global layers "
+            f"({(cache.nbytes - cache.local_bytes) / mib:.1f} MiB) + {cache.rings} rings of {cache.local_ring} slots "
+            f"for the local layers ({cache.local_bytes / mib:.1f} MiB, one per running request); {reuse}; "
+            f"--full-kv: every position, {full / mib:.1f} MiB, any prefix reused")
 
 
 def build_server(rt: Runtime, ctx: int | None = None, parallel: int = 4, max_queue: int = 64,
@@ -542,6 +579,7 @@ def cmd_serve(args) -> int:
     _import_serving()
     if args.parallel < 1 or args.queue < 0:
         raise EdgeKVError("--parallel must be at least 1 and --queue at least 0")
+    window = window_of(args)
     keys = api_keys_of(args)
     bundle = load_bundle(args.bundle)  # a wrong path or a broken manifest is one line before any URL
     access_log(args.quiet)
@@ -559,10 +597,11 @@ def cmd_serve(args) -> int:
             t0 = time.perf_counter()
             with signals.immediately():
                 rt = open_serve_runtime(bundle, args.ctx, args.backend, args.threads, args.slots)
-            layout = serve_layout(rt, args.slots, args.parallel, args.ctx)
+            layout = serve_layout(rt, args.slots, args.parallel, args.ctx, window)
             note(f"edgekv serve: {layout.why}")
             batcher, server = build_server(rt, args.ctx, args.parallel, args.queue, slots=layout, api_keys=keys,
                                           max_body_bytes=args.max_body, bind_host=args.host)
+            note(f"edgekv serve: {kv_summary(batcher, rt.bundle)}")
             server.set_state("loading")
             gate.open(server.app())  # the app answers "loading" itself until ready
             signals.check()

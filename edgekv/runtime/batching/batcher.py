@@ -39,13 +39,15 @@ def fused_slots(backend, cache: KVCache, max_prefixes: int):
     return SlotKV(cache, max_prefixes), SlotRunner(backend, cache)
 
 
+MAX_PREFIXES = 32  # prompts the prefix cache keeps (least recently used dropped first)
+
 # where a sequence's K/V live, by the cache's layout: cells of one shared pool, or a slot of its own
 ENGINES = {SlotMemory.layout: fused_slots}
 
 
 class Batcher:
     def __init__(self, backend, cache: KVCache, parallel: int = 4, max_queue: int = 64,
-                 prefill_chunk: int = PREFILL_CHUNK, max_prefixes: int = 32):
+                 prefill_chunk: int = PREFILL_CHUNK, max_prefixes: int = MAX_PREFIXES):
         if not isinstance(backend, BatchBackend):
             raise EdgeKVError(f"the engine (serve, chat) needs a backend that runs a pool of cells (run_cells); "
                               f"{backend.name} here runs one sequence per call")
@@ -102,7 +104,8 @@ class Batcher:
         used = self.pool.used()
         return {**self.counters, "waiting": waiting, "active": len(self.running), "cells_used": used,
                 "cells_free": self.capacity - used, "cells_cached_only": self.pool.cached_only(),
-                "cells_bound": self.kv.past(), "capacity": self.capacity, "reserved": self.scheduler.reserved()}
+                "cells_bound": self.kv.past(), "capacity": self.capacity, "reserved": self.scheduler.reserved(),
+                **self.kv.memory()}
 
     # -- the step
     def step(self) -> bool:

@@ -14,7 +14,8 @@ the local layers' slots for as long as it lives (`new` .. `release`/`unhold`): a
 local K/V land at slot p mod local_ring of its sequence's ring (`ring_writes`, `commit`), a
 turn copies the kept sequences' rings whole, a truncation keeps the ring only while it still
 holds the window before the new end (`can_truncate`), and a snapshot carries the ring's rows
-in position order (`RING` keys)."""
+in position order (`RING` keys). Its prefix cache (serve's) keeps a copy of the ring beside each
+entry, and reuses an entry only where that copy holds the window before the match (windows.py)."""
 from __future__ import annotations
 
 import time
@@ -28,8 +29,9 @@ from edgekv.runtime.backends.base import bound_past
 from edgekv.runtime.batching.plan import Call, Piece
 from edgekv.runtime.batching.poolseq import PoolSequence
 from edgekv.runtime.batching.turns import Turns
+from edgekv.runtime.batching.windows import PrefixWindows
 from edgekv.runtime.cache import KVCache, runs
-from edgekv.runtime.pool import CellPool
+from edgekv.runtime.pool import CellPool, Prefix
 
 
 @dataclass
@@ -62,6 +64,8 @@ class KVManager:
         self.free_rings = list(range(cache.rings))  # a windowed pool's rings not given to a sequence
         if cache.rings:  # each running sequence has its own ring
             self.max_sequences = cache.rings
+        # a windowed pool's prefix cache: each entry's local layers' window, copied from its ring
+        self.windows = PrefixWindows(cache) if cache.local_ring is not None else None
 
     # -- sequences
     def new(self, kept: bool = False) -> PoolSequence:
@@ -85,7 +89,7 @@ class KVManager:
         """Give a sequence's cells back (`remember`: its token ids, cached for `tenant` first);
         a sequence not kept is no longer the manager's."""
         if remember is not None:
-            self.pool.remember(remember[: seq.n], np.asarray(seq.cell_view()), tenant)
+            self._remember(seq, remember[: seq.n], np.asarray(seq.cell_view()), tenant)
         self.reset(seq)
         if seq not in self.kept:
             self._forget(seq)
@@ -96,15 +100,32 @@ class KVManager:
         self._forget(seq)
 
     def attach_prefix(self, seq: PoolSequence, ids: list[int], tenant: str) -> int:
-        """An empty sequence takes the cells of `tenant`'s longest cached prefix of `ids`; its length."""
-        k, cells = self.pool.lookup(ids, tenant)
+        """An empty sequence takes the cells of `tenant`'s longest cached prefix of `ids` (a
+        windowed pool: the longest whose entry kept the window before it, into its ring); its length."""
+        k, key = self.pool.match(ids, tenant, self.windows.serves if self.windows else None)
+        if key is None:
+            return 0
+        cells = self.pool.use(key, k)
         self.pool.take(cells)
         seq._set([int(c) for c in cells], ids[:k])
+        if self.windows:
+            self._put_ring(seq, *self.windows.before(key, k))
         return k
 
     def remember_prompt(self, seq: PoolSequence, feed: list[int], tenant: str) -> None:
         """A prompt wholly in cells: cached for the next request of `tenant` that starts the same way."""
-        self.pool.remember(feed, np.asarray(seq.cell_view()[: len(feed)]), tenant)
+        self._remember(seq, feed, np.asarray(seq.cell_view()[: len(feed)]), tenant)
+
+    def _remember(self, seq: PoolSequence, ids: list[int], cells: np.ndarray, tenant: str) -> None:
+        """Cache the cells of `ids`, the first tokens of `seq`; in a windowed pool with a copy of
+        its ring, which holds the window before their end now (its last position is len(ids) - 1)."""
+        self.pool.remember(ids, cells, tenant)
+        if self.windows is None:
+            return
+        self.windows.follow(self.pool.prefixes)  # entries the pool evicted or replaced
+        key = Prefix(ids, tenant)
+        if key in self.pool.prefixes:
+            self.windows.keep(key, seq.local_ring, seq.ring_positions())
 
     def reset(self, seq: PoolSequence) -> None:
         self.pool.drop(seq.cell_view())
@@ -193,6 +214,12 @@ class KVManager:
             self.cache.write_local(name, seq.local_ring * self.cache.local_ring + slots[order], rows[name][order])
         seq._ring_pos[:] = -1
         seq._ring_pos[slots] = pos
+
+    def memory(self) -> dict[str, int]:
+        """The KV's bytes (a gauge: /health, /metrics): the pool's buffers (a windowed pool's
+        rings among them), its local layers' rings, and the prefix windows' host copies."""
+        return {"kv_bytes": self.cache.nbytes, "kv_local_rings": self.cache.rings,
+                "kv_prefix_window_bytes": self.windows.nbytes if self.windows else 0}
 
     # -- a step's cells
     def past(self) -> int:

@@ -225,6 +225,10 @@ class SlotKV:
 
     unhold = truncate = restore = _cell_pool_only
 
+    def memory(self) -> dict[str, int]:
+        """The KV's bytes (kv.py's `memory`): the slots' buffers, every position of every layer."""
+        return {"kv_bytes": self.cache.nbytes, "kv_local_rings": 0, "kv_prefix_window_bytes": 0}
+
     # -- a step
     def past(self) -> int:
         """The most cells a call's entry reads (its own slot's filled ones)."""
