@@ -299,3 +299,39 @@ def test_bare_graph_names_each_stored_form_once(mixed_bundle):
     assert packed and factored and forms == packed | factored
     assert not [v for v in violations if v.op in ("BitShift", "BitwiseAnd", "BitwiseOr", "tensor")]
     assert check_as_built(b.onnx_path, "10.3", tensorrt_graph)[0] == []
+
+
+def test_forms_handed_at_load_are_what_onnxruntime_computes_of_them(mixed_bundle):
+    """The runtime unpacks the bundle's weight forms itself (edgekv/runtime/backends/forms.py, onnx's
+    reference evaluator) and hands them to the session by name: each value = onnxruntime running
+    that form's own nodes, bit for bit (type and shape too); none of the forms' nodes is left in
+    the graph the session gets, and every form check-trt names is handed."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import helper
+
+    from edgekv.format.bundle import load_bundle
+    from edgekv.format.trt_rules import check_model
+    from edgekv.format.weight_forms import cone
+    from edgekv.runtime.backends.forms import unpack_forms
+
+    b = load_bundle(mixed_bundle[1])
+    m = onnx.load(str(b.onnx_path))
+    unpacked, handed = unpack_forms(m.SerializeToString(), str(b.onnx_path.parent))
+    forms = {v.node for v in check_model(b.onnx_path, "10.3") if v.op == "form"}
+    assert forms and {n for n, _ in handed.buffers} == forms
+    left = {n.op_type for n in onnx.load_from_string(unpacked).graph.node}
+    assert not {"BitShift", "BitwiseAnd", "BitwiseOr"} & left
+    inits = {i.name: i for i in m.graph.initializer}
+    made = {o: n for n in m.graph.node for o in n.output}
+    for name, value in handed.buffers:
+        nodes = cone(name, made, inits)
+        g = helper.make_graph(nodes, "form", [], [helper.make_tensor_value_info(
+                                  name, helper.np_dtype_to_tensor_dtype(value.dtype), list(value.shape))],
+                              [inits[i] for i in dict.fromkeys(i for n in nodes for i in n.input) if i in inits])
+        opts = ort.SessionOptions()
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+        got = ort.InferenceSession(helper.make_model(g, opset_imports=list(m.opset_import)).SerializeToString(), opts,
+                                   providers=["CPUExecutionProvider"]).run(None, {})[0]
+        assert got.dtype == value.dtype and got.shape == value.shape, name
+        np.testing.assert_array_equal(got, value, err_msg=name)

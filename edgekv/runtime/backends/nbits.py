@@ -34,11 +34,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from edgekv.runtime.backends.forms import Handed, handed_tensor
 from edgekv.runtime.backends.fused import _Graph, prune_unneeded
 
-# the remainders are handed to onnxruntime as OrtValues over our own arrays (add_external_initializers):
-# in the serialized graph they are placeholders at this "location", never read from a file
-HANDED = "edgekv:handed-at-load"
+# the remainders are handed to onnxruntime as OrtValues over our own arrays (forms.Handed)
 
 
 @dataclass
@@ -64,10 +63,7 @@ class FoldReport:
 
     def hand_to(self, ort, opts) -> list:
         """Give the session options the remainders; returns the OrtValues, to be kept as long as the session."""
-        values = [ort.OrtValue.ortvalue_from_numpy(a) for _, a in self.buffers]
-        if values:
-            opts.add_external_initializers([n for n, _ in self.buffers], values)
-        return values
+        return Handed(self.buffers).hand_to(ort, opts)
 
     def line(self) -> str:
         kept = f"; {len(self.kept)} kept as written ({next(iter(self.kept.values()))})" if self.kept else ""
@@ -190,15 +186,6 @@ def _int_initializer(helper, TP, name: str, values: np.ndarray, bits: int):
     return helper.make_tensor(name, TP.INT4, list(values.shape), (flat[0::2] | (flat[1::2] << 4)).tobytes(), raw=True)
 
 
-def _handed(TP, name: str, a: np.ndarray):
-    """A float32 initializer whose data comes with the session options (FoldReport.hand_to)."""
-    t = TP(name=name, data_type=TP.FLOAT, dims=list(a.shape), data_location=TP.EXTERNAL)
-    for k, v in (("location", HANDED), ("offset", "0"), ("length", str(a.nbytes))):
-        e = t.external_data.add()
-        e.key, e.value = k, v
-    return t
-
-
 def fold_minimums(model, base_dir: str) -> FoldReport:
     """Rewrite `model` (an onnx ModelProto, in place): every DQ -> MatMul + minimum term gets the
     minimum's integer part as the DequantizeLinear's zero point (onnxruntime fuses it into
@@ -224,7 +211,7 @@ def fold_minimums(model, base_dir: str) -> FoldReport:
         model.graph.initializer.append(_int_initializer(helper, TP, base + "_zp", zp, bits))
         t.dq.input.append(base + "_zp")
         if r.any():  # the remainder on blocksum(x): |r| <= |s|/2 where a block spans 0
-            model.graph.initializer.append(_handed(TP, base + "_r", r))
+            model.graph.initializer.append(handed_tensor(base + "_r", r))
             report.buffers.append((base + "_r", r))
             k, block = codes_dims[0], g.attr(t.dq, "block_size")  # codes [K, N]
             t.term.input[0], t.term.input[1] = sums.of(t.mm.input[0], k, block), base + "_r"

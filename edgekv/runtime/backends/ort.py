@@ -19,6 +19,7 @@ from edgekv.runtime.backends.base import PREFILL_CHUNK, UNLIMITED, bound_past
 from edgekv.runtime.backends.binding import Binding
 from edgekv.runtime.backends.fused import (BIAS, BIAS_LOCAL, MIN_ORT, SEQLENS, TOTAL, NotFusable, fuse_bundle,
                                            ort_version_ok)
+from edgekv.runtime.backends.forms import unpack_forms
 from edgekv.runtime.backends.nbits import fold_graph
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.memory import HeadMajorMemory, HostMemory, KVMemory, SlotMemory
@@ -487,6 +488,8 @@ class OrtBackend:
             if self.fold_minimums:
                 graph, self.minimums = fold_graph(graph, str(bundle.onnx_path.parent))
                 self._handed = self.minimums.hand_to(ort, opts)  # the remainders, by reference
+            graph, unpacked = unpack_forms(graph, str(bundle.onnx_path.parent))  # packed codes: ours, not folded by onnxruntime
+            self._unpacked = unpacked.hand_to(ort, opts)  # by reference, as long as the session lives
             # the rewritten graph comes as bytes: its weights are still found beside model.onnx
             opts.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                           str(bundle.onnx_path.parent))
