@@ -50,34 +50,48 @@ def evaluate(name: str, nodes: list, inits: dict, folder) -> np.ndarray:
     return ReferenceEvaluator(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])).run(None, {})[0]
 
 
+def form_values(g, folder, least: int = 1) -> tuple[dict[str, np.ndarray], list]:
+    """The value of every form of at least `least` nodes whose output a non-form node reads (or
+    the graph returns), and those forms' nodes (the objects: protobuf's wrappers keep their id
+    only while referenced)."""
+    inits = {i.name: i for i in g.initializer}
+    producers = {o: n for n in g.node for o in n.output}
+    readers = [i for n in g.node if n.op_type not in FORM_OPS for i in n.input] + [o.name for o in g.output]
+    values, gone = {}, []
+    for name in dict.fromkeys(readers):
+        nodes = cone(name, producers, inits)
+        if nodes and len(nodes) >= least:
+            values[name] = np.ascontiguousarray(evaluate(name, nodes, inits, folder))
+            gone += nodes
+    return values, gone
+
+
+def replace_forms(g, gone: list, tensors: list) -> None:
+    """Drop the nodes `gone` (forms), and what only they read, in place; the initializers
+    `tensors` (named as the forms' outputs) take their place."""
+    names, ids = {t.name for t in tensors}, {id(n) for n in gone}
+    kept_nodes = [n for n in g.node if id(n) not in ids]
+    del g.node[:]
+    g.node.extend(kept_nodes)
+    read = {i for n in g.node for i in n.input} | {o.name for o in g.output}
+    kept = [i for i in g.initializer if i.name in read and i.name not in names]
+    del g.initializer[:]
+    g.initializer.extend(kept + list(tensors))
+    vi = [v for v in g.value_info if v.name not in names]
+    del g.value_info[:]
+    g.value_info.extend(vi)
+
+
 def fold_forms(model, folder) -> list[str]:
     """Replace (in place) every form whose output a non-form node reads (or the graph returns) by an
     initializer of that name and value, and drop what only forms read: the graph a float32-scale,
     8-bit-code exporter wrote, name for name. Returns the folded names (none: untouched)."""
-    g = model.graph
-    inits = {i.name: i for i in g.initializer}
-    producers = {o: n for n in g.node for o in n.output}
-    readers = [i for n in g.node if n.op_type not in FORM_OPS for i in n.input] + [o.name for o in g.output]
-    folded, gone = {}, set()
-    for name in dict.fromkeys(readers):
-        nodes = cone(name, producers, inits) if name not in folded else None
-        if nodes:
-            from onnx import numpy_helper
-            folded[name] = numpy_helper.from_array(np.ascontiguousarray(evaluate(name, nodes, inits, folder)), name)
-            gone.update(id(n) for n in nodes)
-    if not folded:
-        return []
-    kept_nodes = [n for n in g.node if id(n) not in gone]
-    del g.node[:]
-    g.node.extend(kept_nodes)
-    read = {i for n in g.node for i in n.input} | {o.name for o in g.output}
-    kept = [i for i in g.initializer if i.name in read and i.name not in folded]
-    del g.initializer[:]
-    g.initializer.extend(kept + list(folded.values()))
-    vi = [v for v in g.value_info if v.name not in folded]
-    del g.value_info[:]
-    g.value_info.extend(vi)
-    return list(folded)
+    from onnx import numpy_helper
+
+    values, gone = form_values(model.graph, folder)
+    if values:
+        replace_forms(model.graph, gone, [numpy_helper.from_array(a, name) for name, a in values.items()])
+    return list(values)
 
 
 # --- the exporter's side: the forms as nodes ---------------------------------------------------

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgekv.format.weight_forms import FORM_OPS, cone, evaluate
+from edgekv.format.weight_forms import form_values, replace_forms
 
 # handed to onnxruntime with the session options (add_external_initializers): in the serialized
 # graph these are placeholders at this "location", never read from a file
@@ -50,22 +50,8 @@ def unpack_forms(graph: bytes, base_dir: str) -> tuple[bytes, Handed]:
     import onnx
 
     model = onnx.load_from_string(graph)
-    g = model.graph
-    inits = {i.name: i for i in g.initializer}
-    producers = {o: n for n in g.node for o in n.output}
-    values, gone = {}, set()
-    for name in dict.fromkeys(i for n in g.node if n.op_type not in FORM_OPS for i in n.input):
-        nodes = cone(name, producers, inits)
-        if nodes and len(nodes) > 1:
-            values[name] = np.ascontiguousarray(evaluate(name, nodes, inits, base_dir))
-            gone.update(id(n) for n in nodes)
+    values, gone = form_values(model.graph, base_dir, least=2)
     if not values:
         return graph, Handed()
-    kept = [n for n in g.node if id(n) not in gone]
-    del g.node[:]
-    g.node.extend(kept)
-    read = {i for n in g.node for i in n.input} | {o.name for o in g.output}
-    tensors = [t for t in g.initializer if t.name in read and t.name not in values]
-    del g.initializer[:]
-    g.initializer.extend(tensors + [handed_tensor(n, a) for n, a in values.items()])
+    replace_forms(model.graph, gone, [handed_tensor(n, a) for n, a in values.items()])
     return model.SerializeToString(), Handed(list(values.items()))
