@@ -734,7 +734,7 @@ MUTATIONS = [
     M("factored scales: d laid out untransposed", "export", "export/weights.py", "d, sc, shape = f.d.T.reshape(supers, 1, n)", "d, sc, shape = f.d.reshape(supers, 1, n)", FORMS),
     M("packed codes counted at 8 bits", "export", "export/weights.py", "codes = self.codes.size * self.width[0] // 8", "codes = self.codes.size * self.bits // 8", KQ + ("-k", "stored_as")),
     M("engine build: packed codes not unpacked", "trt", "edgekv/runtime/backends/engines.py", "    fold_forms(model, folder)  # packed", "    pass  # packed", KQ + ("-k", "tensorrt_rules")),
-    M("runtime: packed codes left to onnxruntime's folding", "weights", "edgekv/runtime/backends/forms.py", "        if nodes and len(nodes) > 1:", "        if nodes and len(nodes) > 12:", KQ + ("-k", "handed")),
+    M("runtime: packed codes left to onnxruntime's folding", "weights", "edgekv/runtime/backends/forms.py", "form_values(model.graph, base_dir, least=2)", "form_values(model.graph, base_dir, least=99)", KQ + ("-k", "handed")),
     M("fused: the forms' value_info dropped", "weights", "edgekv/runtime/backends/fused.py", "forms = [v for v in g.g.value_info if v.name in need and g.is_const(v.name)]", "forms = []", FP16 + ("-k", "tokens_unchanged")),
     M("engine build: fp16 scales not widened", "trt", "edgekv/runtime/backends/engines.py", "    widen_half_scales(model, folder)  # fp16 block scales", "    pass  # fp16 block scales", ("tests/test_weights.py", "-k", "engine_build")),
     M("nbits: every remainder dropped (the term's speed for +20 % PPL)", "weights", "edgekv/runtime/backends/nbits.py", "        if r.any():", "        if False:", NBITS),
