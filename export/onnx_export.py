@@ -92,7 +92,7 @@ def _trace(model: Transformer):
 
 
 def store_quantized_weights(m: onnx.ModelProto, model: Transformer, weights: dict) -> onnx.ModelProto:
-    from export.weights import needs_opset_21, quantize_initializers
+    from export.weights_graph import needs_opset_21, quantize_initializers
 
     params = dict(model.named_parameters(remove_duplicate=False))
     targets = {name: (params[name].detach().cpu().numpy(), q) for name, q in weights.items()}

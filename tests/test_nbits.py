@@ -2,7 +2,7 @@
 docs/weights.md). Oracles: the exact float64 product with the block values W = s*(c + shift) + m;
 a numpy model of MatMulNBits' int8 activations (per block of 32, absmax / 127, round half to even)
 applied as llama.cpp's Q4_1 x Q8_1 dot applies them, to the codes and the minimum alike; the graph
-as the exporter writes it (export.weights._quantized_matmul) run by onnxruntime."""
+as the exporter writes it (export.weights_graph._quantized_matmul) run by onnxruntime."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,7 +13,8 @@ from onnx import TensorProto, helper
 
 from edgekv.runtime.backends.nbits import FoldReport, fold_minimums, fold_weights
 from edgekv.format.weight_forms import cone
-from export.weights import Emitted, QuantWeight, _quantized_matmul
+from export.weights import QuantWeight
+from export.weights_graph import Emitted, _quantized_matmul
 
 B = 32
 

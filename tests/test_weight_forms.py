@@ -11,7 +11,8 @@ from onnx import TensorProto, helper
 
 from edgekv.format.weight_forms import code_width, fold_forms, pack_codes, packable
 from export.gguf_blocks import DECODERS
-from export.weights import _factored, from_gguf_blocks
+from export.weights import from_gguf_blocks
+from export.weights_graph import _factored
 from tests.test_gguf_kquants import random_blocks
 
 RANGES = [(-16, 15, 5, 16), (0, 31, 5, 0), (-32, 31, 6, 32), (0, 63, 6, 0), (-8, 7, 5, 16), (-127, 127, 8, 0)]

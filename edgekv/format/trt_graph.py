@@ -68,7 +68,7 @@ def graph_facts(g) -> GraphFacts:
 
 def is_half_cast(n, inits: dict) -> bool:
     """`n` is a Cast to float32 of an fp16 initializer (of `inits`, name -> TensorProto): how a
-    bundle keeps a GGUF's fp16 block scales and minimums (export/weights.py: X_f16 -> Cast -> X,
+    bundle keeps a GGUF's fp16 block scales and minimums (export/weights_graph.py: X_f16 -> Cast -> X,
     where X was a float32 initializer), a constant for every reader of X."""
     from onnx import TensorProto
 

@@ -3,7 +3,7 @@ minimum in the kernel").
 
 The bundle carries a Q4_1/Q4_K (or Q5_1/Q5_K) matrix as W = s*(c + shift) + m per block of B along
 K: a block-wise DequantizeLinear of the codes c -> MatMul, plus a "minimum term"
-blocksum(x) @ (shift*s + m) (export/weights.py, _quantized_matmul / _min_term). onnxruntime fuses
+blocksum(x) @ (shift*s + m) (export/weights_graph.py, _quantized_matmul / _min_term). onnxruntime fuses
 the first part into MatMulNBits, whose int8-activation kernel (accuracy level 4) then rounds x for
 the codes while the minimum term sees the exact x: the rounding of x is weighted by W - (shift*s + m)
 instead of W, which is most of the int4 bundle's extra error against llama.cpp (whose Q4_1 x Q8_1 dot
