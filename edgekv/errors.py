@@ -14,6 +14,7 @@ SETTINGS = {
     "context_policy": "the context policy",
     "max_context": "the bundle's verified context (at export)",
     "max_prefill": "the engine's tokens per prefill call",
+    "prefix_windows": "the prefix cache's window copies",
 }
 
 

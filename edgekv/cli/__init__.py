@@ -11,7 +11,7 @@ from edgekv.errors import EdgeKVError
 
 # the setting a library error names (EdgeKVError.setting) -> the flag that changes it
 FLAGS = {"capacity": "--ctx", "context_policy": "--context", "max_context": "--max-context",
-         "max_prefill": "--max-prefill"}
+         "max_prefill": "--max-prefill", "prefix_windows": "--prefix-windows"}
 
 
 def explain(e: EdgeKVError) -> str:

@@ -44,11 +44,13 @@ def serve_pool(bundle: Bundle, backend: Backend, capacity: int, windowed: bool, 
     ring = min((bundle.window or 0) - 1, capacity) + SERVE_MARGIN
     fit = (capacity - 1) // ring - parallel  # the most copies with (parallel + copies) * ring < capacity
     can = windowed and bundle.windowed and getattr(backend, "windows_cache", False)
-    if can and copies is not None and copies > fit:  # (the flag's words: only serve passes copies)
+    if can and copies is not None and copies > fit:
         held = f"{parallel} rings" + (f" and {copies} window copies" if fit >= 0 else "")
-        raise EdgeKVError(f"--prefix-windows {copies}: {held} of {ring} slots are not fewer than the {capacity} "
-                          f"cells of the full pool; " + (f"at most {fit} copies here" if fit >= 0 else
-                                                        "raise --ctx, lower --parallel or drop --prefix-windows"))
+        raise EdgeKVError(f"{copies} window copies: {held} of {ring} slots are not fewer than the {capacity} cells "
+                          "of the full pool", setting="prefix_windows",
+                          fix=f"at most {fit} here: {{}} {fit}" if fit >= 0 else
+                          "none fit beside the rings: a larger context, fewer parallel requests, or {} 0 and no prefix cache"
+                          if copies else "the rings alone fill it: a larger context or fewer parallel requests")
     copies = min(parallel, fit) if copies is None else copies
     cache = pool_cache(bundle, backend, capacity, can and copies >= 0, parallel, SERVE_MARGIN, max(copies, 0))
     return cache, copies if cache.local_ring is not None else MAX_PREFIXES
