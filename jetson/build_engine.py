@@ -23,8 +23,7 @@ from pathlib import Path
 from edgekv.errors import EdgeKVError, note
 from edgekv.format.bundle import load_bundle
 from edgekv.format.files import replace_dir
-from edgekv.format.trt_graph import widen_half_scales
-from edgekv.format.weight_forms import fold_forms
+from edgekv.format.trt_graph import stage_weights
 from edgekv.runtime.backends.engines import (META, PLAN, PROFILES_VERSION, bundle_fingerprint, engine_dir, engine_key, is_fresh,
                                              profile_shapes, tensorrt_graph)
 from edgekv.runtime.backends.gpu import check, cudart
@@ -53,8 +52,7 @@ def parse(trt, parser, bundle, scratch: Path) -> None:
 
     path = bundle.onnx_path
     model = onnx.load(str(path), load_external_data=False)
-    widened = widen_half_scales(model, path.parent)  # also tensorrt_graph's first step: here to know it changed
-    widened += fold_forms(model, path.parent)  # packed codes unpacked (tensorrt_graph's second step)
+    widened = stage_weights(model, path.parent)  # also tensorrt_graph's first step: here to know it changed
     converted = tensorrt_graph(model, path.parent)
     if converted:
         note(f"  {len(converted)} 8-bit block-wise weight(s) requantized per output channel for TensorRT")

@@ -1,12 +1,15 @@
 """What TensorRT's parser rules (edgekv/format/trt_rules.py) see of an ONNX graph: its tensors'
 element types, build-time constants and their shapes, who makes and who reads each tensor; the
 graph read from a file without its weights; and the one staging step every graph TensorRT gets
-goes through before the engine build's own rewrite: fp16 block scales Cast to float32 folded into
-float32 initializers (widen_half_scales; onnxruntime folds the same Casts itself at load)."""
+goes through before the engine build's own rewrite (stage_weights): fp16 block scales Cast to
+float32 folded into float32 initializers (widen_half_scales; onnxruntime folds the same Casts
+itself at load), then the other weight forms (edgekv/format/weight_forms.py)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from edgekv.format.weight_forms import fold_forms
 
 # onnx TensorProto element types -> the table's names
 TYPES = {1: "FP32", 2: "UINT8", 3: "INT8", 6: "INT32", 7: "INT64", 9: "BOOL", 10: "FP16", 11: "DOUBLE", 16: "BF16",
@@ -112,6 +115,14 @@ def widen_half_scales(model, folder) -> list[str]:
     del g.initializer[:]
     g.initializer.extend(kept + wide)
     return [c.output[0] for c in casts]
+
+
+def stage_weights(model, folder) -> list[str]:
+    """What every graph TensorRT gets goes through first (the engine build, check-trt's as-built
+    check), in place: fp16 block scales widened (widen_half_scales), then every other weight form,
+    packed codes and factored scales, folded into its tensor (weight_forms.fold_forms). Returns the
+    changed tensors' names (none: the model is untouched)."""
+    return widen_half_scales(model, folder) + fold_forms(model, folder)
 
 
 def read_onnx(path: Path):

@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from edgekv.format.trt_graph import TYPES, GraphFacts, Violation, block_size, graph_facts, read_onnx, widen_half_scales
-from edgekv.format.weight_forms import FORM_OPS, cone, fold_forms
+from edgekv.format.trt_graph import TYPES, GraphFacts, Violation, block_size, graph_facts, read_onnx, stage_weights
+from edgekv.format.weight_forms import forms
 
 DATA = Path(__file__).parent.parent / "data" / "trt_onnx_ops.json"
 
@@ -59,14 +59,10 @@ def _forms_as_constants(model):
     from onnx import ModelProto, TensorProto
 
     g = model.graph
-    inits = {i.name for i in g.initializer}
-    producers = {o: n for n in g.node for o in n.output}
     infos = {v.name: v.type.tensor_type for v in g.value_info}
+    found = {name: nodes for name, nodes in forms(g, least=2).items() if name in infos}
     out, gone, fake = [], set(), []
-    for name in dict.fromkeys(i for n in g.node if n.op_type not in FORM_OPS for i in n.input):
-        nodes = cone(name, producers, inits)
-        if not nodes or len(nodes) == 1 or name not in infos:
-            continue
+    for name, nodes in found.items():
         gone.update(id(n) for n in nodes)
         fake.append(TensorProto(name=name, data_type=infos[name].elem_type,
                                 dims=[d.dim_value for d in infos[name].shape.dim]))
@@ -221,9 +217,6 @@ def _scale_rule(scale: str, f: GraphFacts, trt: str) -> str:
         return (f"scale {scale} is a Cast of the fp16 constant {prod.input[0]}; TensorRT {trt} needs the scale "
                 "itself constant: the engine build's staging folds the Cast (check the bundle, not its bare "
                 "model.onnx: edgekv check-trt BUNDLE)")
-    if cone(scale, f.producers, f.constants):  # a K-quant's d·sc: constant nodes the staging folds (weight_forms)
-        return (f"scale {scale} is computed from constants (the file's d·sc); TensorRT {trt} needs it folded: the "
-                "engine build's staging does (check the bundle, not its bare model.onnx: edgekv check-trt BUNDLE)")
     return (f"scale {scale} is computed at run time; TensorRT {trt} needs a build-time constant "
             "(runtime scales arrive in 10.13)")
 
@@ -263,7 +256,7 @@ def _prod(xs):
 
 def check_as_built(path: Path, trt: str, rewrite) -> tuple[list[Violation], list[str]]:
     """Check the graph at `path` as the engine build hands it to TensorRT: its fp16 block scales'
-    Casts folded into float32 initializers (widen_half_scales), then `rewrite(model, folder)`
+    Casts folded into float32 initializers and its packed weights unpacked (stage_weights), then `rewrite(model, folder)`
     (edgekv/runtime/backends/engines.py's tensorrt_graph: 8-bit block-wise weights requantized per
     channel) changes it in place and returns the converted weights' names. Returns the violations
     and those names. The rewrite is passed in: it is the runtime's, a layer above this one."""
@@ -271,8 +264,7 @@ def check_as_built(path: Path, trt: str, rewrite) -> tuple[list[Violation], list
 
     model = read_onnx(path)
     try:
-        widen_half_scales(model, path.parent)  # fp16 scales -> float32 initializers, as the engine build's staging
-        fold_forms(model, path.parent)  # packed codes -> INT8 initializers, likewise
+        stage_weights(model, path.parent)  # as the engine build's staging: fp16 scales widened, packed codes unpacked
         converted = rewrite(model, path.parent)
     except (OSError, ValueError, RuntimeError) as e:  # the weights beside the graph missing or unreadable
         raise EdgeKVError(f"{path}: cannot read its weights to check them as the engine build would "

@@ -8,7 +8,7 @@ file's width"):
   8/h per byte along axis 0, unpacked by BitShift / BitwiseAnd / BitwiseOr, Cast to INT8 and
   offset (pack_codes);
 - a K-quant's block scale d·sc: the super-block's fp16 d times the sub-block's small integer sc
-  (factored_scale), a float32 product that is exact.
+  (export/weights_graph.py: _factored), a float32 product that is exact.
 
 The exporter writes each form's output name, type and shape as value_info, so what reads a
 weight's element type and dims (the runtime's rewrites) need not evaluate it."""
@@ -50,20 +50,27 @@ def evaluate(name: str, nodes: list, inits: dict, folder) -> np.ndarray:
     return ReferenceEvaluator(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])).run(None, {})[0]
 
 
-def form_values(g, folder, least: int = 1) -> tuple[dict[str, np.ndarray], list]:
-    """The value of every form of at least `least` nodes whose output a non-form node reads (or
-    the graph returns), and those forms' nodes (the objects: protobuf's wrappers keep their id
-    only while referenced)."""
-    inits = {i.name: i for i in g.initializer}
+def forms(g, least: int = 1) -> dict[str, list]:
+    """Every form of at least `least` nodes whose output a non-form node reads (or the graph
+    returns): its output's name -> its nodes (the objects: protobuf's wrappers keep their id only
+    while referenced)."""
+    inits = {i.name for i in g.initializer}
     producers = {o: n for n in g.node for o in n.output}
     readers = [i for n in g.node if n.op_type not in FORM_OPS for i in n.input] + [o.name for o in g.output]
-    values, gone = {}, []
+    found = {}
     for name in dict.fromkeys(readers):
         nodes = cone(name, producers, inits)
         if nodes and len(nodes) >= least:
-            values[name] = np.ascontiguousarray(evaluate(name, nodes, inits, folder))
-            gone += nodes
-    return values, gone
+            found[name] = nodes
+    return found
+
+
+def form_values(g, folder, least: int = 1) -> tuple[dict[str, np.ndarray], list]:
+    """The value of every form of at least `least` nodes (`forms`), and those forms' nodes."""
+    inits = {i.name: i for i in g.initializer}
+    found = forms(g, least)
+    values = {name: np.ascontiguousarray(evaluate(name, nodes, inits, folder)) for name, nodes in found.items()}
+    return values, [n for nodes in found.values() for n in nodes]
 
 
 def replace_forms(g, gone: list, tensors: list) -> None:
@@ -109,10 +116,6 @@ def code_width(codes: np.ndarray) -> tuple[int, int]:
 
 def packable(shape: tuple, bits: int) -> bool:
     return bits < 8 and len(shape) >= 2 and shape[0] % (8 // (bits - 4)) == 0 and shape[0] % 2 == 0
-
-
-def packed_bytes(size: int, bits: int) -> int:
-    return size * bits // 8
 
 
 def pack_codes(name: str, codes: np.ndarray, bits: int, offset: int) -> tuple[list, list, object]:

@@ -26,8 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from edgekv.format.bundle import LOCAL_MASK, MANIFEST, Bundle
-from edgekv.format.trt_graph import block_size, widen_half_scales
-from edgekv.format.weight_forms import fold_forms
+from edgekv.format.trt_graph import block_size, stage_weights
 
 DECODE, PREFILL = 0, 1
 PLAN, META = "model.plan", "engine.json"
@@ -121,8 +120,7 @@ def tensorrt_graph(model, folder: Path) -> list[str]:
     import onnx
     from onnx import TensorProto, numpy_helper
 
-    widen_half_scales(model, folder)  # fp16 block scales: their Casts folded into float32 initializers first
-    fold_forms(model, folder)  # packed 5/6-bit codes (and any other weight form): unpacked into INT8 initializers
+    stage_weights(model, folder)  # fp16 block scales widened, packed codes unpacked: initializers first
     g = model.graph
     inits = {i.name: i for i in g.initializer}
     todo = [n for n in g.node if n.op_type == "DequantizeLinear" and block_size(n) > 0
