@@ -89,17 +89,24 @@ def _k_low_nibbles(qs: np.ndarray) -> np.ndarray:
     return np.concatenate([ch & 0x0F, ch >> 4], axis=2).reshape(n, QK_K)
 
 
-def q4_k(raw):  # d, dmin f16, 12 bytes scales/mins, 128 bytes nibbles; w = d sc q - dmin m per 32
-    d, dmin = _f16(raw, 0), _f16(raw, 2)
+def _k_fields(kind: str, raw: np.ndarray):
+    """A K-quant block's scale fields as the file stores them: (d [blocks] of fp16, sc [blocks, S]
+    int8, dmin, mn); Q6_K (int8 scales, d last) has no minimum: dmin, mn None."""
+    if kind == "Q6_K":
+        return _f16(raw, 208), raw[:, 192:208].copy().view(np.int8), None, None
     sc, mn = k_scale_min(raw[:, 4:16])
+    return _f16(raw, 0), sc.astype(np.int8), _f16(raw, 2), mn.astype(np.int8)
+
+
+def q4_k(raw):  # d, dmin f16, 12 bytes scales/mins, 128 bytes nibbles; w = d sc q - dmin m per 32
+    d, sc, dmin, mn = _k_fields("Q4_K", raw)
     q = _k_low_nibbles(raw[:, 16:144])
     return q.astype(np.int8), exact_product(d, sc), 32, -exact_product(dmin, mn)
 
 
 def q5_k(raw):  # d, dmin, 12 bytes scales/mins, qh 32 bytes (bit j of byte i: sub-block j), 128 bytes nibbles
     n = raw.shape[0]
-    d, dmin = _f16(raw, 0), _f16(raw, 2)
-    sc, mn = k_scale_min(raw[:, 4:16])
+    d, sc, dmin, mn = _k_fields("Q5_K", raw)
     qh = raw[:, 16:48]
     high = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1  # [blocks, 8, 32]
     q = _k_low_nibbles(raw[:, 48:176]) | (high.reshape(n, QK_K) << 4)
@@ -113,8 +120,8 @@ def q6_k(raw):  # ql 128, qh 64, 16 x int8 scales, d f16 (last); w = d sc (q - 3
     qh = raw[:, 128:192].reshape(n, 2, 1, 32)
     high = ((qh >> np.array([0, 2, 4, 6], np.uint8)[None, None, :, None]) & 3)  # [blocks, 2, 4, 32]
     q = (low | (high << 4)).reshape(n, QK_K).astype(np.int8) - 32
-    sc = raw[:, 192:208].copy().view(np.int8)
-    return q, exact_product(_f16(raw, 208), sc), 16, None
+    d, sc, _, _ = _k_fields("Q6_K", raw)
+    return q, exact_product(d, sc), 16, None
 
 
 # type -> (decoder, weights per block in the file, bytes per block)
@@ -138,15 +145,17 @@ def k_factors(kind: str, raw: np.ndarray, shape: tuple[int, int]):
     float32 products (export/weights.py: Factors)."""
     if kind not in ("Q4_K", "Q5_K", "Q6_K"):
         return None
+    n = shape[0]
+    return tuple(None if a is None else a.reshape(n, -1) for a in _k_fields(kind, _blocks(kind, raw, shape)))
+
+
+def _blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> np.ndarray:
+    """The tensor's bytes as its blocks [N * K / per, bytes per block]."""
     _, per, nbytes = DECODERS[kind]
     n, k = shape
-    raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n * k // per, nbytes)
-    if kind == "Q6_K":
-        sc = raw[:, 192:208].copy().view(np.int8)
-        return _f16(raw, 208).reshape(n, -1), sc.reshape(n, -1), None, None
-    sc, mn = k_scale_min(raw[:, 4:16])
-    return (_f16(raw, 0).reshape(n, -1), sc.astype(np.int8).reshape(n, -1),
-            _f16(raw, 2).reshape(n, -1), mn.astype(np.int8).reshape(n, -1))
+    if k % per:
+        raise ValueError(f"{kind} matrix with {k} columns: not a multiple of its block {per}")
+    return np.ascontiguousarray(raw, dtype=np.uint8).reshape(n * k // per, nbytes)
 
 
 def decode(kind: str, raw: np.ndarray, shape: tuple[int, int]):
@@ -154,11 +163,7 @@ def decode(kind: str, raw: np.ndarray, shape: tuple[int, int]):
     has no decoder here (IQ*, Q2_K, Q3_K, float types)."""
     if kind not in DECODERS:
         return None
-    fn, per, nbytes = DECODERS[kind]
     n, k = shape
-    if k % per:
-        raise ValueError(f"{kind} matrix with {k} columns: not a multiple of its block {per}")
-    raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n * k // per, nbytes)
-    codes, scales, block, mins = fn(raw)
+    codes, scales, block, mins = DECODERS[kind][0](_blocks(kind, raw, shape))
     return (codes.reshape(n, k), scales.reshape(n, k // block), block,
             None if mins is None else mins.reshape(n, k // block))

@@ -220,9 +220,10 @@ def from_gguf_blocks(kind: str, raw: np.ndarray, shape: tuple[int, int]) -> Quan
     bits, shift = KEPT_BITS[kind], 0
     if bits == 4 and mins is not None:
         codes, shift = codes - 8, 8
-    f = k_factors(kind, raw, shape)
-    sf, mf = (Factors(f[0], f[1]), Factors(-f[2], f[3]) if f[2] is not None else None) if f else (None, None)
-    return QuantWeight(bits, codes, scales, block, f"gguf {kind}", mins, shift, kind, sf, mf)
+    f = k_factors(kind, raw, shape)  # (d, sc, dmin, mn): a K-quant's scales as the file stores them
+    scale_factors = Factors(f[0], f[1]) if f else None
+    min_factors = Factors(-f[2], f[3]) if f and f[2] is not None else None  # min = -dmin·mn
+    return QuantWeight(bits, codes, scales, block, f"gguf {kind}", mins, shift, kind, scale_factors, min_factors)
 
 
 # --- from float ------------------------------------------------------------------------------
