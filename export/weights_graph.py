@@ -9,7 +9,7 @@ import hashlib
 
 import numpy as np
 
-from edgekv.format.weight_forms import pack_codes, packable
+from edgekv.format.weight_forms import pack_codes
 from export.weights import Factors, QuantWeight
 
 
@@ -88,17 +88,17 @@ class Emitted(list):
         self.value_info: list = []
 
 
-def _codes(name: str, codes: np.ndarray, q: QuantWeight, inits: list) -> list:
-    """`codes` (q's, laid out as the graph reads them) as the initializer `name`, or at q.width's
-    bits as a form named `name` (weight_forms.pack_codes). Returns the form's nodes."""
+def _codes(name: str, codes: np.ndarray, q: QuantWeight, inits: Emitted) -> list:
+    """`codes` (q's, laid out as the graph reads them: axis 0 is K or N, which q.width found
+    packable) as the initializer `name`, or at q.width's bits as a form named `name`
+    (weight_forms.pack_codes). Returns the form's nodes."""
     bits, offset = q.width
-    if bits >= q.bits or not packable(codes.shape, bits):
+    if bits >= q.bits:
         inits.append(_int_tensor(name, codes, q.bits))
         return []
     tensors, nodes, info = pack_codes(name, np.ascontiguousarray(codes), bits, offset)
     inits.extend(tensors)
-    if isinstance(inits, Emitted):
-        inits.value_info.append(info)
+    inits.value_info.append(info)
     return nodes
 
 
@@ -134,7 +134,7 @@ def _side(name: str, values: np.ndarray, dtype, half: bool, inits: list) -> list
     return [helper.make_node("Cast", [name + HALF], [name], to=TensorProto.FLOAT, name=name + "_widen")]
 
 
-def _factored(name: str, f: Factors | None, k_first: bool, dtype, inits: list) -> list | None:
+def _factored(name: str, f: Factors | None, k_first: bool, dtype, inits: Emitted) -> list | None:
     """The scales (or minimums) `name`, [K/B, N] (k_first) or [N, K/B, 1], as f.d·f.sc computed by
     four constant nodes (a weight form: edgekv/format/weight_forms.py) from the file's fp16 d and
     integer sc: its bytes, not float32 products (exact). A float16 graph gets the product Cast to
@@ -151,8 +151,7 @@ def _factored(name: str, f: Factors | None, k_first: bool, dtype, inits: list) -
         d, sc, shape = f.d.T.reshape(supers, 1, n), f.sc.T.reshape(supers, per, n), [blocks, n]
     else:
         d, sc, shape = f.d.reshape(n, supers, 1), f.sc.reshape(n, supers, per), [n, blocks, 1]
-    if isinstance(inits, Emitted):  # its type and shape, for what reads it without evaluating it (check-trt)
-        inits.value_info.append(helper.make_tensor_value_info(name, elem, shape))
+    inits.value_info.append(helper.make_tensor_value_info(name, elem, shape))  # for what reads it unevaluated (check-trt)
     inits += [numpy_helper.from_array(np.ascontiguousarray(d).astype(np.float16), name + "_d"),
               numpy_helper.from_array(np.ascontiguousarray(sc).astype(np.int8), name + "_sc"),
               numpy_helper.from_array(np.array(shape, np.int64), name + "_shape")]
@@ -250,7 +249,7 @@ def _shared_gather(node, head: str, q: QuantWeight, dtype, inits: list) -> list:
     n, k = q.codes.shape
     b = q.block or k
     scales = q.scales.T if q.block else q.scales  # as the head's DequantizeLinear holds them (fp16 alike)
-    widen = ((q.block and _factored(base + "_scale", q.scale_factors, True, dtype, inits))
+    widen = (_factored(base + "_scale", q.scale_factors, True, dtype, inits)  # (factors: block-wise K-quants only)
              or _side(base + "_scale", scales, dtype, q.half_scales, inits))
     if q.mins is not None:
         widen += (_factored(base + "_min", q.min_factors, True, dtype, inits)
@@ -298,7 +297,7 @@ def _quantized_gather(node, name: str, q: QuantWeight, dtype, inits: list) -> li
     unpack = _codes(base + "_q", q.codes.reshape(n, nb, k // nb) if q.block else q.codes, q, inits)
     inits.append(numpy_helper.from_array(np.array(1.0, dtype), base + "_unit"))
     inits.append(numpy_helper.from_array(np.array(0, np.int8), base + "_zero"))
-    nodes = unpack + ((q.block and _factored(base + "_scale", q.scale_factors, False, dtype, inits))
+    nodes = unpack + (_factored(base + "_scale", q.scale_factors, False, dtype, inits)
                       or _side(base + "_scale", q.scales.reshape(n, nb, 1) if q.block else q.scales.reshape(n, 1), dtype,
                                q.half_scales, inits))
     if q.shift:

@@ -12,7 +12,7 @@ from onnx import TensorProto, helper
 from edgekv.format.weight_forms import code_width, fold_forms, pack_codes, packable
 from export.gguf_blocks import DECODERS
 from export.weights import from_gguf_blocks
-from export.weights_graph import _factored
+from export.weights_graph import Emitted, _factored
 from tests.test_gguf_kquants import random_blocks
 
 RANGES = [(-16, 15, 5, 16), (0, 31, 5, 0), (-32, 31, 6, 32), (0, 63, 6, 0), (-8, 7, 5, 16), (-127, 127, 8, 0)]
@@ -85,14 +85,14 @@ def test_factored_scales_are_the_decoded_products(kind, k_first):
     q = from_gguf_blocks(kind, random_blocks(kind, n, k, rng, spread=3), (n, k))
     sides = [(q.scales, q.scale_factors)] + ([(q.mins, q.min_factors)] if q.mins is not None else [])
     for values, f in sides:
-        inits: list = []
+        inits = Emitted()
         nodes = _factored("s", f, k_first, np.float32, inits)
         want = values.T if k_first else values.reshape(n, -1, 1)
         model = _model(nodes, inits, "s", TensorProto.FLOAT, want.shape)
         for got in (_ort(model, True), _ort(model, False), _folded(model, "s")):
             np.testing.assert_array_equal(got, want)
         assert sum(len(t.raw_data) for t in inits if t.name in ("s_d", "s_sc")) == f.nbytes == 2 * n * k // 256 + n * k // q.block
-    inits: list = []  # a float16 graph: the exact product rounded once to float16, as its initializer was
+    inits = Emitted()  # a float16 graph: the exact product rounded once to float16, as its initializer was
     model = _model(_factored("s", q.scale_factors, True, np.float16, inits), inits, "s", TensorProto.FLOAT16, (k // q.block, n))
     for got in (_ort(model, True), _ort(model, False), _folded(model, "s")):
         np.testing.assert_array_equal(got, q.scales.T.astype(np.float16))
