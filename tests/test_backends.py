@@ -374,3 +374,18 @@ def test_ort_cuda_runs_the_graph_as_written_and_says_why(tiny_bundle_float, monk
     assert "key_mask" in {i.name for i in be.session.get_inputs()}
     with pytest.raises(BackendUnavailable, match="ort-cuda"):
         OnCpu(b, threads=1, attention="fused")
+
+
+def test_host_memories_scatter_rows_as_their_row_copies_do():
+    """write_slots (a ring's scattered writes, KVCache.write_local) = write_rows one slot at a time,
+    in each host layout: slot-major, head-major (the fused graph's) and serve's slots."""
+    from edgekv.runtime.memory import HeadMajorMemory, HostMemory, SlotMemory
+
+    rng = np.random.default_rng(0)
+    for memory in (HostMemory(), HeadMajorMemory(spare=2), SlotMemory(2)):
+        buf, ref = memory.alloc((8, 1, 3, 4), np.float32), memory.alloc((8, 1, 3, 4), np.float32)
+        slots, rows = np.array([5, 1, 6]), rng.random((3, 1, 3, 4)).astype(np.float32)
+        memory.write_slots(buf, slots, rows)
+        for s, r in zip(slots, rows):
+            memory.write_rows(ref, int(s), r[None])
+        np.testing.assert_array_equal(buf, ref, err_msg=type(memory).__name__)

@@ -99,9 +99,9 @@ class KVCache:
 
     def write_local(self, name: str, slots: np.ndarray, rows: np.ndarray) -> None:
         """Copy rows [k, 1, Hkv, D] to the given (distinct) slots of a local layer's buffer, in order."""
-        buf = self.buffers[name]
-        if type(buf) is np.ndarray:  # host slot-major memory (a windowed cache's): one scatter, ~1 µs, not one per run
-            buf[np.asarray(slots, np.int64)] = rows
+        scatter = getattr(self.memory, "write_slots", None)  # host memories: one scatter in their layout, ~1 µs
+        if scatter is not None:
+            scatter(self.buffers[name], np.asarray(slots, np.int64), rows)
             return
         i = 0
         for a, b in runs(np.asarray(slots, np.int64)):

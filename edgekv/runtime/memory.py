@@ -95,6 +95,10 @@ class HostMemory:
     def write_rows(self, buf: np.ndarray, start: int, arr: np.ndarray) -> None:
         buf[start: start + len(arr)] = arr
 
+    def write_slots(self, buf: np.ndarray, slots: np.ndarray, arr: np.ndarray) -> None:
+        """arr [n, 1, Hkv, D] to the given distinct slots at once (a ring's scattered writes)."""
+        buf[slots] = arr
+
     # MovesRows: gathered, then scattered, in place
     def move_rows(self, buf: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
         buf[dst] = buf[src]
@@ -133,6 +137,9 @@ class HeadMajorMemory(HostMemory):
 
     def write_rows(self, buf: np.ndarray, start: int, arr: np.ndarray) -> None:
         buf[0, :, start: start + len(arr)] = arr[:, 0].transpose(1, 0, 2)
+
+    def write_slots(self, buf: np.ndarray, slots: np.ndarray, arr: np.ndarray) -> None:
+        buf[0, :, slots] = arr[:, 0]  # (the gathered slots come first: [n, Hkv, D])
 
     def move_rows(self, buf: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
         buf[0, :, dst] = buf[0, :, src]  # the fancy index gathers every source first
@@ -186,6 +193,9 @@ class SlotMemory(HostMemory):
 
     def write_rows(self, buf: np.ndarray, start: int, arr: np.ndarray) -> None:
         self._put(buf, np.arange(start, start + len(arr)), arr)
+
+    def write_slots(self, buf: np.ndarray, slots: np.ndarray, arr: np.ndarray) -> None:
+        self._put(buf, slots, arr)
 
     def move_rows(self, buf: np.ndarray, src: np.ndarray, dst: np.ndarray) -> None:
         src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
