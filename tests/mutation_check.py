@@ -735,6 +735,7 @@ MUTATIONS = [
     M("packed codes counted at 8 bits", "export", "export/weights.py", "codes = self.codes.size * self.width[0] // 8", "codes = self.codes.size * self.bits // 8", KQ + ("-k", "stored_as")),
     M("engine build: packed codes not unpacked", "trt", "edgekv/format/trt_graph.py", "return widen_half_scales(model, folder) + fold_forms(model, folder)", "return widen_half_scales(model, folder)", KQ + ("-k", "tensorrt_rules")),
     M("runtime: packed codes left to onnxruntime's folding", "weights", "edgekv/runtime/backends/forms.py", "form_values(model.graph, base_dir, least=2)", "form_values(model.graph, base_dir, least=99)", KQ + ("-k", "handed")),
+    M("memory: head-major ring writes along the wrong axis", "engine", "edgekv/runtime/memory.py", "buf[0, :, slots] = arr[:, 0]  #", "buf[0, :, slots] = arr[:, 0].transpose(1, 0, 2)  #", ("tests/test_backends.py", "-k", "scatter")),
     M("fused: the forms' value_info dropped", "weights", "edgekv/runtime/backends/fused.py", "forms = [v for v in g.g.value_info if v.name in need and g.is_const(v.name)]", "forms = []", FP16 + ("-k", "tokens_unchanged")),
     M("engine build: fp16 scales not widened", "trt", "edgekv/runtime/backends/engines.py", "    stage_weights(model, folder)  # fp16 block scales", "    pass  # fp16 block scales", ("tests/test_weights.py", "-k", "engine_build")),
     M("nbits: every remainder dropped (the term's speed for +20 % PPL)", "weights", "edgekv/runtime/backends/nbits.py", "        if r.any():", "        if False:", NBITS),
