@@ -107,8 +107,7 @@ def prepare_model(opts: ExportOptions, dest: Destination, src: Source, t0: float
     note(f"  {cfg.arch}: {cfg.n_layers} layers, {cfg.n_heads} heads ({cfg.n_kv_heads} KV), head_dim {cfg.head_dim}, "
          f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}  [{time.time() - t0:.1f}s]")
     torch_dtype = {"float32": torch.float32, "float16": torch.float16}[opts.dtype]
-    model = Transformer(cfg.for_context(max_context), opts.kv)  # LongRoPE: one factor set for the bundle's positions
-    model.load_state_dict(src.state_dict, strict=False)  # inv_freq is computed, lm_head may be tied
+    model = Transformer.loaded(cfg.for_context(max_context), src.state_dict, opts.kv)  # LongRoPE: one factor set for the bundle's positions
     calibration = None
     if model.scheme.kind == "static" or model.scheme.center_keys:
         with stage("calibrating", f" {opts.kv}"):

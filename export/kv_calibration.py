@@ -12,8 +12,7 @@ def calibrate(model: Transformer, src: Source, kv: str, calib_text: str | None, 
 
     ids, desc = calibration_ids(src, calib_text, calib_tokens)
     note(f"  on {len(ids)} tokens of {desc[:60]}...")
-    ref = Transformer(model.cfg, "float").eval()
-    ref.load_state_dict(src.state_dict, strict=False)
+    ref = Transformer.loaded(model.cfg, src.state_dict).eval()
     if model.scheme.center_keys:
         set_key_offsets(model, key_mean(ref, ids))
         return {"text": desc, "tokens": len(ids),

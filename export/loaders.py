@@ -4,6 +4,7 @@ tokenizer JSON, the chat template and the special tokens. Weight names go throug
 table; counts and shapes are asserted against the model."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -302,16 +303,30 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, shape[0] // n_head // 2, 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def gguf_matrix_types(path: str | Path) -> dict[str, set[str]]:
-    """Each 2-D weight under our name (q|k|v and gate|up fused) -> the GGUF types of its parts,
-    from the file's header alone (no weight is dequantized: well under a second, where loading
-    takes tens): what `export --weights auto` decides on before anything is loaded."""
-    import gguf
-
+def read_gguf(path: str | Path):
+    """The gguf package's reader of `path`, parsed once per version of the file: an export reads
+    the header up to three times (--weights auto, the load, the manifest), and parsing it costs
+    seconds (the tokenizer's ~100k strings are read one by one)."""
+    p = Path(path)
     try:
-        r = gguf.GGUFReader(str(path))
+        st = p.stat()
+        return _gguf_reader(str(p.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
     except Exception as e:  # the gguf package raises assorted errors on a bad file
         raise SourceError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
+@functools.lru_cache(maxsize=1)
+def _gguf_reader(path: str, inode: int, size: int, mtime_ns: int):
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
+def gguf_matrix_types(path: str | Path) -> dict[str, set[str]]:
+    """Each 2-D weight under our name (q|k|v and gate|up fused) -> the GGUF types of its parts,
+    from the file's header alone (no weight is dequantized): what `export --weights auto` decides
+    on before anything is loaded."""
+    r = read_gguf(path)
     arch = r.fields.get("general.architecture")
     layers = arch and r.fields.get(f"{arch.contents()}.block_count")
     if not layers:  # not a model load_gguf reads: it says why
@@ -330,10 +345,7 @@ def load_gguf(path: str | Path) -> Source:
     import gguf
 
     path = Path(path)
-    try:
-        r = gguf.GGUFReader(str(path))
-    except Exception as e:  # the gguf package raises assorted errors on a bad file
-        raise SourceError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
+    r = read_gguf(path)
 
     def field(key, default=None):
         f = r.fields.get(key)

@@ -23,6 +23,7 @@ at those fields.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass, field, replace
@@ -476,6 +477,19 @@ class Block(nn.Module):
         return x + m, present
 
 
+@contextlib.contextmanager
+def _zeroed_init():
+    """torch's Linear and Embedding initialize themselves through these three functions."""
+    saved = {n: getattr(nn.init, n) for n in ("kaiming_uniform_", "uniform_", "normal_")}
+    for n in saved:
+        setattr(nn.init, n, lambda t, *a, **k: nn.init.zeros_(t))
+    try:
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(nn.init, n, f)
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, kv_scheme: str = "float"):
         super().__init__()
@@ -495,6 +509,17 @@ class Transformer(nn.Module):
         # each layer's RoPE table: None (NoPE), "global" or "local" (Gemma 3's sliding-window layers)
         self.layer_rope = [None if i in cfg.nope_layers else "local" if i in cfg.local_layers else "global"
                            for i in range(cfg.n_layers)]
+
+    @classmethod
+    def loaded(cls, cfg: ModelConfig, state_dict: dict, kv_scheme: str = "float") -> "Transformer":
+        """A model holding `state_dict` (strict=False: inv_freq is computed, lm_head may be tied),
+        built with its Linear and Embedding weights zeroed instead of drawn at random: they are
+        overwritten at once, and drawing them cost ~0.8 s a model of 135M (an export builds four
+        or five)."""
+        with _zeroed_init():
+            m = cls(cfg, kv_scheme)
+        m.load_state_dict(state_dict, strict=False)
+        return m
 
     def with_layers(self, keep: list[int]) -> "Transformer":
         """A view of this model with only the layers `keep` (the same modules, renumbered 0..):

@@ -70,8 +70,7 @@ def float_twin(model: Transformer, fp16: bool) -> Transformer | None:
     noise (None when the model is that already)."""
     if model.scheme.name == "float" and not fp16:
         return None
-    ref = Transformer(model.cfg, "float").eval()
-    ref.load_state_dict({k: v.float() for k, v in model.state_dict().items()}, strict=False)
+    ref = Transformer.loaded(model.cfg, {k: v.float() for k, v in model.state_dict().items()}).eval()
     return ref
 
 

@@ -61,8 +61,7 @@ def activation_aware(model: Transformer, src: Source, state: dict, kept: dict, g
         return state, {}, None
     ids, desc = calibration_ids(src, *calib)
     note(f"  activation-aware scales (AWQ) for {len(targets)} matrices on {len(ids)} tokens of {desc[:40]}...")
-    ref = Transformer(model.cfg, "float").eval()
-    ref.load_state_dict(src.state_dict, strict=False)
+    ref = Transformer.loaded(model.cfg, src.state_dict).eval()
     stats = {n: v for n, v in activation_stats(ref, ids).items() if n in targets}
     params = dict(model.named_parameters())
     norms = {n: params[n].detach().float().numpy() for n in params if n.endswith("_norm.weight")}
@@ -83,8 +82,7 @@ def weight_cost(model: Transformer, src: Source, prompt: list[int], requantize: 
     For a GGUF those values are its blocks dequantized: blocks kept as they are give the same
     values, so a KLD of 0 says they were kept exactly, not what 4 bits cost against the model
     the GGUF was made from (docs/weights.md measures that against the float-weights bundle)."""
-    ref = Transformer(model.cfg, "float").eval()
-    ref.load_state_dict(src.state_dict, strict=False)
+    ref = Transformer.loaded(model.cfg, src.state_dict).eval()
     q = Transformer(model.cfg, "float").eval()
     if src.config.tie_word_embeddings:  # stored apart (quantize_model): untie before loading both
         q.lm_head.weight = torch.nn.Parameter(q.embed.weight.detach().clone())

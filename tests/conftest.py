@@ -33,6 +33,23 @@ def pytest_xdist_auto_num_workers(config):
     return None
 
 
+def pytest_configure(config):
+    """A run on several workers (-n auto: one per core) gives each worker's torch and onnxruntime
+    its share of the cores (OMP_NUM_THREADS, which edgekv's default thread count follows too),
+    set here before xdist starts the workers (they and their subprocesses inherit it): two
+    workers each spinning two compute threads on two cores cost ~40 % more CPU (measured on the
+    whole run). glibc keeps large freed blocks for reuse instead of unmapping them (torch's
+    attention temporaries were zeroed page by page on every forward). A run in one process, or
+    the caller's own settings, are left as they are."""
+    workers = config.getoption("numprocesses", None) or 0
+    if os.environ.get("PYTEST_XDIST_WORKER") or workers < 2:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // workers)))
+    for knob in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
+        os.environ.setdefault(knob, str(16 << 30))
+
+
 # Files xdist hands out test by test instead of whole (pyproject: --dist loadfile): each alone
 # ran long enough to decide the wall time of a run on two workers (minutes: an export per
 # architecture; Ctrl-C at every line of a turn, twice), and what their tests share is cheap to

@@ -108,4 +108,4 @@ def add_runtime(p, ctx_help: str = "KV cache capacity in tokens (default: min(20
     p.add_argument("--ctx", type=CTX, default=None, help=ctx_help)
     p.add_argument("--backend", default="auto", choices=BACKENDS,
                    help="auto = trt if an engine is built, else ort-cuda if onnxruntime has CUDA, else ort-cpu (ort-cpu runs a static int8 cache through onnxruntime's fused GroupQueryAttention, EDGEKV_ATTENTION=plain: the graph as written; the graph as written sums attention in exact fixed point so that temperature 0 does not depend on batching or the prefix cache; EDGEKV_EXACT=0 runs it as written: faster prefill, less memory; README)")
-    p.add_argument("--threads", type=THREADS, default=None, help="CPU threads (default: all available)")
+    p.add_argument("--threads", type=THREADS, default=None, help="CPU threads (default: OMP_NUM_THREADS where set, else every CPU available)")

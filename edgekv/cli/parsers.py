@@ -14,7 +14,7 @@ from edgekv.runtime.backends import BACKENDS
 
 # the help texts several commands share
 BUNDLE = "bundle folder written by `edgekv export`"
-CPU_THREADS = "CPU threads (default: all available)"
+CPU_THREADS = "CPU threads (default: OMP_NUM_THREADS where set, else every CPU available)"
 # the build flags: bench.LLAMA_CPP_FLAGS (tests/test_bench_llama_cpp.py holds them equal)
 LLAMA_CPP_BUILT = ('llama-cpp-python, the `bench` extra, built with CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON '
                    '-DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON"')

@@ -6,7 +6,7 @@ import os
 
 from edgekv.errors import BackendUnavailable, BundleError, EdgeKVError
 from edgekv.format.bundle import Bundle
-from edgekv.runtime.backends.base import Backend
+from edgekv.runtime.backends.base import Backend, default_threads  # noqa: F401 (bench imports it from here)
 from edgekv.runtime.backends.ort import MATMUL_ACCURACY, OrtBackend
 from edgekv.runtime.backends.ort_cuda import OrtCudaBackend
 from edgekv.runtime.cache import default_capacity
@@ -47,10 +47,6 @@ def import_native(name: str) -> None:
             signal.signal(s, handler if handler is not None else signal.SIG_DFL)
     if came:
         signal.raise_signal(came[0])
-
-
-def default_threads() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
 def make_backend(name: str, bundle: Bundle, threads: int | None = None, max_logits_rows: int = 1,

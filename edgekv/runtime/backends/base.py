@@ -17,6 +17,8 @@ returns only the logits rows asked for. It does not change the sequence: the cal
 """
 from __future__ import annotations
 
+import os
+
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -64,3 +66,14 @@ class BatchBackend(Backend, Protocol):
         """past = cells [0, past), present written at cells [write, write + S), position_ids [1, S]
         and the per-token mask [1, S, past + S] given whole (local_key_mask, the same shape: the
         sliding-window layers' mask, for a graph that has them); returns logits like `run`."""
+
+
+def default_threads() -> int:
+    """The CPU threads a command uses where --threads is not given: OMP_NUM_THREADS where it is
+    set to a positive number (the variable torch and the BLAS libraries already follow, so one
+    setting bounds the whole process), else every CPU this process may run on (its affinity: a
+    taskset or a container's cpuset counts)."""
+    env = os.environ.get("OMP_NUM_THREADS", "")
+    if env.isdigit() and int(env) > 0:
+        return int(env)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

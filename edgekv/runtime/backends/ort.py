@@ -15,7 +15,7 @@ import numpy as np
 
 from edgekv.errors import BackendUnavailable, BundleError, EdgeKVError, note
 from edgekv.format.bundle import LOCAL_MASK, Bundle
-from edgekv.runtime.backends.base import PREFILL_CHUNK, UNLIMITED, bound_past
+from edgekv.runtime.backends.base import PREFILL_CHUNK, UNLIMITED, bound_past, default_threads
 from edgekv.runtime.backends.binding import Binding
 from edgekv.runtime.backends.fused import (BIAS, BIAS_LOCAL, MIN_ORT, SEQLENS, TOTAL, NotFusable, fuse_bundle,
                                            ort_version_ok)
@@ -426,7 +426,7 @@ def slot_window_bias(positions: np.ndarray, slots: int, window: int) -> np.ndarr
 def session_options(ort, threads: int | None, matmul_accuracy: int):
     """The CPU session's options, for the graph as written and for derived (fused) graphs alike."""
     opts = ort.SessionOptions()
-    opts.intra_op_num_threads = threads or 0
+    opts.intra_op_num_threads = threads or default_threads()
     opts.inter_op_num_threads = 1
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.log_severity_level = 3
