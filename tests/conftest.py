@@ -77,6 +77,12 @@ def pytest_xdist_make_scheduler(config, log):
     return SplitLongFiles(config, log)
 
 
+# Files that export several tiny models of their own (20-80 s of CPU each, measured): handed out
+# right after the slow files, so that no worker ends the run alone on one of them (test_stamp,
+# last in line by its test count, left one worker running ~45 s after the other had finished).
+HEAVY_FILES = frozenset({"test_fused_archs.py", "test_stamp.py", "test_gemma3.py", "test_trt_check.py",
+                         "test_fused_gemma3.py"})
+
 # files handed out after this many others: by then the run's one real export (~170 s on a quiet
 # 2-core machine) is done, so a second worker does not sit on its lock (measured: 141 s did)
 REAL_AFTER = 12
@@ -85,7 +91,8 @@ REAL_AFTER = 12
 def pytest_collection_modifyitems(config, items):
     """The order whole files go to xdist's workers (pyproject: --no-loadscope-reorder): first one
     file that needs the real bundle (it starts the run's one real export), then the other slow
-    files (their real-model work overlaps the export), then files with more tests first, as xdist
+    files (their real-model work overlaps the export), then HEAVY_FILES, then files with more
+    tests first, as xdist
     orders them, with the other files needing the real bundle placed REAL_AFTER files in, when the
     export is done. Within a file, the file's own order."""
     files: dict = {}
@@ -93,7 +100,7 @@ def pytest_collection_modifyitems(config, items):
         files.setdefault(item.path, []).append(item)
     slow = {f for f, its in files.items() if any(i.get_closest_marker("slow") for i in its)}
     real = [f for f in files if any("real_bundle_int4" in i.fixturenames for i in files[f])]
-    order = sorted(files, key=lambda f: (f not in slow, -len(files[f])))
+    order = sorted(files, key=lambda f: (f not in slow, Path(f).name not in HEAVY_FILES, -len(files[f])))
     rest = [f for f in order if f not in real]
     rest = [f for f in rest if f in slow] + [f for f in rest if f not in slow]
     order = real[:1] + rest[:REAL_AFTER] + real[1:] + rest[REAL_AFTER:]

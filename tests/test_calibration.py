@@ -312,8 +312,10 @@ def test_calibration_beats_no_calibration(outlier_model, static_calibrations, in
 # 7.4e-3 / 5.6e-3 (8-10x per-token), absmax x1.5 1.4e-3 / 1.1e-3, no clipping at all (absmax of
 # the eval text itself) 8.6e-4 / 5.5e-4. The bound, 3x the per-token cache's KLD on the same
 # windows, holds the searched scales near the no-clipping floor with margin for window-to-window
-# spread, and fails the absmax scales by a factor of ~3.
-REAL_WINDOWS = 2
+# spread, and fails the absmax scales by a factor of ~3. One window is scored (the text and model
+# are fixed, so the outcome is too): on it, measured with this calibration, static / per-token
+# KLD 1.32 (the second window 1.27), absmax scales 9.8 (7.7e-3 vs 7.9e-4).
+REAL_WINDOWS = 1
 REAL_BOUND = 3.0
 
 
@@ -326,12 +328,8 @@ def test_real_model_static_kv_close_to_per_token_on_unseen_text():
 
     src, _ = resolve_source(None)
 
-    def model(kv):
-        m = Transformer(src.config, kv)
-        m.load_state_dict(src.state_dict, strict=False)
-        return m.eval()
-
-    ref, per_token, static = model("float"), model("int8"), model("int8-static")
+    ref, per_token, static = (Transformer.loaded(src.config, src.state_dict, kv).eval()
+                              for kv in ("float", "int8", "int8-static"))
     calibrate_static(static, ref, calibration_ids(src, None, 4096)[0])
     from tokenizers import Tokenizer
 
