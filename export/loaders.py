@@ -310,13 +310,13 @@ def read_gguf(path: str | Path):
     p = Path(path)
     try:
         st = p.stat()
-        return _gguf_reader(str(p.resolve()), st.st_ino, st.st_size, st.st_mtime_ns)
+        return _gguf_reader(str(p.resolve()), st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     except Exception as e:  # the gguf package raises assorted errors on a bad file
         raise SourceError(f"{path}: not a readable GGUF file ({type(e).__name__}: {e})") from None
 
 
 @functools.lru_cache(maxsize=1)
-def _gguf_reader(path: str, inode: int, size: int, mtime_ns: int):
+def _gguf_reader(path: str, inode: int, size: int, mtime_ns: int, ctime_ns: int):
     import gguf
 
     return gguf.GGUFReader(path)
