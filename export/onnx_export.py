@@ -1,7 +1,9 @@
 """torch -> ONNX for the graph contract, and the pass that makes its INT8 TensorRT-legal."""
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import inspect
 import warnings
 from pathlib import Path
@@ -86,12 +88,29 @@ def _trace(model: Transformer):
     dynamic_shapes = (*specs, past_specs)
     options = dict(input_names=names["inputs"] + names["past"], output_names=["logits"] + names["present"],
                    dynamic_shapes=dynamic_shapes, optimize=False, verbose=False, opset_version=OPSET)
-    with warnings.catch_warnings(), torch.no_grad():
+    with warnings.catch_warnings(), torch.no_grad(), _heap_frozen():
         warnings.simplefilter("ignore")
         export = _exporter_core()
         if export is None:
             return torch.onnx.export(graph, args, dynamo=True, external_data=True, **options)
         return export(graph, args, None, registry=_torchlib_registry(), **options)
+
+
+@contextlib.contextmanager
+def _heap_frozen():
+    """The objects that exist before the trace left out of the garbage collector's passes during it
+    (gc.freeze; gc.unfreeze after, so they are collected as before). The trace makes millions of
+    short-lived objects, and each full pass also walked the whole heap (torch, the model): 0.5-1 s
+    CPU a trace of a tiny model, ~0.15 s frozen. Nothing is kept alive that would not be; the graph
+    is the same. A freeze someone else holds is left alone (unfreeze would undo it)."""
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 @functools.lru_cache(maxsize=None)
