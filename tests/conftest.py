@@ -44,8 +44,9 @@ def pytest_configure(config):
     workers = config.getoption("numprocesses", None) or 0
     if os.environ.get("PYTEST_XDIST_WORKER") or workers < 2:
         return
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, cores // workers)))
+    from edgekv.runtime.backends.base import default_threads  # the caller's OMP_NUM_THREADS, else the CPUs
+
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, default_threads() // workers)))
     for knob in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
         os.environ.setdefault(knob, str(16 << 30))
 
@@ -91,18 +92,16 @@ REAL_AFTER = 12
 def pytest_collection_modifyitems(config, items):
     """The order whole files go to xdist's workers (pyproject: --no-loadscope-reorder): first one
     file that needs the real bundle (it starts the run's one real export), then the other slow
-    files (their real-model work overlaps the export), then HEAVY_FILES, then files with more
-    tests first, as xdist
-    orders them, with the other files needing the real bundle placed REAL_AFTER files in, when the
-    export is done. Within a file, the file's own order."""
+    files (their real-model work overlaps the export), then HEAVY_FILES, then files with more tests
+    first, as xdist orders them, with the other files needing the real bundle placed REAL_AFTER
+    files in, when the export is done. Within a file, the file's own order."""
     files: dict = {}
     for item in items:
         files.setdefault(item.path, []).append(item)
     slow = {f for f, its in files.items() if any(i.get_closest_marker("slow") for i in its)}
     real = [f for f in files if any("real_bundle_int4" in i.fixturenames for i in files[f])]
     order = sorted(files, key=lambda f: (f not in slow, Path(f).name not in HEAVY_FILES, -len(files[f])))
-    rest = [f for f in order if f not in real]
-    rest = [f for f in rest if f in slow] + [f for f in rest if f not in slow]
+    rest = [f for f in order if f not in real]  # (sorted: the slow files are already first)
     order = real[:1] + rest[:REAL_AFTER] + real[1:] + rest[REAL_AFTER:]
     items[:] = [i for f in order for i in files[f]]
 

@@ -20,7 +20,7 @@ from edgekv.errors import EdgeKVError, note
 from edgekv.format.files import write_json
 from edgekv.format.bundle import load_bundle
 from edgekv.runtime.assemble import Runtime, open_runtime
-from edgekv.runtime.backends import default_threads
+from edgekv.runtime.backends.base import default_threads
 from edgekv.runtime.backends.ort import ATTENTION_ENV, ATTENTIONS
 from edgekv.runtime.generate import Generator
 from edgekv.tools.progress import stage

@@ -6,7 +6,7 @@ import os
 
 from edgekv.errors import BackendUnavailable, BundleError, EdgeKVError
 from edgekv.format.bundle import Bundle
-from edgekv.runtime.backends.base import Backend, default_threads  # noqa: F401 (bench imports it from here)
+from edgekv.runtime.backends.base import Backend
 from edgekv.runtime.backends.ort import MATMUL_ACCURACY, OrtBackend
 from edgekv.runtime.backends.ort_cuda import OrtCudaBackend
 from edgekv.runtime.cache import default_capacity

@@ -18,7 +18,6 @@ returns only the logits rows asked for. It does not change the sequence: the cal
 from __future__ import annotations
 
 import os
-
 from typing import Protocol, runtime_checkable
 
 import numpy as np
