@@ -389,3 +389,21 @@ def test_host_memories_scatter_rows_as_their_row_copies_do():
         for s, r in zip(slots, rows):
             memory.write_rows(ref, int(s), r[None])
         np.testing.assert_array_equal(buf, ref, err_msg=type(memory).__name__)
+
+
+@pytest.mark.parametrize("env, want", [("3", 3), ("1", 1), ("0", None), ("two", None), ("", None)])
+def test_default_threads_follow_omp_num_threads(env, want, monkeypatch):
+    """Where --threads is not given: OMP_NUM_THREADS when it is a positive number, else every CPU
+    this process may run on (its affinity); onnxruntime's session takes the same count."""
+    import os
+
+    import onnxruntime as ort
+
+    from edgekv.runtime.backends.base import default_threads
+    from edgekv.runtime.backends.ort import session_options
+
+    monkeypatch.setenv("OMP_NUM_THREADS", env)
+    expected = want if want is not None else len(os.sched_getaffinity(0))
+    assert default_threads() == expected
+    assert session_options(ort, None, 4).intra_op_num_threads == expected
+    assert session_options(ort, 2, 4).intra_op_num_threads == 2  # --threads wins

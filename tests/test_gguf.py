@@ -72,3 +72,20 @@ def test_real_gguf_tokenizer_matches_transformers():
     for text in ["What is the capital of France?", "Numbers 12345 and 3.14159, emoji 🙂, 東京, naïve café\n\n  x\tf()",
                  "<|im_start|>user\nhi<|im_end|>\n", "I'm sure they'll say   spaces   matter.\r\n"]:
         assert ours.encode(text, add_special_tokens=False).ids == hf.encode(text, add_special_tokens=False)
+
+
+def test_a_gguf_header_is_parsed_once_per_version_of_the_file(tmp_path):
+    """read_gguf parses a file once (an export reads its header up to three times), and a file
+    rewritten in place, even to the same size, is read again."""
+    from export.loaders import read_gguf
+
+    folder = make_hf_folder(tmp_path / "hf", "llama")
+    path = tmp_path / "tiny.gguf"
+    write_arch_gguf(folder, path, chat_template="{{ 'AAAA' }}")
+    first = read_gguf(path)
+    assert read_gguf(path) is first
+    size = path.stat().st_size
+    write_arch_gguf(folder, path, chat_template="{{ 'BBBB' }}")
+    assert path.stat().st_size == size
+    assert read_gguf(path) is not first
+    assert load_gguf(path).chat_template == "{{ 'BBBB' }}"

@@ -61,3 +61,17 @@ def test_fused_weights_split_back_exactly(tmp_path):
     assert set(back) == set(original)
     for k, v in original.items():
         assert torch.equal(back[k], v.float()), k
+
+
+def test_loaded_model_holds_the_state_dict_and_zeros_for_what_it_lacks(tmp_path):
+    """Transformer.loaded = construct + load_state_dict(strict=False), except that what the state
+    dict lacks is zero instead of random; torch's own initialization is back afterwards."""
+    src = load_hf_folder(make_hf_folder(tmp_path, "llama"))
+    ref = Transformer(src.config, "float")
+    ref.load_state_dict(src.state_dict, strict=False)
+    got = Transformer.loaded(src.config, src.state_dict)
+    for (name, a), (_, b) in zip(ref.state_dict().items(), got.state_dict().items()):
+        assert torch.equal(a, b), name
+    partial = {k: v for k, v in src.state_dict.items() if k != "layers.0.mlp.w_down.weight"}
+    assert not Transformer.loaded(src.config, partial).layers[0].mlp.w_down.weight.any()
+    assert torch.nn.Linear(8, 8).weight.abs().sum() > 0  # random again outside
