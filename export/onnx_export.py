@@ -189,29 +189,25 @@ def _const(name: str, value, dtype) -> TensorProto:
 WEIGHT_BYTES = 1024  # initializers above this size are weights: shape inference needs their type and dims only
 
 
-def infer_shapes_without_weights(m: onnx.ModelProto) -> onnx.ModelProto:
-    """onnx.shape_inference.infer_shapes(m), the weights' bytes kept out of it: inference serializes
-    the whole model into C++ (about a second per 140 MB of float weights) and reads initializer
-    values only for shape-like integer inputs (Reshape's shape, Slice's starts), which stay. The
-    bytes move from `m` to the inferred copy (no second copy of the weights is held)."""
-    kept = {}
+def element_types(m: onnx.ModelProto) -> dict:
+    """name -> element type of every value in `m`, by onnx's shape inference over a stand-in of
+    `m` whose weights have no bytes: inference serializes the whole model into C++ (about a second
+    per 140 MB of float weights) and reads initializer values only for shape-like integer inputs
+    (Reshape's shape, Slice's starts), which the stand-in keeps. `m` is read, never changed, and
+    no weight's bytes are copied (reading a protobuf bytes field copies it: sizes by ByteSize)."""
+    stand_in = onnx.ModelProto(ir_version=m.ir_version, opset_import=m.opset_import, functions=m.functions)
+    g = stand_in.graph
+    for field in ("node", "input", "output", "value_info"):
+        getattr(g, field).extend(getattr(m.graph, field))
     for init in m.graph.initializer:
-        if init.data_type not in (TensorProto.INT64, TensorProto.INT32) and len(init.raw_data) > WEIGHT_BYTES:
-            kept[init.name] = init.raw_data
-            init.ClearField("raw_data")
-    try:
-        inferred = onnx.shape_inference.infer_shapes(m)
-    except Exception:
-        _restore_bytes(m, kept)
-        raise
-    _restore_bytes(inferred, kept)
-    return inferred
-
-
-def _restore_bytes(m: onnx.ModelProto, kept: dict) -> None:
-    for init in m.graph.initializer:
-        if init.name in kept:
-            init.raw_data = kept[init.name]
+        if init.data_type not in (TensorProto.INT64, TensorProto.INT32) and init.ByteSize() > WEIGHT_BYTES:
+            g.initializer.add(name=init.name, data_type=init.data_type, dims=init.dims)
+        else:
+            g.initializer.append(init)
+    inferred = onnx.shape_inference.infer_shapes(stand_in).graph
+    types = {v.name: v.type.tensor_type.elem_type for v in [*inferred.input, *inferred.value_info, *inferred.output]}
+    types.update((init.name, init.data_type) for init in m.graph.initializer)
+    return types
 
 
 def int8_casts_to_qdq(m: onnx.ModelProto) -> onnx.ModelProto:
@@ -219,10 +215,7 @@ def int8_casts_to_qdq(m: onnx.ModelProto) -> onnx.ModelProto:
     DequantizeLinear(x, 1.0, 0). TensorRT's parser takes INT8 only through Q/DQ with a constant
     scale; a unit per-tensor scale is legal in every TensorRT 10.x and exact in onnxruntime
     (the graph already rounds and clips to [-127, 127] before the cast)."""
-    m = infer_shapes_without_weights(m)
-    types = {v.name: v.type.tensor_type.elem_type for v in list(m.graph.input) + list(m.graph.value_info) + list(m.graph.output)}
-    for init in m.graph.initializer:
-        types[init.name] = init.data_type
+    types = element_types(m)
     g = m.graph
     new_nodes, consts = [], {}
 

@@ -83,7 +83,7 @@ def weight_cost(model: Transformer, src: Source, prompt: list[int], requantize: 
     values, so a KLD of 0 says they were kept exactly, not what 4 bits cost against the model
     the GGUF was made from (docs/weights.md measures that against the float-weights bundle)."""
     ref = Transformer.loaded(model.cfg, src.state_dict).eval()
-    q = Transformer(model.cfg, "float").eval()
+    q = Transformer.loaded(model.cfg, {}).eval()  # zeros, not random draws: every weight is loaded below
     if src.config.tie_word_embeddings:  # stored apart (quantize_model): untie before loading both
         q.lm_head.weight = torch.nn.Parameter(q.embed.weight.detach().clone())
     q.load_state_dict({k: v.float() for k, v in model.state_dict().items()}, strict=False)

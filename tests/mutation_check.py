@@ -710,7 +710,8 @@ MUTATIONS = [
     M("nbits: blocksum MatMul not shared between matrices reading one x", "weights", "edgekv/runtime/backends/nbits.py", "        if x in self.outputs:", "        if False:", NBITS),
     # export speed: sympy's cache, the QDQ pass's shape inference without the weights' bytes
     M("qdq shape inference given the weights' bytes", "export", "export/onnx_export.py", 'init.ClearField("raw_data")', "init.raw_data = init.raw_data", ("tests/test_qdq_inference.py",)),
-    M("weights not restored into the inferred graph", "export", "export/onnx_export.py", "_restore_bytes(inferred, kept)", "_restore_bytes(m, kept)", ("tests/test_qdq_inference.py",)),
+    M("weights' bytes given to shape inference", "export", "export/onnx_export.py", "init.ByteSize() > WEIGHT_BYTES:", "init.ByteSize() > 1 << 40:", ("tests/test_qdq_inference.py",)),
+    M("the integer shapes' bytes kept out of shape inference", "export", "export/onnx_export.py", "if init.data_type not in (TensorProto.INT64, TensorProto.INT32) and init.ByteSize()", "if init.ByteSize()", ("tests/test_qdq_inference.py",)),
     M("sympy cache left at its default", "export", "export/__init__.py", 'os.environ["SYMPY_CACHE_SIZE"] = "None"', 'os.environ["SYMPY_CACHE_SIZE"] = "1000"', ("tests/test_sympy_cache.py",)),
     M("SYMPY_CACHE_SIZE leaked into the environment", "export", "export/__init__.py", 'del os.environ["SYMPY_CACHE_SIZE"]', "pass", ("tests/test_sympy_cache.py",)),
     # the turn's rollback, caught by the Ctrl-C tests at conftest's interrupt_points

@@ -1,5 +1,6 @@
-"""int8_casts_to_qdq's shape inference runs without the weights' bytes (serializing them into
-onnx's C++ inference was seconds of every real export) and the rewrite is unchanged by it."""
+"""int8_casts_to_qdq's shape inference runs on a stand-in without the weights' bytes (serializing
+them into onnx's C++ inference, and moving them in and out of the graph around it, was seconds of
+every real export) and the rewrite is unchanged by it."""
 import numpy as np
 import onnx
 import onnxruntime as ort
@@ -45,7 +46,7 @@ def test_shape_inference_gets_no_weight_bytes_and_the_rewrite_is_the_same(monkey
     out = oe.int8_casts_to_qdq(m)
     assert seen and seen[0] <= oe.WEIGHT_BYTES  # the 16 KiB weight was not serialized into it
     assert seen[1] == 16  # the int64 shape Reshape reads kept its bytes
-    assert {i.name: i.raw_data for i in out.graph.initializer}["W"] == weight  # back in the result
+    assert {i.name: i.raw_data for i in out.graph.initializer}["W"] == weight  # in the result
     ops = [n.op_type for n in out.graph.node]
     assert "QuantizeLinear" in ops and "DequantizeLinear" in ops and "Cast" not in ops
     onnx.checker.check_model(out, full_check=True)
