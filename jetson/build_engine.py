@@ -25,7 +25,7 @@ from edgekv.format.bundle import load_bundle
 from edgekv.format.files import replace_dir
 from edgekv.format.trt_graph import stage_weights
 from edgekv.runtime.backends.engines import (META, PLAN, PROFILES_VERSION, bundle_fingerprint, engine_dir, engine_key, is_fresh,
-                                             profile_shapes, tensorrt_graph)
+                                             per_channel, profile_shapes)
 from edgekv.runtime.backends.gpu import check, cudart
 from edgekv.runtime.backends.trt import gpu_name, import_tensorrt
 from edgekv.runtime.cache import default_capacity
@@ -52,11 +52,11 @@ def parse(trt, parser, bundle, scratch: Path) -> None:
 
     path = bundle.onnx_path
     model = onnx.load(str(path), load_external_data=False)
-    widened = stage_weights(model, path.parent)  # also tensorrt_graph's first step: here to know it changed
-    converted = tensorrt_graph(model, path.parent)
+    staged = stage_weights(model, path.parent)  # tensorrt_graph in two steps: to know whether either changed it
+    converted = per_channel(model, path.parent)
     if converted:
         note(f"  {len(converted)} 8-bit block-wise weight(s) requantized per output channel for TensorRT")
-    if widened or converted:
+    if staged or converted:
         path = scratch / "model.onnx"
         onnx.save_model(model, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
                         location="model.onnx.data", size_threshold=1024)

@@ -376,19 +376,26 @@ def test_ort_cuda_runs_the_graph_as_written_and_says_why(tiny_bundle_float, monk
         OnCpu(b, threads=1, attention="fused")
 
 
-def test_host_memories_scatter_rows_as_their_row_copies_do():
+def test_memories_scatter_rows_as_their_row_copies_do():
     """write_slots (a ring's scattered writes, KVCache.write_local) = write_rows one slot at a time,
-    in each host layout: slot-major, head-major (the fused graph's) and serve's slots."""
-    from edgekv.runtime.memory import HeadMajorMemory, HostMemory, SlotMemory
+    in each host layout (slot-major, head-major: the fused graph's, serve's slots: one numpy
+    scatter) and in ort-cuda's OrtValue memories on the CPU (a copy per run of slots)."""
+    import onnxruntime as ort
+
+    from edgekv.runtime.backends.gpu import OrtValueHeadMajorMemory, OrtValueSlotMemory
+    from edgekv.runtime.memory import HeadMajorMemory, HostMemory, RowMemory, SlotMemory
 
     rng = np.random.default_rng(0)
-    for memory in (HostMemory(), HeadMajorMemory(spare=2), SlotMemory(2)):
+    for memory in (HostMemory(), HeadMajorMemory(spare=2), SlotMemory(2),
+                   OrtValueHeadMajorMemory(ort, "cpu", 2), OrtValueSlotMemory(ort, "cpu", 2)):
+        assert isinstance(memory, RowMemory)
         buf, ref = memory.alloc((8, 1, 3, 4), np.float32), memory.alloc((8, 1, 3, 4), np.float32)
-        slots, rows = np.array([5, 1, 6]), rng.random((3, 1, 3, 4)).astype(np.float32)
+        slots, rows = np.array([5, 1, 2, 6, 7]), rng.random((5, 1, 3, 4)).astype(np.float32)  # runs of 1, 2, 2
         memory.write_slots(buf, slots, rows)
         for s, r in zip(slots, rows):
             memory.write_rows(ref, int(s), r[None])
-        np.testing.assert_array_equal(buf, ref, err_msg=type(memory).__name__)
+        np.testing.assert_array_equal(memory.read(buf, 8), memory.read(ref, 8), err_msg=type(memory).__name__)
+        assert np.abs(memory.read(buf, 8)).sum() > 0
 
 
 @pytest.mark.parametrize("env, want", [("3", 3), ("1", 1), ("0", None), ("two", None), ("", None)])

@@ -24,7 +24,7 @@ import numpy as np
 
 from edgekv.errors import EdgeKVError
 from edgekv.format.bundle import Bundle, io_names, layer_of, local_slots
-from edgekv.runtime.memory import HostMemory, KVMemory, MovesRows, RowMemory
+from edgekv.runtime.memory import HostMemory, KVMemory, MovesRows, RowMemory, runs
 from edgekv.runtime.sequence import Sequence
 
 NP_DTYPES = {"int8": np.int8, "uint8": np.uint8, "float16": np.float16, "float32": np.float32}
@@ -99,14 +99,7 @@ class KVCache:
 
     def write_local(self, name: str, slots: np.ndarray, rows: np.ndarray) -> None:
         """Copy rows [k, 1, Hkv, D] to the given (distinct) slots of a local layer's buffer, in order."""
-        scatter = getattr(self.memory, "write_slots", None)  # host memories: one scatter in their layout, ~1 µs
-        if scatter is not None:
-            scatter(self.buffers[name], np.asarray(slots, np.int64), rows)
-            return
-        i = 0
-        for a, b in runs(np.asarray(slots, np.int64)):
-            self.memory.write_rows(self.buffers[name], a, rows[i: i + b - a])
-            i += b - a
+        self.memory.write_slots(self.buffers[name], np.asarray(slots, np.int64), rows)
 
     def read_ring(self, ring: int) -> dict[str, np.ndarray]:
         """Host copies of ring `ring`'s slots of every local buffer."""
@@ -210,12 +203,3 @@ class KVCache:
         for name in self.cell_names:
             self.memory.write(self.buffers[name], snap[name])
 
-
-def runs(cells: np.ndarray) -> list[tuple[int, int]]:
-    """[start, stop) of each run of consecutive slots in `cells`, in order."""
-    if cells.size == 0:
-        return []
-    cut = np.flatnonzero(np.diff(cells) != 1) + 1
-    starts = np.r_[cells[0], cells[cut]]
-    stops = np.r_[cells[cut - 1] + 1, cells[-1] + 1]
-    return list(zip(starts.tolist(), stops.tolist()))

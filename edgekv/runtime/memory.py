@@ -44,6 +44,10 @@ class RowMemory(KVMemory, Protocol):
     def write_rows(self, buf: Any, start: int, arr: np.ndarray) -> None:
         """Copy `arr` into rows [start, start + len(arr))."""
 
+    def write_slots(self, buf: Any, slots: np.ndarray, arr: np.ndarray) -> None:
+        """Copy arr[i] into row slots[i], the slots distinct (a ring's scattered writes); device
+        memories by write_slots_by_runs."""
+
 
 @runtime_checkable
 class MovesRows(KVMemory, Protocol):
@@ -51,6 +55,25 @@ class MovesRows(KVMemory, Protocol):
 
     def move_rows(self, buf: Any, src: np.ndarray, dst: np.ndarray) -> None:
         """Copy row src[i] to row dst[i], every source read before any row is written."""
+
+
+def runs(cells: np.ndarray) -> list[tuple[int, int]]:
+    """[start, stop) of each run of consecutive slots in `cells`, in order."""
+    if cells.size == 0:
+        return []
+    cut = np.flatnonzero(np.diff(cells) != 1) + 1
+    starts = np.r_[cells[0], cells[cut]]
+    stops = np.r_[cells[cut - 1] + 1, cells[-1] + 1]
+    return list(zip(starts.tolist(), stops.tolist()))
+
+
+def write_slots_by_runs(memory: RowMemory, buf: Any, slots: np.ndarray, arr: np.ndarray) -> None:
+    """RowMemory.write_slots as one write_rows per run of consecutive slots: for memories without
+    a scatter of their own (device memories: a copy per run)."""
+    i = 0
+    for a, b in runs(slots):
+        memory.write_rows(buf, a, arr[i: i + b - a])
+        i += b - a
 
 
 def available_memory() -> int | None:

@@ -113,14 +113,20 @@ OPSET_WITHOUT_INT4 = 20  # the highest opset TensorRT 10.3's documents name (doc
 
 def tensorrt_graph(model, folder: Path) -> list[str]:
     """Rewrite `model` (loaded without its weights; they are read from `folder` only when needed)
-    in place into what TensorRT's parser accepts: every block-wise DequantizeLinear of an INT8
-    constant becomes per output channel (axis 1, scale [N] = the column's absmax / 127, codes
-    requantized from the block values: within half a per-channel step of them), and a graph left
-    without INT4 drops back from opset 21. Returns the converted weights' names."""
+    in place into what TensorRT's parser accepts: staged (trt_graph.stage_weights: fp16 block
+    scales widened, packed codes unpacked), then per_channel. Returns the converted weights' names."""
+    stage_weights(model, folder)
+    return per_channel(model, folder)
+
+
+def per_channel(model, folder: Path) -> list[str]:
+    """In a staged graph, every block-wise DequantizeLinear of an INT8 constant made per output
+    channel (axis 1, scale [N] = the column's absmax / 127, codes requantized from the block
+    values: within half a per-channel step of them), and a graph left without INT4 dropped back
+    from opset 21. Returns the converted weights' names."""
     import onnx
     from onnx import TensorProto, numpy_helper
 
-    stage_weights(model, folder)  # fp16 block scales widened, packed codes unpacked: initializers first
     g = model.graph
     inits = {i.name: i for i in g.initializer}
     todo = [n for n in g.node if n.op_type == "DequantizeLinear" and block_size(n) > 0

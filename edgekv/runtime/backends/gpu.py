@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from edgekv.errors import BackendUnavailable, EdgeKVError
-from edgekv.runtime.memory import SlotMemory
+from edgekv.runtime.memory import SlotMemory, write_slots_by_runs
 
 
 class OrtValueMemory:
@@ -112,6 +112,9 @@ class OrtValueHeadMajorMemory(OrtValueMemory):
         full[0, :, start: start + len(arr)] = arr[:, 0].transpose(1, 0, 2)
         buf.update_inplace(full)
 
+    def write_slots(self, buf, slots: np.ndarray, arr: np.ndarray) -> None:
+        write_slots_by_runs(self, buf, slots, arr)
+
     def move_rows(self, buf, src: np.ndarray, dst: np.ndarray) -> None:
         full = buf.numpy()
         full[0, :, dst] = full[0, :, src]  # the fancy index gathers every source first
@@ -159,6 +162,9 @@ class OrtValueSlotMemory(OrtValueMemory):
 
     def write_rows(self, buf, start: int, arr: np.ndarray) -> None:
         self._through_host(buf, self._cells.write_rows, start, arr)
+
+    def write_slots(self, buf, slots: np.ndarray, arr: np.ndarray) -> None:
+        write_slots_by_runs(self, buf, slots, arr)
 
     def move_rows(self, buf, src: np.ndarray, dst: np.ndarray) -> None:
         self._through_host(buf, self._cells.move_rows, src, dst)
@@ -276,6 +282,9 @@ class CudaMemory:
         if arr.nbytes:
             check(self.cudart.cudaMemcpy(buf.ptr + start * buf.row_bytes, arr.ctypes.data, arr.nbytes,
                                      self.cudart.cudaMemcpyKind.cudaMemcpyHostToDevice))
+
+    def write_slots(self, buf, slots: np.ndarray, arr: np.ndarray) -> None:
+        write_slots_by_runs(self, buf, slots, arr)
 
     def move_rows(self, buf: CudaBuffer, src: np.ndarray, dst: np.ndarray) -> None:
         """Compaction: the span of rows involved to the host and back, one copy each way (the

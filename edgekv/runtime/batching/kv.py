@@ -30,7 +30,8 @@ from edgekv.runtime.batching.plan import Call, Piece
 from edgekv.runtime.batching.poolseq import PoolSequence
 from edgekv.runtime.batching.turns import Turns
 from edgekv.runtime.batching.windows import PrefixWindows
-from edgekv.runtime.cache import KVCache, runs
+from edgekv.runtime.cache import KVCache
+from edgekv.runtime.memory import runs
 from edgekv.runtime.pool import CellPool, Prefix
 
 

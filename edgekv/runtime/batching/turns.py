@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgekv.runtime.cache import KVCache, runs
+from edgekv.runtime.cache import KVCache
+from edgekv.runtime.memory import runs
 from edgekv.runtime.pool import CellPool
 
 
