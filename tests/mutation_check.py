@@ -707,7 +707,7 @@ MUTATIONS = [
     M("eval: another file of one model refused", "eval", "edgekv/tools/evaluate.py", "    if len({(json.dumps(b.model", "    if len({(b.manifest.get('source', {}).get('sha256'), json.dumps(b.model", ("tests/test_eval_sources.py",)),
     # the remainder's blocksum as one shared MatMul
     M("nbits: blocksum indicator in the wrong column", "weights", "edgekv/runtime/backends/nbits.py", "e[np.arange(k), np.arange(k) // block] = 1.0", "e[np.arange(k), np.arange(k) % (k // block)] = 1.0", NBITS),
-    M("nbits: blocksum MatMul not shared between matrices reading one x", "weights", "edgekv/runtime/backends/nbits.py", "        if x in self.outputs:", "        if False:", NBITS),
+    M("nbits: blocksum MatMuls placed before the graph's first node", "weights", "edgekv/runtime/backends/nbits.py", "            nodes.insert(after.get(x, 0), self.pending[x])", "            nodes.insert(0, self.pending[x])", NBITS),
     # export speed: sympy's cache, the QDQ pass's shape inference without the weights' bytes
     M("weights' bytes given to shape inference", "export", "export/onnx_export.py", "init.ByteSize() > WEIGHT_BYTES:", "init.ByteSize() > 1 << 40:", ("tests/test_qdq_inference.py",)),
     M("sympy cache left at its default", "export", "export/__init__.py", 'os.environ["SYMPY_CACHE_SIZE"] = "None"', 'os.environ["SYMPY_CACHE_SIZE"] = "1000"', ("tests/test_sympy_cache.py",)),

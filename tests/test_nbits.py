@@ -173,18 +173,29 @@ def test_folded_matrix_is_one_matmulnbits_with_zero_points(bits, tmp_path):
     assert list(inits[term.input[1]].dims) == [128 // B, 48]
 
 
+def sorted_topologically(g: onnx.GraphProto) -> bool:
+    """Every node reads only graph inputs, initializers and outputs of nodes before it."""
+    known = {v.name for v in g.input} | {t.name for t in g.initializer} | {""}
+    for n in g.node:
+        if not set(n.input) <= known:
+            return False
+        known |= set(n.output)
+    return True
+
+
 def test_matrices_share_their_input_blocksum(tmp_path):
-    """Two matrices reading x (K = 128) and one reading x2 (K = 64): one blocksum MatMul per input,
-    one indicator constant per K, the bundle's three Reshape + ReduceSum gone; at float activations
-    each output is its exact product."""
+    """Two matrices reading x (K = 128, made by a node, as a norm's output is) and one reading x2
+    (K = 64, a graph input): one blocksum MatMul per input, after what makes it (the graph still
+    sorted), one indicator constant per K, the bundle's three Reshape + ReduceSum gone; at float
+    activations each output is its exact product."""
     rng = np.random.default_rng(7)
     qs = {"y1": (q41_like(48, 128, rng), "x"), "y2": (q41_like(24, 128, rng), "x"), "y3": (q41_like(16, 64, rng), "x2")}
-    inits, nodes = [], []
+    inits, nodes = [], [helper.make_node("Identity", ["x_in"], ["x"], name="norm")]
     for y, (q, x) in qs.items():
         nodes += _quantized_matmul(helper.make_node("MatMul", [x, "w"], [y], name=y), f"layers.0.{y}.weight", q,
                                    np.float32, inits)
     g = helper.make_graph(nodes, "m", [helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, "s", k])
-                                       for x, k in (("x", 128), ("x2", 64))],
+                                       for x, k in (("x_in", 128), ("x2", 64))],
                           [helper.make_tensor_value_info(y, TensorProto.FLOAT, [1, "s", q.codes.shape[0]])
                            for y, (q, _) in qs.items()], inits)
     m = as_loaded(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)]))
@@ -194,13 +205,13 @@ def test_matrices_share_their_input_blocksum(tmp_path):
     consts = {t.name: onnx.numpy_helper.to_array(t) for t in m.graph.initializer
               if t.data_location != TensorProto.EXTERNAL}  # the remainders come with the session options
     sums = [n for n in m.graph.node if n.op_type == "MatMul" and n.input[0] in ("x", "x2") and n.input[1] in consts]
-    assert sorted(n.input[0] for n in sums) == ["x", "x2"]
+    assert sorted(n.input[0] for n in sums) == ["x", "x2"] and sorted_topologically(m.graph)
     for n in sums:
         np.testing.assert_array_equal(consts[n.input[1]], indicator(128 if n.input[0] == "x" else 64))
     s, _ = session(m, 0, report)
-    feeds = {"x": activations(rng, 128), "x2": activations(rng, 64)}
+    feeds = {"x_in": activations(rng, 128), "x2": activations(rng, 64)}
     for (y, (q, x)), got in zip(qs.items(), s.run(list(qs), feeds)):
-        ref = feeds[x].astype(np.float64) @ exact_w(q).T
+        ref = feeds["x_in" if x == "x" else x].astype(np.float64) @ exact_w(q).T
         np.testing.assert_allclose(got, ref, rtol=0, atol=2e-5 * np.abs(ref).max())
 
 

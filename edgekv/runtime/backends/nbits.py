@@ -154,12 +154,14 @@ def blocksum_matrix(k: int, block: int) -> np.ndarray:
 
 class _Blocksums:
     """blocksum(x) as one MatMul(x, E) per input x, E one initializer per (K, B): matrices reading
-    the same x share its MatMul, matrices of the same K its constant."""
+    the same x share its MatMul, matrices of the same K its constant. The MatMuls go into the
+    graph at once (place), each right after x's producer: one pass over the nodes, not one a MatMul."""
 
     def __init__(self, model, helper, numpy_helper):
         self.model, self.helper, self.nh = model, helper, numpy_helper
         self.outputs: dict[str, str] = {}  # x -> its blocksum
         self.constants: set[str] = set()
+        self.pending: dict = {}  # x -> its MatMul (in the order made), until place()
 
     def of(self, x: str, k: int, block: int) -> str:
         if x in self.outputs:
@@ -169,11 +171,20 @@ class _Blocksums:
             self.model.graph.initializer.append(self.nh.from_array(blocksum_matrix(k, block), e))
             self.constants.add(e)
         out = f"{x}/blocksum{block}"
-        nodes = self.model.graph.node
-        at = next((i + 1 for i, n in enumerate(nodes) if x in n.output), 0)  # right after x's producer: still sorted
-        nodes.insert(at, self.helper.make_node("MatMul", [x, e], [out], name=out))
+        self.pending[x] = self.helper.make_node("MatMul", [x, e], [out], name=out)
         self.outputs[x] = out
         return out
+
+    def place(self) -> None:
+        """Every pending MatMul right after x's producer (a graph input's: first), the newest
+        first where several follow one node, as inserting each on its own would: still sorted."""
+        nodes = self.model.graph.node
+        after = {o: i + 1 for i, n in enumerate(nodes) for o in n.output if o in self.pending}
+        # the highest positions first (no insert shifts one still to come); at one position the
+        # oldest first, so that each newer one lands before it
+        for _, _, x in sorted(((after.get(x, 0), k, x) for k, x in enumerate(self.pending)), key=lambda t: (-t[0], t[1])):
+            nodes.insert(after.get(x, 0), self.pending[x])
+        self.pending.clear()
 
 
 def _int_initializer(helper, TP, name: str, values: np.ndarray, bits: int):
@@ -221,6 +232,7 @@ def fold_minimums(model, base_dir: str) -> FoldReport:
             model.graph.node.remove(t.term)
             report.exact_zero += 1
         report.folded += 1
+    sums.place()
     if report.folded:
         prune_unneeded(model.graph)  # the bundle's Reshape + ReduceSum blocksums, unread initializers
     return report
