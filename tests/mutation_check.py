@@ -707,6 +707,7 @@ MUTATIONS = [
     M("eval: another file of one model refused", "eval", "edgekv/tools/evaluate.py", "    if len({(json.dumps(b.model", "    if len({(b.manifest.get('source', {}).get('sha256'), json.dumps(b.model", ("tests/test_eval_sources.py",)),
     # the remainder's blocksum as one shared MatMul
     M("nbits: blocksum indicator in the wrong column", "weights", "edgekv/runtime/backends/nbits.py", "e[np.arange(k), np.arange(k) // block] = 1.0", "e[np.arange(k), np.arange(k) % (k // block)] = 1.0", NBITS),
+    M("nbits: the fold skipped as if no graph had block-wise weights", "weights", "edgekv/runtime/backends/nbits.py", '    if b"block_size" not in graph:', "    if True:", ("tests/test_weights.py", "tests/test_gguf_kquants.py", "-k", "fold or minimum")),
     M("nbits: blocksum MatMuls placed before the graph's first node", "weights", "edgekv/runtime/backends/nbits.py", "            nodes.insert(after.get(x, 0), self.pending[x])", "            nodes.insert(0, self.pending[x])", NBITS),
     # export speed: sympy's cache, the QDQ pass's shape inference without the weights' bytes
     M("weights' bytes given to shape inference", "export", "export/onnx_export.py", "init.ByteSize() > WEIGHT_BYTES:", "init.ByteSize() > 1 << 40:", ("tests/test_qdq_inference.py",)),

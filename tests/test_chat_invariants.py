@@ -11,6 +11,7 @@ reset, save/load, ring wrap, drop-turns):
     (while the cache has not wrapped: after a wrap the ring has forgotten tokens by design).
 Ctrl-C is simulated by a backend wrapper that raises KeyboardInterrupt before or after a chosen
 graph call (after: the cells are written but the engine's bookkeeping never ran)."""
+import functools
 import json
 import shutil
 
@@ -135,9 +136,17 @@ def pool_holds_exactly_the_conversation(s: ChatSession):
         (s.seq.cells, np.flatnonzero(refs).tolist())
 
 
-def fresh_greedy(path, prompt_ids, n, ctx):
+@functools.lru_cache(maxsize=4)
+def oracle_backend(path):
+    """One backend per bundle for the oracle's decodes (a backend keeps no sequence state: each
+    decode gets a cache of its own); never the one under test."""
     b = load_bundle(path)
-    g = Generator(OrtBackend(b, threads=1), KVCache(b, ctx))
+    return b, OrtBackend(b, threads=1)
+
+
+def fresh_greedy(path, prompt_ids, n, ctx):
+    b, backend = oracle_backend(path)
+    g = Generator(backend, KVCache(b, ctx))
     logits, out = g.prefill(prompt_ids), []
     for _ in range(n):
         out.append(int(np.argmax(logits)))

@@ -242,6 +242,8 @@ def fold_graph(graph: bytes, base_dir: str) -> tuple[bytes, FoldReport]:
     """The serialized graph with its minimums folded (as given when there is none)."""
     import onnx
 
+    if b"block_size" not in graph:  # no block-wise DequantizeLinear, nothing to fold: not parsed
+        return graph, FoldReport()
     model = onnx.load_from_string(graph)
     report = fold_minimums(model, base_dir)
     return (model.SerializeToString() if report.folded else graph), report
