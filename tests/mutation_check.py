@@ -708,7 +708,7 @@ MUTATIONS = [
     # the remainder's blocksum as one shared MatMul
     M("nbits: blocksum indicator in the wrong column", "weights", "edgekv/runtime/backends/nbits.py", "e[np.arange(k), np.arange(k) // block] = 1.0", "e[np.arange(k), np.arange(k) % (k // block)] = 1.0", NBITS),
     M("nbits: the fold skipped as if no graph had block-wise weights", "weights", "edgekv/runtime/backends/nbits.py", '    if b"block_size" not in graph:', "    if True:", ("tests/test_weights.py", "tests/test_gguf_kquants.py", "-k", "fold or minimum")),
-    M("nbits: blocksum MatMuls placed before the graph's first node", "weights", "edgekv/runtime/backends/nbits.py", "            nodes.insert(after.get(x, 0), self.pending[x])", "            nodes.insert(0, self.pending[x])", NBITS),
+    M("nbits: blocksum MatMuls placed before the graph's first node", "weights", "edgekv/runtime/backends/nbits.py", "            nodes.insert(at, self.pending[x])", "            nodes.insert(0, self.pending[x])", NBITS),
     # export speed: sympy's cache, the QDQ pass's shape inference without the weights' bytes
     M("weights' bytes given to shape inference", "export", "export/onnx_export.py", "init.ByteSize() > WEIGHT_BYTES:", "init.ByteSize() > 1 << 40:", ("tests/test_qdq_inference.py",)),
     M("sympy cache left at its default", "export", "export/__init__.py", 'os.environ["SYMPY_CACHE_SIZE"] = "None"', 'os.environ["SYMPY_CACHE_SIZE"] = "1000"', ("tests/test_sympy_cache.py",)),
@@ -738,6 +738,7 @@ MUTATIONS = [
     M("memory: head-major ring writes along the wrong axis", "engine", "edgekv/runtime/memory.py", "buf[0, :, slots] = arr[:, 0]  #", "buf[0, :, slots] = arr[:, 0].transpose(1, 0, 2)  #", ("tests/test_backends.py", "-k", "scatter")),
     M("fused: the forms' value_info dropped", "weights", "edgekv/runtime/backends/fused.py", "forms = [v for v in g.g.value_info if v.name in need and g.is_const(v.name)]", "forms = []", FP16 + ("-k", "tokens_unchanged")),
     M("engine build: fp16 scales not widened", "trt", "jetson/build_engine.py", "    staged = stage_weights(model, path.parent)", "    staged = []", ("tests/test_weights.py", "-k", "engine_build")),
+    M("write_cells: the snapshot's rows in reverse order", "runtime", "edgekv/runtime/cache.py", "            self.memory.write_slots(self.buffers[name], cells, snap[name])", "            self.memory.write_slots(self.buffers[name], cells, snap[name][::-1])", ("tests/test_backends.py", "-k", "write_cells")),
     M("device memories' write_slots: each run's rows reversed", "runtime", "edgekv/runtime/memory.py", "        memory.write_rows(buf, a, arr[i: i + b - a])", "        memory.write_rows(buf, a, arr[i: i + b - a][::-1])", ("tests/test_backends.py", "-k", "scatter")),
     M("tensorrt_graph: not staged", "trt", "edgekv/runtime/backends/engines.py", "    stage_weights(model, folder)\n    return per_channel", "    return per_channel", W_TRT),
     M("nbits: every remainder dropped (the term's speed for +20 % PPL)", "weights", "edgekv/runtime/backends/nbits.py", "        if r.any():", "        if False:", NBITS),

@@ -398,6 +398,26 @@ def test_memories_scatter_rows_as_their_row_copies_do():
         assert np.abs(memory.read(buf, 8)).sum() > 0
 
 
+def test_write_cells_puts_each_snapshot_row_at_its_cell(tiny_bundle_float):
+    """KVCache.write_cells (a restored snapshot: /load, the prompt cache, serve's prefixes): row i
+    of the snapshot lands in cell cells[i] and nothing else changes, in every memory: the host
+    layouts' write_slots and a memory that only reads and writes whole buffers."""
+    from edgekv.runtime.memory import HeadMajorMemory, HostMemory
+
+    b = load_bundle(tiny_bundle_float)  # (a head-major cache holds K and V only: no scale tensors)
+    rng = np.random.default_rng(3)
+    cells = [20, 3, 4, 11]  # out of order, a run of two
+    for memory in (HostMemory(), HeadMajorMemory(spare=2), OpaqueMemory()):
+        cache = KVCache(b, 24, memory=memory)
+        snap = {n: rng.integers(1, 100, cache.slots_shape(n, len(cells))).astype(cache.dtypes[n]) for n in cache.cell_names}
+        cache.write_cells(cells, snap)
+        got = cache.read(24)
+        for n in cache.cell_names:
+            want = np.zeros_like(got[n])
+            want[cells] = snap[n]
+            np.testing.assert_array_equal(got[n], want, err_msg=f"{type(memory).__name__} {n}")
+
+
 @pytest.mark.parametrize("env, want", [("3", 3), ("1", 1), ("0", None), ("two", None), ("", None)])
 def test_default_threads_follow_omp_num_threads(env, want, monkeypatch):
     """Where --threads is not given: OMP_NUM_THREADS when it is a positive number, else every CPU

@@ -182,8 +182,8 @@ class _Blocksums:
         after = {o: i + 1 for i, n in enumerate(nodes) for o in n.output if o in self.pending}
         # the highest positions first (no insert shifts one still to come); at one position the
         # oldest first, so that each newer one lands before it
-        for _, _, x in sorted(((after.get(x, 0), k, x) for k, x in enumerate(self.pending)), key=lambda t: (-t[0], t[1])):
-            nodes.insert(after.get(x, 0), self.pending[x])
+        for at, _, x in sorted(((after.get(x, 0), k, x) for k, x in enumerate(self.pending)), key=lambda t: (-t[0], t[1])):
+            nodes.insert(at, self.pending[x])
         self.pending.clear()
 
 
