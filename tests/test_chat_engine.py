@@ -282,15 +282,19 @@ def test_restore_interrupted_half_way_keeps_pool_consistent(tiny_bundle_int8, tm
     s.reply("What is the capital of France?")
     s.save(tmp_path / "c.npz")
     t = make(tiny_bundle_int8, 128, "drop-turns")  # holds only the system prompt
-    cache = t.batcher.cache
-    real = cache.write_rows
+    memory = t.batcher.cache.memory
+    real, written = memory.write_slots, []
 
-    def write_rows(start, rows):  # Ctrl-C while the snapshot is copied in
-        raise KeyboardInterrupt
-    cache.write_rows = write_rows
+    def write_slots(buf, slots, rows):  # Ctrl-C while the snapshot is copied in: after its first buffer
+        if written:
+            raise KeyboardInterrupt
+        written.append(len(slots))
+        real(buf, slots, rows)
+    memory.write_slots = write_slots
     with pytest.raises(KeyboardInterrupt):
         t.load(tmp_path / "c.npz")
-    cache.write_rows = real
+    memory.write_slots = real
+    assert written  # the interrupt came half-way, not before the copy
     refs_ok(t)  # the pool must own exactly the held cells
 
 

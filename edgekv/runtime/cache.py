@@ -167,10 +167,8 @@ class KVCache:
                 whole[name][cells] = snap[name]
             self.write(whole)
             return
-        i = 0
-        for a, b in runs(cells):
-            self.write_rows(int(a), {name: snap[name][i: i + b - a] for name in self.cell_names})
-            i += b - a
+        for name in self.cell_names:
+            self.memory.write_slots(self.buffers[name], cells, snap[name])
 
     def move_cells(self, src, dst) -> None:
         """Copy slot src[i] to slot dst[i] in every buffer, every source read before any is
