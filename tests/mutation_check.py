@@ -749,6 +749,7 @@ MUTATIONS = [
     M("stamp: the head reads the last traced layer, not the last copy", "export", "export/stamp.py", "    latest[x_out[len(reps) - 1]] = x\n", "", STAMP),
     # serve's windowed pool (tests/test_serve_windowed.py)
     M("serve windowed: a cached prefix reused without its window", "engine", "edgekv/runtime/batching/kv.py", "            self._put_ring(seq, *self.windows.before(key, k))", "            pass", SERVE_WINDOWED),
+    M("serve windowed: an evicted entry's window copy kept", "engine", "edgekv/runtime/batching/kv.py", "        if dropped and self.windows:\n", "        if False:\n", SERVE_WINDOWED),
     M("serve windowed: any match reused, its window covered or not", "engine", "edgekv/runtime/batching/windows.py", "        return w is not None and w.holds(max(0, k - self.cache.window + 1), k)", "        return w is not None", SERVE_WINDOWED),
     M("serve windowed: the copy's positions after the match kept", "engine", "edgekv/runtime/batching/windows.py", "        keep = w.positions < k\n", "        keep = w.positions >= 0\n", SERVE_WINDOWED),
     M("serve windowed: more sequences than rings admitted", "engine", "edgekv/runtime/batching/kv.py", "            self.max_sequences = cache.rings\n", "", SERVE_WINDOWED),

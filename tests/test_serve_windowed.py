@@ -221,6 +221,26 @@ def test_a_cached_prefix_is_reused_with_its_window_and_equals_no_cache(bundles):
     assert cached.stats()["kv_prefix_window_bytes"] == len(cached.pool.prefixes) * RING * ring_row > 0
 
 
+def test_an_entry_evicted_for_admission_takes_its_window_copy_with_it(bundles):
+    """Two finished requests cached (their cells and copies); a long prompt's admission evicts
+    them to make room: their copies go at once, not at the next entry kept (the bytes /health
+    reports and the host memory they hold)."""
+    b = load_bundle(bundles("float"))
+    e = windowed_pool(b, rings=2)
+    for i in range(2):
+        r = Request(ids(20, 60 + i), 14)
+        e.submit(r)
+        run_until_done(e, [r])
+    assert len(e.pool.prefixes) == 2 and len(e.kv.windows.saved) == 2
+    long = Request(ids(100, 62), 8)
+    e.submit(long)
+    e.step()  # admitted (the cached entries evicted for its cells), its prompt not yet all in
+    assert long.seq is not None and long.reused == 0 and len(e.pool.prefixes) < 2
+    assert set(e.kv.windows.saved) <= set(e.pool.prefixes)
+    assert e.stats()["kv_prefix_window_bytes"] == sum(w.nbytes for w in e.kv.windows.saved.values())
+    run_until_done(e, [long])
+    assert_alone(b, long, exact_logits=False)
+
 def test_a_match_the_window_copy_does_not_cover_is_prefilled(bundles):
     """A shared first part (a system prompt) before a different question: the entry's copy holds
     the window before the entry's end, not before the match, so nothing is reused, and the reply

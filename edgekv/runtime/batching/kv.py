@@ -95,6 +95,20 @@ class KVManager:
         if seq not in self.kept:
             self._forget(seq)
 
+    def evict_one(self) -> bool:
+        """Drop the least recently used cached prefix, and its window copy; False when there is none."""
+        return self._evicted(self.pool.evict_one())
+
+    def evict_freeing(self) -> bool:
+        """Drop the least recently used cached prefix whose eviction frees a cell (CellPool.evict_freeing),
+        and its window copy; False when there is none."""
+        return self._evicted(self.pool.evict_freeing())
+
+    def _evicted(self, dropped: bool) -> bool:
+        if dropped and self.windows:
+            self.windows.follow(self.pool.prefixes)
+        return dropped
+
     def unhold(self, seq: PoolSequence) -> None:
         self.reset(seq)
         self.kept.remove(seq)
@@ -321,7 +335,7 @@ class KVManager:
         try:
             self.cache.move_cells(moved, perm[moved])
         except BaseException:  # rows half moved: no cached prefix can be trusted (the step fails its requests)
-            while self.pool.evict_one():
+            while self.evict_one():
                 pass
             raise
         self.pool.relabel(perm)

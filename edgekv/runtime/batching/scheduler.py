@@ -130,7 +130,7 @@ class Scheduler:
         first), then the youngest running request is preempted — `req` itself when it is the
         youngest (then False)."""
         while self._spare() < 1:
-            if self.kv.pool.evict_freeing():
+            if self.kv.evict_freeing():
                 continue
             victim = max((r for r in self.running if not r.kept), key=lambda r: r.order)
             self._preempt(victim)
@@ -178,7 +178,7 @@ class Scheduler:
         seq = self.kv.new()
         k = self.kv.attach_prefix(seq, req.feed[:-1], req.ask.tenant)  # the last token is always fed: its logits
         need = self._admission_need(req, k)
-        while self._spare() < need and self.kv.pool.evict_freeing():
+        while self._spare() < need and self.kv.evict_freeing():
             pass
         if self._spare() < need:
             self.kv.release(seq)
@@ -195,7 +195,7 @@ class Scheduler:
         # every prompt token is fed; of the sampled ones all but the last (feed_last: all)
         need = min(len(req.ask.prompt) + max(0, req.max_new - (0 if req.ask.feed_last else 1)), seq.room())
         free = self._spare()
-        while free < need and self.kv.pool.evict_one():
+        while free < need and self.kv.evict_one():
             free = self._spare()
         if seq.ring:
             need = max(0, min(need, free))

@@ -203,6 +203,11 @@ class SlotKV:
         seq._set(list(range(base, base + k)), ids[:k])
         return k
 
+    def evict_one(self) -> bool:
+        return self.pool.evict_one()
+
+    evict_freeing = evict_one  # (SlotPool's: a free slot's prefix is only the cache's)
+
     def remember_prompt(self, seq: PoolSequence, feed: list[int], tenant: str) -> None:
         """A prompt wholly in its slot: matchable by later requests (copied from here while it runs)."""
         self.pool.remember(self.pool.slot_of(seq), Prefix(feed, tenant))
