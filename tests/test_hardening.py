@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from edgekv.chat.session import ChatSession
-from edgekv.errors import ContextOverflow, EdgeKVError
+from edgekv.errors import ContextOverflow, EdgeKVError, NonFinite
 from edgekv.format import files
 from edgekv.format.bundle import load_bundle
 from edgekv.runtime.backends import OrtBackend
@@ -361,6 +361,9 @@ def test_non_finite_logits_stop_with_one_line(bundle_copy):
     data = bundle_copy / "model.onnx.data"
     data.write_bytes(np.full(data.stat().st_size // 4, np.nan, np.float32).tobytes())
     assert_clean_error(cli("generate", bundle_copy, "hi", "--max-new-tokens", "4"), "non-finite logits")
+    b = load_bundle(bundle_copy)
+    with pytest.raises(NonFinite):  # its own type, as the engine's: a caller can tell it from other errors
+        Generator(OrtBackend(b, threads=1), KVCache(b, 32)).prefill([5, 6, 7])
 
 
 def test_chat_template_rendering_is_bounded(bundle_copy, monkeypatch):

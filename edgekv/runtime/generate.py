@@ -102,7 +102,7 @@ class Generator:
         self.seq.check_write(ids.shape[1])
         logits = self.backend.run(self.cache, self.seq, ids, logits_index)
         if not np.isfinite(logits).all():  # damaged weights or an overflow: never sample from it
-            raise EdgeKVError(NonFinite.MESSAGE)
+            raise NonFinite()
         self.seq.advance(ids[0])
         return logits
 
