@@ -241,7 +241,7 @@ MUTATIONS = [
     M("chat: one stale slot kept after /undo", "chat", "edgekv/chat/session.py",
       "        self._keep_common_prefix(self.conv.render(self.conv.msgs(), self.seq.ids))\n        return True",
       "        held = self.seq.ids\n"
-      "        self.engine.truncate(self.seq, min(len(held), common_prefix(held, self.conv.render(self.conv.msgs(), held)) + 1))\n"
+      "        self.batcher.truncate(self.seq, min(len(held), common_prefix(held, self.conv.render(self.conv.msgs(), held)) + 1))\n"
       "        return True", CHAT),
     M('held: truncate keeps one stale id', 'chat', 'edgekv/runtime/batching/kv.py',
       'seq._set(cells[:n], seq.ids[:n])', 'seq._set(cells[:n], seq.ids[:n + 1])', ('tests/test_chat_invariants.py', 'tests/test_chat.py', '-m', 'not slow')),

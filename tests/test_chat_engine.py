@@ -313,6 +313,25 @@ def test_truncate_while_a_request_runs_is_refused(tiny_bundle_int8):
         e.truncate(h, 5)  # the running request still lists the cells this drops
 
 
+def test_unhold_gives_a_held_sequence_back_whole(tiny_bundle_int8):
+    """hold .. unhold: the cells go back to the pool and the sequence is no longer the pool's
+    (compaction would rename its cells; a windowed pool would keep its ring)."""
+    b = load_bundle(tiny_bundle_int8)
+    e = chat_engine(OrtBackend(b, threads=1), b, 64, 4)
+    h, other = e.hold(), e.hold()
+    e.run(Request(list(range(10, 30)), 3, seq=h))
+    e.run(Request(list(range(40, 45)), 2, seq=other))
+    assert h.n >= 20 and e.pool.free() == e.pool.capacity - h.n - other.n
+    waiting = Request([7, 8], 2, seq=h)
+    e.submit(waiting)
+    with pytest.raises(EdgeKVError):  # not while a request of it waits
+        e.unhold(h)
+    while waiting.finish_reason is None:
+        e.step()
+    e.unhold(h)
+    assert h not in e.kv.sequences and h not in e.kv.kept and other in e.kv.kept
+    assert e.pool.free() == e.pool.capacity - other.n and h.n == 0
+
 def test_prefill_only_request_reserves_its_whole_prompt(tiny_bundle_int8):
     """A held request with max_tokens=0 (ChatSession.prefill) feeds every prompt token: its
     admission must reserve them all, or a pool shared with another held sequence runs dry."""

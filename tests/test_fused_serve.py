@@ -17,7 +17,7 @@ from edgekv.runtime.assemble import open_runtime  # noqa: E402
 from edgekv.runtime.backends.ort import QUERY_LENGTHS, QUERY_LENGTHS_ORT, ort_at_least  # noqa: E402
 from edgekv.runtime.batching import Batcher, Request  # noqa: E402
 from edgekv.runtime.cache import KVCache  # noqa: E402
-from edgekv.serve.server import engine, open_serve_runtime, serve_layout  # noqa: E402
+from edgekv.serve.server import make_batcher, open_serve_runtime, serve_layout  # noqa: E402
 from tests.serving import run_until_done, staggered  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not ort_at_least(ort.__version__, QUERY_LENGTHS_ORT),
@@ -151,7 +151,7 @@ def test_serve_runs_group_query_attention_on_slots(tiny_bundle_int8_static, tmp_
     with open_serve_runtime(tiny_bundle_int8_static, CTX, "ort-cpu", 1, "auto") as rt:
         layout = serve_layout(rt, "auto", 4, CTX)
         assert layout.slots == 4 and layout.capacity == CTX and "fused slots of 30 cells" in layout.why
-        eng = engine(rt, layout)
+        eng = make_batcher(rt, layout)
         assert eng.cache.layout == "sequence-slots" and eng.parallel == 4
         be = rt.backend
         assert be.fused is not None and QUERY_LENGTHS in {i.name for i in be.session.get_inputs()}
@@ -172,7 +172,7 @@ def test_serve_chooses_the_cell_pool_where_slots_cannot_run(tiny_bundle_int8, ti
     with open_serve_runtime(tiny_bundle_int8, CTX, "ort-cpu", 1, "auto") as rt:
         layout = serve_layout(rt, "auto", 4, CTX)
         assert layout.slots == 0 and "cell pool" in layout.why and "int8" in layout.why
-        assert engine(rt, layout).cache.layout == "slots"
+        assert make_batcher(rt, layout).cache.layout == "slots"
     with pytest.raises(EdgeKVError, match="^--slots 2: fused attention: .*--slots 0 serves the shared cell pool"):
         open_serve_runtime(tiny_bundle_int8, CTX, "ort-cpu", 1, 2)
     with open_serve_runtime(tiny_bundle_int8_static, CTX, "ort-cpu", 1, 0) as rt:

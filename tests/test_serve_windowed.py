@@ -21,7 +21,7 @@ from edgekv.runtime.backends import OrtBackend
 from edgekv.runtime.batching import Batcher, Request
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.generate import Generator
-from edgekv.serve.server import WINDOW_AUTO, engine, kv_summary, serve_layout
+from edgekv.serve.server import WINDOW_AUTO, kv_summary, make_batcher, serve_layout
 from tests.archs import GEMMA_PARITY_STEPS
 from tests.conftest import cli
 from tests.serving import built, run_until_done, staggered
@@ -70,10 +70,10 @@ def windowed_pool(b, rings, parallel=4, prefixes=None, chunk=8):
 
 
 def serve_engine(b, parallel=2, window=WINDOW_AUTO, chunk=8):
-    """The batcher `edgekv serve` builds for the cell pool (server.engine, not started); `window`:
+    """The batcher `edgekv serve` builds for the cell pool (server.make_batcher, not started); `window`:
     Layout's (None: --full-kv; N: --prefix-windows N)."""
     rt = open_runtime(b.path, CONTEXT, "ort-cpu", threads=1)
-    return engine(rt, serve_layout(rt, 0, parallel, CONTEXT, window), parallel, prefill_chunk=chunk)
+    return make_batcher(rt, serve_layout(rt, 0, parallel, CONTEXT, window), parallel, prefill_chunk=chunk)
 
 
 # -- what serve builds ------------------------------------------------------------------------

@@ -76,11 +76,6 @@ class ChatSession:
         return self.batcher.cache
 
     @property
-    def engine(self) -> Batcher:
-        """The old name of `batcher` (tests/test_bench.py, tests/test_hardening.py read it)."""
-        return self.batcher
-
-    @property
     def dropped_turns(self) -> int:
         return self.conv.dropped_turns
 

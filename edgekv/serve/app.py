@@ -590,7 +590,7 @@ class Reply:
                 else:
                     self.done, self.cached_tokens = event, event.usage.cached_tokens
                     if event.reason == "error":
-                        raise ApiError(500, "the engine failed while generating (see the server log)",
+                        raise ApiError(500, "generation failed (see the server log)",
                                        kind="server_error")
                     yield self.watch.flush(), "length" if event.reason == "length" else "stop"
                     return

@@ -22,7 +22,7 @@ class BatcherCollector:
                            ("reused_tokens", "prompt tokens taken from the prefix cache (not prefilled)"),
                            ("prefilled_tokens", "prompt tokens run through the model"),
                            ("generated_tokens", "tokens generated"),
-                           ("steps", "engine steps (one batched graph call each)"),
+                           ("steps", "batcher steps (a plan of the running requests' pieces: one graph call or more)"),
                            ("moved_cells", "KV cells copied by compaction (sequences' cells kept low, cached ones high)"),
                            ("compaction_seconds", "time spent copying cells for compaction")):
             yield CounterMetricFamily(f"edgekv_{key}", help_, value=st[key])
@@ -52,7 +52,7 @@ class Metrics:
         self.ttft = Histogram("edgekv_ttft_seconds", "request in to first token out", buckets=TTFT_BUCKETS,
                               registry=self.registry)
         self.disconnects = Counter("edgekv_client_disconnects", "requests whose client hung up before the whole "
-                                   "answer (cancelled in the engine)", registry=self.registry)
+                                   "answer (cancelled in the batcher)", registry=self.registry)
         self.registry.register(BatcherCollector(batcher))
 
     def request(self, endpoint: str, status: int) -> None:

@@ -1,4 +1,4 @@
-"""`edgekv serve`: the runtime's Engine behind the OpenAI-compatible app, served by uvicorn.
+"""`edgekv serve`: the runtime's Batcher behind the OpenAI-compatible app, served by uvicorn.
 
 The process, in order (docs/serve.md, "Running as a service"):
 1. the port is bound (a busy port or a bad host is one error line, exit 1) and uvicorn serves it on
@@ -121,7 +121,7 @@ def _slots_unavailable(rt: Runtime) -> str | None:
     return None
 
 
-def engine(rt: Runtime, layout: Layout, parallel: int = 4, max_queue: int = 64,
+def make_batcher(rt: Runtime, layout: Layout, parallel: int = 4, max_queue: int = 64,
            prefill_chunk: int = PREFILL_CHUNK) -> Batcher:
     """The batcher over `layout`'s cache (not started)."""
     if layout.slots:
@@ -168,7 +168,7 @@ def build_server(rt: Runtime, ctx: int | None = None, parallel: int = 4, max_que
     from edgekv.serve.app import Server
 
     layout = slots if isinstance(slots, Layout) else serve_layout(rt, slots, parallel, ctx)
-    batcher = engine(rt, layout, parallel, max_queue, prefill_chunk).start()
+    batcher = make_batcher(rt, layout, parallel, max_queue, prefill_chunk).start()
     return batcher, Server(batcher, rt.codec, rt.bundle.manifest.get("name", rt.bundle.path.name),
                            bundle=rt.bundle, **server)
 

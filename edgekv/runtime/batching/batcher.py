@@ -42,18 +42,18 @@ def fused_slots(backend, cache: KVCache, max_prefixes: int):
 MAX_PREFIXES = 32  # prompts the prefix cache keeps (least recently used dropped first)
 
 # where a sequence's K/V live, by the cache's layout: cells of one shared pool, or a slot of its own
-ENGINES = {SlotMemory.layout: fused_slots}
+KV_LAYOUTS = {SlotMemory.layout: fused_slots}
 
 
 class Batcher:
     def __init__(self, backend, cache: KVCache, parallel: int = 4, max_queue: int = 64,
                  prefill_chunk: int = PREFILL_CHUNK, max_prefixes: int = MAX_PREFIXES):
         if not isinstance(backend, BatchBackend):
-            raise EdgeKVError(f"the engine (serve, chat) needs a backend that runs a pool of cells (run_cells); "
+            raise EdgeKVError(f"the batcher (serve, chat) needs a backend that runs a pool of cells (run_cells); "
                               f"{backend.name} here runs one sequence per call")
         self.backend, self.cache = backend, cache
         per_call = backend.max_tokens_per_call
-        self.kv, self.runner = ENGINES.get(cache.layout, cell_pool)(backend, cache, max_prefixes)
+        self.kv, self.runner = KV_LAYOUTS.get(cache.layout, cell_pool)(backend, cache, max_prefixes)
         # every running sequence's next token goes into one call (and has a place: fused slots hold K)
         self.scheduler = Scheduler(self.kv, min(parallel, per_call, self.kv.max_sequences), max_queue,
                                    min(prefill_chunk, per_call), per_call)
@@ -163,9 +163,9 @@ class Batcher:
             try:
                 self.step()
             except Exception as e:  # one bad step must not kill the server: fail what was running
-                note(f"engine: step failed: {type(e).__name__}: {e}")
+                note(f"batcher: step failed: {type(e).__name__}: {e}")
                 for req in list(self.running):
-                    self.scheduler.finish(req, "error", f"the engine step failed: {type(e).__name__}: {e}")
+                    self.scheduler.finish(req, "error", f"the batcher step failed: {type(e).__name__}: {e}")
 
     # -- the caller's thread (chat)
     def run(self, req: Request) -> Request:
@@ -218,7 +218,7 @@ class Batcher:
         """A new, empty sequence whose cells stay in the pool between its requests."""
         return self.kv.new(kept=True)
 
-    def release(self, seq: PoolSequence) -> None:
+    def unhold(self, seq: PoolSequence) -> None:
         """Give a kept sequence's cells back to the pool; it is no longer the batcher's."""
         self._check_idle(seq)
         self.kv.unhold(seq)

@@ -110,6 +110,7 @@ class KVManager:
         return dropped
 
     def unhold(self, seq: PoolSequence) -> None:
+        """A kept sequence's cells back to the pool; it is no longer the manager's (its ring goes back)."""
         self.reset(seq)
         self.kept.remove(seq)
         self._forget(seq)

@@ -52,7 +52,7 @@ class Health:
 
     def fault(self) -> str | None:
         n = self.failed_steps
-        return f"the last {n} engine steps failed every request in them: {self.reason}" if n >= FAULT_STEPS else None
+        return f"the last {n} batcher steps failed every request in them: {self.reason}" if n >= FAULT_STEPS else None
 
 
 class PostProcess:
@@ -115,13 +115,13 @@ class PostProcess:
     def _fail(self, req: Request, e: Exception) -> None:
         """One request's sampling or stop handling raised: it alone ends, finish reason "error"
         (one that had ended already, its emit raising inside `finish`, keeps its reason)."""
-        note(f"engine: a request failed: {type(e).__name__}: {e}")
+        note(f"batcher: a request failed: {type(e).__name__}: {e}")
         if req not in self.scheduler.running:
             return
         try:
             self.scheduler.finish(req, "error", f"{type(e).__name__}: {e}")
         except Exception as again:  # its emit is broken: it has left all the same
-            note(f"engine: a request's emit failed: {type(again).__name__}: {again}")
+            note(f"batcher: a request's emit failed: {type(again).__name__}: {again}")
 
     def _sample(self, req: Request, row: np.ndarray) -> None:
         if req.cancelled:
@@ -131,7 +131,7 @@ class PostProcess:
         if not finite:  # damaged weights or an overflow: never sample from it
             if req.kept:  # chat: the turn is rolled back
                 raise NonFinite()
-            note(f"engine: {NonFinite.MESSAGE}")
+            note(f"batcher: {NonFinite.MESSAGE}")
             self.scheduler.finish(req, "error", NonFinite.MESSAGE)
             return
         ask = req.ask
