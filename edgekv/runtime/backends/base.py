@@ -61,10 +61,12 @@ class BatchBackend(Backend, Protocol):
 
     def run_cells(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
                   key_mask: np.ndarray, logits_index: np.ndarray,
-                  local_key_mask: np.ndarray | None = None) -> np.ndarray:
+                  local_key_mask: np.ndarray | None = None, ring: tuple | None = None) -> np.ndarray:
         """past = cells [0, past), present written at cells [write, write + S), position_ids [1, S]
         and the per-token mask [1, S, past + S] given whole (local_key_mask, the same shape: the
-        sliding-window layers' mask, for a graph that has them); returns logits like `run`."""
+        sliding-window layers' mask, for a graph that has them); returns logits like `run`. `ring`:
+        a windowed pool's ring reads and writes for the local layers (runtime/batching/runner.py),
+        given only to a backend whose `windows_cache` is true."""
 
 
 def default_threads() -> int:

@@ -105,8 +105,9 @@ class TrtBackend:
 
     def run_cells(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
                   key_mask: np.ndarray, logits_index: np.ndarray,
-                  local_key_mask: np.ndarray | None = None) -> np.ndarray:
-        """past = slots [0, past), present to slots [write, write + S), the masks [1, S, past + S] given."""
+                  local_key_mask: np.ndarray | None = None, ring: tuple | None = None) -> np.ndarray:
+        """past = slots [0, past), present to slots [write, write + S), the masks [1, S, past + S] given
+        (`ring`: never, this backend does not window a cache)."""
         if cache.memory.device != "cuda":
             raise EdgeKVError("trt needs its KV cache in device memory (build it with memory=backend.memory)")
         b, s = input_ids.shape

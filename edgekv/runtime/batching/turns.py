@@ -1,4 +1,4 @@
-"""Turns: what a turn changes can be undone exactly (an interrupted or failed chat turn). `open`
+"""Turns: what a turn changes can be undone exactly (an interrupted or failed chat turn). `begin`
 remembers who holds which cell and what the kept sequences hold; before each call writes cells,
 `protect` copies those in use at the turn's start (once each: where the memory reads row ranges,
 else the whole cache once); `rollback` puts all of it back."""
