@@ -74,7 +74,7 @@ class KVManager:
         if self.cache.local_ring is not None:
             if not self.free_rings:
                 raise EdgeKVError(f"every one of the {self.cache.rings} rings of the local layers' window is in use")
-            seq._ring, seq._ring_pos = self.free_rings.pop(0), np.full(self.cache.local_ring, -1, np.int64)
+            seq._take_ring(self.free_rings.pop(0), self.cache.local_ring)
         self.sequences.append(seq)
         if kept:
             self.kept.append(seq)
@@ -147,7 +147,7 @@ class KVManager:
         self.pool.drop(seq.cell_view())
         seq._set([], [])
         if seq.local_ring is not None:
-            seq._ring_pos[:] = -1
+            seq._forget_ring_from(0)
 
     def can_truncate(self, seq: PoolSequence, n: int) -> bool:
         """`truncate(seq, n)` keeps everything the next token sees: a wrapped ring cannot, and a
@@ -167,7 +167,7 @@ class KVManager:
         self.pool.drop(cells[n:])
         seq._set(cells[:n], seq.ids[:n])
         if seq.local_ring is not None:
-            seq._ring_pos[seq._ring_pos >= n] = -1
+            seq._forget_ring_from(n)
 
     def snapshot(self, seq: PoolSequence) -> dict[str, np.ndarray]:
         snap = self.cache.read_cells(seq.cells)
@@ -228,8 +228,7 @@ class KVManager:
         order = np.argsort(slots)  # write_local copies runs of consecutive slots
         for name in self.cache.local_names:
             self.cache.write_local(name, seq.local_ring * self.cache.local_ring + slots[order], rows[name][order])
-        seq._ring_pos[:] = -1
-        seq._ring_pos[slots] = pos
+        seq._place_ring(pos)
 
     def memory(self) -> dict[str, int]:
         """The KV's bytes (a gauge: /health, /metrics): the pool's buffers (a windowed pool's
@@ -289,7 +288,7 @@ class KVManager:
         for p in call.pieces:
             if p.seq.local_ring is not None:
                 kept = p.seq.pos + np.arange(max(0, len(p.tokens) - self.cache.local_ring), len(p.tokens))
-                p.seq._ring_pos[kept % self.cache.local_ring] = kept
+                p.seq._mark_ring(kept)
             p.seq._extend(range(w, w + len(p.tokens)), p.tokens)
             w += len(p.tokens)
 

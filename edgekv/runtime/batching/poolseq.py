@@ -136,6 +136,23 @@ class PoolSequence:
     def _relabel(self, perm) -> None:
         self._cells = perm[self._cells].tolist() if self._cells else []
 
+    def _take_ring(self, ring: int, length: int) -> None:
+        """Ring `ring` of `length` slots is its own, empty."""
+        self._ring, self._ring_pos = ring, np.full(length, -1, np.int64)
+
+    def _forget_ring_from(self, position: int) -> None:
+        """Its ring's slots holding `position` or later hold nothing (0: the whole ring)."""
+        self._ring_pos[self._ring_pos >= position] = -1
+
+    def _place_ring(self, positions: np.ndarray) -> None:
+        """Its ring holds exactly `positions`, each at its slot (position mod the ring's length)."""
+        self._ring_pos[:] = -1
+        self._mark_ring(positions)
+
+    def _mark_ring(self, positions: np.ndarray) -> None:
+        """A call wrote `positions` into its ring (each at position mod the ring's length)."""
+        self._ring_pos[positions % len(self._ring_pos)] = positions
+
     def _state(self) -> tuple:
         ring = None if self._ring_pos is None else self._ring_pos.copy()
         return list(self._cells), list(self._ids), self._sinks, ring
