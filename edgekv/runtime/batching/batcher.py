@@ -87,7 +87,7 @@ class Batcher:
 
     def cancel(self, req: Request) -> None:
         """Stop a request (a client gone); its cells are freed at the next step."""
-        req.cancelled = True
+        req.cancel()
         with self.cond:
             self.cond.notify()
 
@@ -208,9 +208,7 @@ class Batcher:
         cells' owners, the kept sequences and every overwritten cell as they were."""
         if not self.kv.turns.open:
             return
-        with self.cond:
-            self.waiting.clear()
-        self.running.clear()
+        self.scheduler.drop_all()
         self.kv.turns.rollback()
 
     # -- kept sequences (chat), between their requests

@@ -128,6 +128,10 @@ class Request:
     def arrived(self, order: int) -> None:
         self.order = order
 
+    def cancel(self) -> None:
+        """From any thread (a client gone): the scheduler ends it at its next step."""
+        self.cancelled = True
+
     def admitted(self, seq: "PoolSequence", fed: int, budget: int) -> None:
         self.seq, self.fed, self.budget, self.state = seq, fed, budget, State.PREFILLING
         if not self.preempted:  # cached tokens of its own prompt, not of its first admission's work

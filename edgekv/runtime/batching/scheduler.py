@@ -46,6 +46,13 @@ class Scheduler:
         self._arrivals = 0
 
     # -- from any thread
+    def drop_all(self) -> None:
+        """Forget every waiting and running request (a rolled-back turn: the pool's undo puts the
+        cells back; nothing is emitted)."""
+        with self.cond:
+            self.waiting.clear()
+        self.running.clear()
+
     def submit(self, req: Request) -> Request:
         """Queue a request (it may generate max_tokens capped to the room left after its prompt).
         QueueFull when it could not start at the next step and `max_queue` requests wait already
