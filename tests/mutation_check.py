@@ -633,7 +633,7 @@ MUTATIONS = [
     # issue 26 in serve
     M("serve: the request's constraint dropped", "serve", "edgekv/serve/app.py", "tenant=request.state.tenant, constraint=ask.constraint, logprobs=ask.logprobs)", "tenant=request.state.tenant, constraint=None, logprobs=ask.logprobs)", ("tests/test_serve_structured.py",)),
     M("serve: a streamed call ends with stop", "serve", "edgekv/serve/app.py", 'yield self.chunk(None, "tool_calls" if finish == "stop" and ts.n_calls else finish)', "yield self.chunk(None, finish)", ("tests/test_serve_structured.py",)),
-    M("serve: include_usage lost", "serve", "edgekv/serve/app.py", "            if self.ask.include_usage:", "            if self.ask.include_usage and False:", ("tests/test_serve_structured.py",)),
+    M("serve: include_usage lost", "serve", "edgekv/serve/app.py", "            if self.api.include_usage:", "            if self.api.include_usage and False:", ("tests/test_serve_structured.py",)),
     M("serve: the built server without its bundle", "serve", "edgekv/serve/server.py", "bundle=rt.bundle, **server)", "**server)", ("tests/test_serve_structured.py", "-k", "edgekv_serve_builds")),
     # issue 23: GGUF K-quants kept exactly
     M("Q5_0 codes offset by 15", "weights", "export/gguf_blocks.py", "return q.astype(np.int8) - 16, _f16(raw, 0)[:, None], 32, None", "return q.astype(np.int8) - 15, _f16(raw, 0)[:, None], 32, None", KQ),

@@ -255,7 +255,7 @@ class StopWatch:
 
 
 @dataclass
-class Ask:
+class ApiAsk:
     """A checked request, ready to submit."""
     prompt: list[int]
     max_tokens: int
@@ -473,7 +473,7 @@ class Server:
     async def completions(self, request: HttpRequest) -> Response:
         return await self.serve(request, self.completion_ask)
 
-    def chat_ask(self, raw: bytes) -> Ask:
+    def chat_ask(self, raw: bytes) -> ApiAsk:
         """Parse, check, render and tokenize a chat request (a worker thread)."""
         body = parse_json(raw)
         refuse_unsupported(body, CHAT_UNSUPPORTED)
@@ -495,11 +495,11 @@ class Server:
             raise ApiError(400, str(e), param="messages") from None
         # a reply held to a response_format starts with its JSON, whatever the prompt left open
         shaped = constraint is not None and plan is None
-        return Ask(encode_unlocked(self.codec, text), *opts, chat=True, constraint=constraint, plan=plan,
+        return ApiAsk(encode_unlocked(self.codec, text), *opts, chat=True, constraint=constraint, plan=plan,
                    logprobs=top, include_usage=include_usage_of(body), split_reasoning=self.thinks,
                    in_reasoning=self.thinks and not shaped and opens_reasoning(text))
 
-    def completion_ask(self, raw: bytes) -> Ask:
+    def completion_ask(self, raw: bytes) -> ApiAsk:
         body = parse_json(raw)
         refuse_unsupported(body, COMPLETION_UNSUPPORTED)
         prompt = prompt_of(body)
@@ -511,10 +511,10 @@ class Server:
             self.grammar_tokenizer()  # its bytes of each token
         opts = max_tokens_of(body), sampling_of(body), stops_of(body), _flag(body, "stream")
         self.check_length(len(prompt), "prompt")
-        return Ask(encode_unlocked(self.codec, prompt), *opts, chat=False, logprobs=top,
+        return ApiAsk(encode_unlocked(self.codec, prompt), *opts, chat=False, logprobs=top,
                    include_usage=include_usage_of(body))
 
-    async def serve(self, request: HttpRequest, prepare: Callable[[bytes], Ask]) -> Response:
+    async def serve(self, request: HttpRequest, prepare: Callable[[bytes], ApiAsk]) -> Response:
         if self.state != "ready":
             elsewhere = " (or on another server)" if self.state == "draining" else ""
             raise ApiError(503, f"the server is {self.state}; retry later{elsewhere}", kind="server_error",
@@ -550,9 +550,9 @@ class Reply:
     """One request's answer, whole or as server-sent events; the batcher's request is cancelled
     whenever the answer ends early (a stop sequence, a client gone)."""
 
-    def __init__(self, server: Server, req: Request, queue: asyncio.Queue, watch: StopWatch, ask: Ask, scope: dict):
+    def __init__(self, server: Server, req: Request, queue: asyncio.Queue, watch: StopWatch, ask: ApiAsk, scope: dict):
         self.server, self.req, self.queue, self.watch, self.chat = server, req, queue, watch, ask.chat
-        self.ask = ask
+        self.api = ask  # the checked HTTP ask (self.req.ask: the batcher's)
         self.calls = ask.plan is not None and ask.plan.calls_possible  # the reply may hold tool calls
         # the streamed reply's <think> part told from its answer (None: no thinking template)
         self.split = ReasoningSplitter(ask.in_reasoning) if ask.split_reasoning else None
@@ -624,14 +624,14 @@ class Reply:
         text = "".join(parts)
         if self.chat:
             reasoning = None
-            if self.ask.split_reasoning:
-                part = split_reply(text, self.ask.in_reasoning)
+            if self.api.split_reasoning:
+                part = split_reply(text, self.api.in_reasoning)
                 text, reasoning = part.content, part.reasoning or None
             msg = {"role": "assistant", "content": text}
             if self.calls:
                 msg, _ = tools.parse_reply(text)
                 finish = tools.finish_reason(finish, msg)
-            if self.ask.split_reasoning:
+            if self.api.split_reasoning:
                 msg["reasoning_content"] = reasoning
             choice = {"index": 0, "message": msg, "finish_reason": finish, "logprobs": self.logprobs(self.entries)}
         else:
@@ -641,7 +641,7 @@ class Reply:
 
     def logprobs(self, entries: list) -> dict | None:
         """OpenAI's logprobs of these tokens (None when not asked)."""
-        if self.ask.logprobs is None:
+        if self.api.logprobs is None:
             return None
         if self.chat:
             return structured.chat_logprobs(entries, self.server.token_bytes)
@@ -676,7 +676,7 @@ class Reply:
         try:
             async for chunk in pieces:
                 yield chunk
-            if self.ask.include_usage:
+            if self.api.include_usage:
                 yield self.usage_chunk()
         except ApiError as e:
             yield f"data: {json.dumps({'error': {'message': str(e), 'type': e.kind}})}\n\n"
