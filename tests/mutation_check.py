@@ -667,6 +667,7 @@ MUTATIONS = [
     M("windowed pool: a ring slot one past the window", "engine", "edgekv/runtime/batching/runner.py", "(held >= 0)[None] & (q - held[None] < window)", "(held >= 0)[None] & (q - held[None] <= window)", GEMMA_POOL),
     M("windowed pool: a rolled-back turn leaves the ring", "engine", "edgekv/runtime/batching/turns.py", "            self.cache.write_ring(ring, rows)", "            pass", GEMMA_POOL),
     M("windowed pool: truncation past the ring's window allowed", "engine", "edgekv/runtime/batching/kv.py", "        return ring is None or bool(np.isin(need, ring).all())", "        return True", GEMMA_POOL),
+    M("windowed pool: a piece's ring keeps one token fewer", "engine", "edgekv/runtime/batching/kv.py", "        first = max(0, len(p.tokens) - self.cache.local_ring)\n", "        first = max(0, len(p.tokens) - self.cache.local_ring + 1)\n", GEMMA_POOL),
     M("windowed pool: a ring's positions recorded reversed", "engine", "edgekv/runtime/batching/poolseq.py", "        self._ring_pos[positions % len(self._ring_pos)] = positions", "        self._ring_pos[positions % len(self._ring_pos)] = positions[::-1]", GEMMA_POOL),
     M("windowed: the ring's bytes counted per token", "engine", "edgekv/runtime/cache.py", "        self.bytes_per_token = (need - self.local_bytes) // capacity", "        self.bytes_per_token = need // capacity", GEMMA_WINDOW),
     # issue 23/24: a GGUF minimum folded into MatMulNBits' zero points at load

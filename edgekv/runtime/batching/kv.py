@@ -287,8 +287,7 @@ class KVManager:
         w = call.write
         for p in call.pieces:
             if p.seq.local_ring is not None:
-                kept = p.seq.pos + np.arange(max(0, len(p.tokens) - self.cache.local_ring), len(p.tokens))
-                p.seq._mark_ring(kept)
+                p.seq._mark_ring(self._ring_kept(p)[1])
             p.seq._extend(range(w, w + len(p.tokens)), p.tokens)
             w += len(p.tokens)
 
@@ -298,12 +297,17 @@ class KVManager:
         ring = self.cache.local_ring
         rows, slots, r = [], [], 0
         for p in call.pieces:
-            n = len(p.tokens)
-            first = max(0, n - ring)
-            rows.append(r + np.arange(first, n))
-            slots.append(p.seq.local_ring * ring + (p.seq.pos + np.arange(first, n)) % ring)
-            r += n
+            first, kept = self._ring_kept(p)
+            rows.append(r + np.arange(first, len(p.tokens)))
+            slots.append(p.seq.local_ring * ring + kept % ring)
+            r += len(p.tokens)
         return np.concatenate(rows), np.concatenate(slots)
+
+    def _ring_kept(self, p: Piece) -> tuple[int, np.ndarray]:
+        """Of a piece's tokens, the first whose local K/V its ring keeps, and the positions kept:
+        its last local_ring tokens'."""
+        first = max(0, len(p.tokens) - self.cache.local_ring)
+        return first, p.seq.pos + np.arange(first, len(p.tokens))
 
     def protect(self, call: Call) -> None:
         """Before a call writes its cells: an open turn copies those it may have to restore."""
