@@ -1,7 +1,9 @@
 """A request: the immutable ask (what the caller wants) and its state while it runs, as llama-server
 splits its task from its slot. The scheduler and the post-processing change the state through the
-methods below, on the stepping thread; callers get typed events (`Token`, `Done`) through the
-ask's `emit` and never read fields that thread is writing."""
+methods below, on the stepping thread; a caller on another thread (serve's HTTP side) gets typed
+events (`Token`, `Done`) through the ask's `emit` and never reads fields that thread is writing;
+a caller that steps on its own thread (`Batcher.run`: chat, eval-context) reads the request once
+it has ended."""
 from __future__ import annotations
 
 import time
