@@ -332,6 +332,7 @@ def test_unhold_gives_a_held_sequence_back_whole(tiny_bundle_int8):
     assert h not in e.kv.sequences and h not in e.kv.kept and other in e.kv.kept
     assert e.pool.free() == e.pool.capacity - other.n and h.n == 0
 
+
 def test_prefill_only_request_reserves_its_whole_prompt(tiny_bundle_int8):
     """A held request with max_tokens=0 (ChatSession.prefill) feeds every prompt token: its
     admission must reserve them all, or a pool shared with another held sequence runs dry."""

@@ -362,7 +362,7 @@ def test_non_finite_logits_stop_with_one_line(bundle_copy):
     data.write_bytes(np.full(data.stat().st_size // 4, np.nan, np.float32).tobytes())
     assert_clean_error(cli("generate", bundle_copy, "hi", "--max-new-tokens", "4"), "non-finite logits")
     b = load_bundle(bundle_copy)
-    with pytest.raises(NonFinite):  # its own type, as the engine's: a caller can tell it from other errors
+    with pytest.raises(NonFinite):  # its own type, as the batcher's: a caller can tell it from other errors
         Generator(OrtBackend(b, threads=1), KVCache(b, 32)).prefill([5, 6, 7])
 
 

@@ -241,6 +241,7 @@ def test_an_entry_evicted_for_admission_takes_its_window_copy_with_it(bundles):
     run_until_done(e, [long])
     assert_alone(b, long, exact_logits=False)
 
+
 def test_a_match_the_window_copy_does_not_cover_is_prefilled(bundles):
     """A shared first part (a system prompt) before a different question: the entry's copy holds
     the window before the entry's end, not before the match, so nothing is reused, and the reply

@@ -496,8 +496,8 @@ class Server:
         # a reply held to a response_format starts with its JSON, whatever the prompt left open
         shaped = constraint is not None and plan is None
         return ApiAsk(encode_unlocked(self.codec, text), *opts, chat=True, constraint=constraint, plan=plan,
-                   logprobs=top, include_usage=include_usage_of(body), split_reasoning=self.thinks,
-                   in_reasoning=self.thinks and not shaped and opens_reasoning(text))
+                      logprobs=top, include_usage=include_usage_of(body), split_reasoning=self.thinks,
+                      in_reasoning=self.thinks and not shaped and opens_reasoning(text))
 
     def completion_ask(self, raw: bytes) -> ApiAsk:
         body = parse_json(raw)
@@ -512,7 +512,7 @@ class Server:
         opts = max_tokens_of(body), sampling_of(body), stops_of(body), _flag(body, "stream")
         self.check_length(len(prompt), "prompt")
         return ApiAsk(encode_unlocked(self.codec, prompt), *opts, chat=False, logprobs=top,
-                   include_usage=include_usage_of(body))
+                      include_usage=include_usage_of(body))
 
     async def serve(self, request: HttpRequest, prepare: Callable[[bytes], ApiAsk]) -> Response:
         if self.state != "ready":

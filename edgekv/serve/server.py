@@ -122,7 +122,7 @@ def _slots_unavailable(rt: Runtime) -> str | None:
 
 
 def make_batcher(rt: Runtime, layout: Layout, parallel: int = 4, max_queue: int = 64,
-           prefill_chunk: int = PREFILL_CHUNK) -> Batcher:
+                 prefill_chunk: int = PREFILL_CHUNK) -> Batcher:
     """The batcher over `layout`'s cache (not started)."""
     if layout.slots:
         cache = KVCache(rt.bundle, layout.capacity, memory=rt.backend.slot_memory(layout.slots))

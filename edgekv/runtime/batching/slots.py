@@ -206,7 +206,8 @@ class SlotKV:
     def evict_one(self) -> bool:
         return self.pool.evict_one()
 
-    evict_freeing = evict_one  # (SlotPool's: a free slot's prefix is only the cache's)
+    def evict_freeing(self) -> bool:
+        return self.pool.evict_freeing()
 
     def remember_prompt(self, seq: PoolSequence, feed: list[int], tenant: str) -> None:
         """A prompt wholly in its slot: matchable by later requests (copied from here while it runs)."""
