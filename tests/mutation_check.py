@@ -562,7 +562,7 @@ MUTATIONS = [
     M("fused: a call written inside the past not moved", "fused", "edgekv/runtime/backends/ort.py", "        if at != write:", "        if False:", FUSED + ("-k", "run_cells")),
     M("fused: a first prompt's positions assumed to run on", "fused", "edgekv/runtime/backends/ort.py", "direct = write == past and (past > 0 or runs_on)", "direct = write == past", FUSED + ("-k", "run_cells")),
     M("fused: the key mask ignored on append", "fused", "edgekv/runtime/backends/ort.py", "    if key_mask is None and at == past:", "    if at == past:", FUSED + ("-k", "run_cells")),
-    M("fused: a wrapped ring's overwritten slots seen", "fused", "edgekv/runtime/backends/ort.py", "mask = seq.key_mask(s, seq.n) if seq.w != seq.n else None", "mask = None", FUSED + ("-k", "ring")),
+    M("fused: a wrapped ring's overwritten slots seen", "fused", "edgekv/runtime/backends/ort.py", "BIAS: attention_bias(key_mask, past, at, s)}", "BIAS: attention_bias(None, past, at, s)}", FUSED + ("-k", "ring")),
     # issue 24 item 4: the fused graph on ort-cuda (its code on the CPU provider, host OrtValues)
     M("ort-cuda fused: the cache in host memory (copied to the GPU and back every call)", "fused",
       "edgekv/runtime/backends/ort_cuda.py",
@@ -666,8 +666,8 @@ MUTATIONS = [
     M("windowed: every decode step written to ring slot 0", "engine", "edgekv/runtime/backends/ort.py", "local_slot = int(ring[1][0]) if ring else write", "local_slot = write % ring[1].size if ring else write", GEMMA_WINDOW),
     M("windowed pool: a ring slot one past the window", "engine", "edgekv/runtime/batching/runner.py", "(held >= 0)[None] & (q - held[None] < window)", "(held >= 0)[None] & (q - held[None] <= window)", GEMMA_POOL),
     M("windowed pool: a rolled-back turn leaves the ring", "engine", "edgekv/runtime/batching/turns.py", "            self.cache.write_ring(ring, rows)", "            pass", GEMMA_POOL),
-    M("windowed pool: truncation past the ring's window allowed", "engine", "edgekv/runtime/batching/kv.py", "        return ring is None or bool(np.isin(need, ring).all())", "        return True", GEMMA_POOL),
-    M("windowed pool: a piece's ring keeps one token fewer", "engine", "edgekv/runtime/batching/kv.py", "        first = max(0, len(p.tokens) - self.cache.local_ring)\n", "        first = max(0, len(p.tokens) - self.cache.local_ring + 1)\n", GEMMA_POOL),
+    M("windowed pool: truncation past the ring's window allowed", "engine", "edgekv/runtime/batching/windowring.py", "        return bool(np.isin(need, seq.ring_positions()).all())", "        return True", GEMMA_POOL),
+    M("windowed pool: a piece's ring keeps one token fewer", "engine", "edgekv/runtime/batching/windowring.py", "        first = max(0, len(p.tokens) - self.length)\n", "        first = max(0, len(p.tokens) - self.length + 1)\n", GEMMA_POOL),
     M("windowed pool: a ring's positions recorded reversed", "engine", "edgekv/runtime/batching/poolseq.py", "        self._ring_pos[positions % len(self._ring_pos)] = positions", "        self._ring_pos[positions % len(self._ring_pos)] = positions[::-1]", GEMMA_POOL),
     M("windowed: the ring's bytes counted per token", "engine", "edgekv/runtime/cache.py", "        self.bytes_per_token = (need - self.local_bytes) // capacity", "        self.bytes_per_token = need // capacity", GEMMA_WINDOW),
     # issue 23/24: a GGUF minimum folded into MatMulNBits' zero points at load
@@ -750,13 +750,17 @@ MUTATIONS = [
     M("stamp: what reads the cache taken for layer-invariant", "export", "export/stamp.py", '{x_in[j], *io_of("past", j, True), *layer_inits[j]}', "{x_in[j], *layer_inits[j]}", STAMP),
     M("stamp: the head reads the last traced layer, not the last copy", "export", "export/stamp.py", "    latest[x_out[len(reps) - 1]] = x\n", "", STAMP),
     # serve's windowed pool (tests/test_serve_windowed.py)
-    M("serve windowed: a cached prefix reused without its window", "engine", "edgekv/runtime/batching/kv.py", "            self._put_ring(seq, *self.windows.before(key, k))", "            pass", SERVE_WINDOWED),
+    M("serve windowed: a cached prefix reused without its window", "engine", "edgekv/runtime/batching/kv.py", "            self.rings.put(seq, *self.windows.before(key, k))", "            pass", SERVE_WINDOWED),
     M("serve windowed: an evicted entry's window copy kept", "engine", "edgekv/runtime/batching/kv.py", "        if dropped and self.windows:\n", "        if False:\n", SERVE_WINDOWED),
     M("serve windowed: any match reused, its window covered or not", "engine", "edgekv/runtime/batching/windows.py", "        return w is not None and w.holds(max(0, k - self.cache.window + 1), k)", "        return w is not None", SERVE_WINDOWED),
     M("serve windowed: the copy's positions after the match kept", "engine", "edgekv/runtime/batching/windows.py", "        keep = w.positions < k\n", "        keep = w.positions >= 0\n", SERVE_WINDOWED),
     M("serve windowed: more sequences than rings admitted", "engine", "edgekv/runtime/batching/kv.py", "            self.max_sequences = cache.rings\n", "", SERVE_WINDOWED),
     M("serve windowed: window copies beyond what keeps the pool under the full one", "engine", "edgekv/runtime/assemble.py", "    copies = min(parallel, fit) if copies is None else copies", "    copies = parallel if copies is None else copies", SERVE_WINDOWED),
-    M("serve windowed: a ring not given back with its request", "engine", "edgekv/runtime/batching/kv.py", "            self.free_rings.append(seq.local_ring)", "            pass", SERVE_WINDOWED),
+    M("serve windowed: a ring not given back with its request", "engine", "edgekv/runtime/batching/windowring.py", "        self.free.append(seq.local_ring)", "        pass", SERVE_WINDOWED),
+    # issue 25 item 2: a request's state decides what happens to it
+    M("state: a closing request samples on", "engine", "edgekv/runtime/batching/postprocess.py", "        if req.state is State.CLOSING:  # its last token is in the cells now", "        if False:", CHAT),
+    M("state: a closing request's last token not fed", "engine", "edgekv/runtime/batching/request.py", "        return self is State.DECODING or self is State.CLOSING", "        return self is State.DECODING", CHAT),
+    M("state: a preempted closing request prefilled again", "engine", "edgekv/runtime/batching/scheduler.py", "        if req.state is State.CLOSING:\n            self.finish(req, req.end_reason)", "        if False:\n            self.finish(req, req.end_reason)", ENGINE_HARD),
 ]
 
 _IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", "bundles", "*.egg-info",

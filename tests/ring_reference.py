@@ -2,7 +2,10 @@
 (StreamingLLM), as edgekv's Sequence was before the ring became the batcher's alone (issue 25).
 Product code runs one ring, chat's (edgekv/runtime/batching/poolseq.py, the pool's cells); this
 one is its oracle (tests/test_chat_engine.py: the same tokens, token by token) and the ring side
-of tests/test_runtime.py. Use it through Generator(backend, cache, RingSequence(...)).
+of tests/test_runtime.py. Use it through RingGenerator(backend, cache, RingSequence(...)): product
+code's single stream always appends (Backend.run writes after the filled slots), so the ring's
+calls go through the pool's entry point instead, run_cells, which takes the write slot and the
+mask whole (`run_ring`).
 
 It writes slots in order, keeps slots [0, sinks) and overwrites the oldest of [sinks, capacity)
 once full; positions keep growing, so the filled slots are no longer in order ("wrapped").
@@ -19,8 +22,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from edgekv.errors import ContextOverflow, EdgeKVError
+from edgekv.errors import ContextOverflow, EdgeKVError, NonFinite
 from edgekv.runtime.batching.poolseq import PoolSequence
+from edgekv.runtime.generate import Generator
 from edgekv.runtime.sequence import Sequence
 
 
@@ -130,3 +134,31 @@ class RingSequence(Sequence):
         self._w = n if w is None else w
         self._ids = [int(t) for t in ids]
         self._pos = len(self._ids)  # positions run with the conversation, also past a ring's wrap
+
+
+def run_ring(backend, cache, seq: RingSequence, ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
+    """One call of the ring's s tokens at its write slot w: the filled past [0, n) bound whole,
+    the slots the call overwrites masked (seq.key_mask), through the backend's run_cells."""
+    s = ids.shape[1]
+    local = seq.local_key_mask(s, seq.n)
+    return backend.run_cells(cache, seq.n, seq.w, ids, seq.positions(s), seq.key_mask(s, seq.n), logits_index,
+                             *([local] if local is not None else []))
+
+
+class RingGenerator(Generator):
+    """Generator over a RingSequence: each call at the ring's write slot (run_ring), checked not
+    to wrap; a wrapped ring restores with its write slot."""
+
+    def _call(self, ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
+        self.seq.check_write(ids.shape[1])
+        logits = run_ring(self.backend, self.cache, self.seq, ids, logits_index)
+        if not np.isfinite(logits).all():
+            raise NonFinite()
+        self.seq.advance(ids[0])
+        return logits
+
+    def restore(self, snap: dict[str, np.ndarray], ids: list[int], w: int | None = None) -> None:
+        n = self.cache.slots_in(snap)
+        self.seq.check_restore(n, ids, w)  # both checked before either changes
+        self.cache.write(snap)
+        self.seq.restore(n, ids, w)

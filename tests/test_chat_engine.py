@@ -14,11 +14,10 @@ from edgekv.format.bundle import load_bundle
 from edgekv.runtime.backends import OrtBackend
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.batching import Request
-from edgekv.runtime.generate import Generator
 from edgekv.runtime.sampling import SamplingParams
 from edgekv.runtime.text import TextCodec
 from tests.conftest import chat_engine, interrupt_points, lines_run
-from tests.ring_reference import RingSequence
+from tests.ring_reference import RingGenerator, RingSequence
 from tests.test_chat_invariants import Interrupting, fresh_greedy, small_bundle  # noqa: F401  (fixture)
 from tests.test_chat_invariants import pool_holds_exactly_the_conversation as refs_ok
 
@@ -250,7 +249,7 @@ def test_ring_matches_sequence_ring_token_by_token(tiny_bundle_int8, params):
     ctx = 56
     s = make(tiny_bundle_int8, ctx, "ring", max_new=100, chunk=1, params=params)
     b = s.bundle
-    g = Generator(OrtBackend(b, threads=1), KVCache(b, ctx), ring_sequence(ctx, b, s.seq.sinks), prefill_chunk=1)
+    g = RingGenerator(OrtBackend(b, threads=1), KVCache(b, ctx), ring_sequence(ctx, b, s.seq.sinks), prefill_chunk=1)
     rng = np.random.default_rng(params.seed)
     log = []
     real = s.batcher.submit
@@ -393,7 +392,7 @@ def test_old_format_wrapped_ring_file_loads_in_position_order(tiny_bundle_int8, 
     t = make(tiny_bundle_int8, ctx, "ring")
     sinks = t.seq.sinks
     b = t.bundle
-    g = Generator(OrtBackend(b, threads=1), KVCache(b, ctx), ring_sequence(ctx, b, sinks), prefill_chunk=7)
+    g = RingGenerator(OrtBackend(b, threads=1), KVCache(b, ctx), ring_sequence(ctx, b, sinks), prefill_chunk=7)
     rs = np.random.default_rng(wrapped_at)
     g.prefill(rs.integers(3, 300, ctx + (ctx - sinks) + wrapped_at).tolist())
     assert g.seq.n == ctx and g.seq.pos > ctx

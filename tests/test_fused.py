@@ -336,7 +336,7 @@ def test_fused_ring_equals_plain_ring(tiny_bundle_float):
     """A single-stream ring (tests/ring_reference.py: sinks kept, the oldest overwritten, the
     write slot inside the past once wrapped) through the fused graph: the plain ring's logits,
     before and long after it wraps, with a prompt chunk that lands inside the past."""
-    from tests.ring_reference import RingSequence
+    from tests.ring_reference import RingSequence, run_ring
 
     b = load_bundle(tiny_bundle_float)
     streams = [Stream(b, a, capacity=24) for a in ("plain", "fused")]
@@ -348,7 +348,9 @@ def test_fused_ring_equals_plain_ring(tiny_bundle_float):
         s = min(s, streams[0].seq.max_write())
         ids = rng.integers(0, b.model["vocab_size"], (1, s))
         rows = np.arange(s)[None]
-        want, got = (st.run(ids, rows) for st in streams)
+        want, got = (run_ring(st.backend, st.cache, st.seq, ids, rows).copy() for st in streams)
+        for st in streams:
+            st.seq.advance(ids[0])
         np.testing.assert_allclose(got, want, atol=LOGITS_ATOL, rtol=0)
     assert streams[1].seq.wrapped and streams[1].seq.pos > 2 * 24
 

@@ -22,7 +22,7 @@ from edgekv.runtime.cache import KVCache
 from edgekv.runtime.generate import Generator
 from tests.archs import GEMMA_PARITY_STEPS
 from tests.conftest import chat_engine
-from tests.ring_reference import RingSequence
+from tests.ring_reference import RingGenerator, RingSequence
 
 CONTEXT = 128
 WINDOW = 8  # tests/archs.py's gemma3
@@ -192,7 +192,7 @@ def test_chat_ring_wrapped_equals_the_ring_oracle_token_by_token(bundles, window
     seq.enable_ring(sinks)
     ring = WindowRing(ctx, b.max_context, b.window)
     ring.enable_ring(sinks)
-    g = Generator(OrtBackend(b, threads=1, past_bucket=1), KVCache(b, ctx), ring, prefill_chunk=1)
+    g = RingGenerator(OrtBackend(b, threads=1, past_bucket=1), KVCache(b, ctx), ring, prefill_chunk=1)
     prompt = ids(70, 5)
     req = e.run(Request(prompt, 16, seq=seq, record_logits=True))
     assert seq.wrapped

@@ -7,7 +7,7 @@ from edgekv.runtime.cache import KVCache
 from edgekv.errors import ContextOverflow, EdgeKVError
 from edgekv.runtime.generate import Generator
 from edgekv.runtime.sequence import Sequence
-from tests.ring_reference import RingSequence
+from tests.ring_reference import RingGenerator, RingSequence
 from edgekv.format.bundle import load_bundle
 
 
@@ -15,11 +15,12 @@ def runtime(path, capacity=128, rows=64, chunk=256, sinks=None):
     """A Generator; with `sinks`, over the test-only ring (tests/ring_reference.py)."""
     b = load_bundle(path)
     cache = KVCache(b, capacity)
-    seq = None
-    if sinks is not None:
-        seq = RingSequence(capacity, cache.max_positions)
-        seq.enable_ring(sinks)
-    return Generator(OrtBackend(b, threads=1, max_logits_rows=rows), cache, seq, prefill_chunk=chunk)
+    backend = OrtBackend(b, threads=1, max_logits_rows=rows)
+    if sinks is None:
+        return Generator(backend, cache, prefill_chunk=chunk)
+    seq = RingSequence(capacity, cache.max_positions)
+    seq.enable_ring(sinks)
+    return RingGenerator(backend, cache, seq, prefill_chunk=chunk)
 
 
 def ids(n, seed=0, vocab=300):
@@ -143,8 +144,8 @@ def test_ring_prefill_crosses_the_wrap_and_refuses_undo(tiny_bundle_int8):
     for t in ids(5, seed=7):
         np.testing.assert_array_equal(h.decode_step(t), g.decode_step(t))
     linear = runtime(tiny_bundle_int8, capacity=16)
-    with pytest.raises(EdgeKVError, match="wrapped ring"):
-        linear.restore(snap, g.seq.ids, w=w)
+    with pytest.raises(EdgeKVError, match="token ids"):  # a single stream never wraps: slot i holds token i
+        linear.restore(snap, g.seq.ids)
 
 
 def test_an_interrupted_prefill_leaves_the_sequence_at_its_last_completed_call(tiny_bundle_int8):

@@ -82,11 +82,11 @@ def test_trt_runs_a_wrapped_ring_through_staging(bundle_copy, monkeypatch):
     build_engine(str(bundle_copy), ctx=32, max_prefill=8)
     b = load_bundle(bundle_copy)
     be = make_backend("trt", b, ctx=32)
-    from tests.ring_reference import RingSequence  # a single stream's ring: the test-only oracle (issue 25)
+    from tests.ring_reference import RingGenerator, RingSequence  # a single stream's ring: the test-only oracle
 
-    g = Generator(be, KVCache(b, 32, memory=be.memory), RingSequence(32, b.max_context))
-    ref = Generator(OrtBackend(b, threads=1, past_bucket=1, exact=False), KVCache(b, 32), RingSequence(32, b.max_context),
-                    prefill_chunk=8)
+    g = RingGenerator(be, KVCache(b, 32, memory=be.memory), RingSequence(32, b.max_context))
+    ref = RingGenerator(OrtBackend(b, threads=1, past_bucket=1, exact=False), KVCache(b, 32), RingSequence(32, b.max_context),
+                        prefill_chunk=8)
     for gen in (g, ref):
         gen.seq.enable_ring(2)
     seq = ids(30)

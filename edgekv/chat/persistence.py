@@ -136,19 +136,14 @@ def read(session, path: str, trust_unrecorded: bool = False) -> Saved:
     if "kv_origin" not in meta and not trust_unrecorded:
         raise EdgeKVError(f"{path}: saved by an older edgekv that did not record which weights made its KV cache "
                           f"(it may come from another bundle of this model); /load! {path} loads it anyway")
-    n = session.batcher.slots_in(snap)  # every buffer, its shape and dtype (a windowed pool: its ring too)
     ids, vocab = meta["ids"], bundle.model["vocab_size"]
     if any(not 0 <= t < vocab for t in ids):
         raise EdgeKVError(f"{path}: token ids outside the vocabulary of {vocab}")
-    ring, seq = meta["ring"], session.seq
-    if len(ids) > n and not seq.ring:
-        raise EdgeKVError(f"{path}: saved from a ring cache that has wrapped", setting="context_policy",
-                          fix="load it with {} ring")
     sinks = sinks_for(session, meta)
-    w = ring.get("w")
-    if w is not None and w != n and not (seq.ring and sinks <= w < n):
-        raise EdgeKVError(f"{path}: snapshot of a wrapped ring does not fit this cache")
-    seq.check_restore(n, ids)
+    try:  # every buffer, its shape and dtype (a windowed pool: its ring too), the ids, a ring's write slot
+        n = session.batcher.check_restore(session.seq, snap, ids, meta["ring"].get("w"), sinks)
+    except EdgeKVError as e:
+        raise type(e)(f"{path}: {e}", e.setting, e.fix) from None
     return Saved(meta, snap, n, sinks)
 
 

@@ -81,7 +81,7 @@ class Generator:
         self.seq.truncate(n)
 
     def snapshot(self) -> dict[str, np.ndarray]:
-        """The filled slots (a wrapped ring's too: restore it with its write slot `seq.w`)."""
+        """The filled slots, in position order."""
         self._whole_cells()
         return self.cache.read(self.seq.n)
 
@@ -89,17 +89,17 @@ class Generator:
         if self.cache.local_ring is not None:  # (chat's batcher snapshots a windowed pool, with its rings)
             raise EdgeKVError("a windowed cache (its local layers keep only their window) has no snapshot of its slots")
 
-    def restore(self, snap: dict[str, np.ndarray], ids: list[int], w: int | None = None) -> None:
-        """Continue a saved sequence: its slots, the token ids it was fed and a wrapped ring's write slot."""
+    def restore(self, snap: dict[str, np.ndarray], ids: list[int]) -> None:
+        """Continue a saved sequence: its slots and the token ids it was fed."""
         self._whole_cells()
         n = self.cache.slots_in(snap)
-        self.seq.check_restore(n, ids, w)  # both checked before either changes
+        self.seq.check_restore(n, ids)  # both checked before either changes
         self.cache.write(snap)
-        self.seq.restore(n, ids, w)
+        self.seq.restore(n, ids)
 
     def _call(self, ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
-        """One graph call: ids [1, S] at the sequence's write slot; logits [1, K, V] of the rows asked for."""
-        self.seq.check_write(ids.shape[1])
+        """One graph call: ids [1, S] after the filled slots; logits [1, K, V] of the rows asked for."""
+        self.seq.check_room(ids.shape[1])
         logits = self.backend.run(self.cache, self.seq, ids, logits_index)
         if not np.isfinite(logits).all():  # damaged weights or an overflow: never sample from it
             raise NonFinite()

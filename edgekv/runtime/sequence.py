@@ -1,8 +1,7 @@
 """Sequence: one stream's place in its own KV cache (generate, eval, bench), and the only writer of it.
 
-It says which slots are filled (`n`), where the next call writes (`w`, always `n`: slot i holds
-position i), which RoPE position comes next (`pos`) and which token ids were fed since the last
-reset (`ids`). The cache (cache.py) is only the buffers; a backend reads a sequence to know
+It says which slots are filled (`n`: the next call writes at slot n, slot i holds position i),
+which RoPE position comes next (`pos`) and which token ids were fed since the last reset (`ids`). The cache (cache.py) is only the buffers; a backend reads a sequence to know
 which slots to bind, and the generator records each call with `advance`. Nothing else writes
 these fields: they are read-only properties, changed through the methods below.
 
@@ -20,7 +19,7 @@ from edgekv.errors import ContextOverflow, EdgeKVError
 
 
 class Sequence:
-    wrapped = False  # (the stats line asks every sequence)
+    wrapped = False  # a single stream never wraps (the stats line asks every sequence)
 
     def __init__(self, capacity: int, max_positions: int, window: int | None = None, local_ring: int | None = None):
         self.capacity = capacity  # slots it may fill
@@ -36,11 +35,6 @@ class Sequence:
     # -- what it holds (read-only)
     @property
     def n(self) -> int:
-        return self._n
-
-    @property
-    def w(self) -> int:
-        """The write slot: the next call's new tokens go to [w, w + S)."""
         return self._n
 
     @property
@@ -73,10 +67,6 @@ class Sequence:
         if s > self.max_positions - self._pos:
             raise ContextOverflow(f"positions full: {self._pos} + {s} tokens exceed the {self.max_positions} "
                                   f"positions this bundle was verified for")
-
-    def check_write(self, s: int) -> None:
-        """One graph call may write s tokens at the write slot."""
-        self.check_room(s)
 
     def positions(self, s: int) -> np.ndarray:
         """position_ids [1, s] of the next call's tokens."""
@@ -147,7 +137,7 @@ class Sequence:
 
     # -- changes
     def advance(self, ids) -> None:
-        """A call wrote the K/V of `ids` at the write slot."""
+        """A call wrote the K/V of `ids` after the filled slots."""
         self._ids.extend(int(t) for t in ids)
         self._pos += len(ids)
         self._n += len(ids)
@@ -170,23 +160,21 @@ class Sequence:
         self._n = n
         del self._ids[n:]
 
-    def check_restore(self, n: int, ids: list[int], w: int | None = None) -> None:
+    def check_restore(self, n: int, ids: list[int]) -> None:
         """`restore` would accept this saved state (an error saying why not; nothing changes)."""
         if n > self.capacity:
             raise ContextOverflow(f"snapshot holds {n} tokens, more than the cache capacity {self.capacity}",
                                   setting="capacity", fix="raise {}")
-        if w is not None and w != n:  # a ring's that had wrapped
-            raise EdgeKVError("snapshot of a wrapped ring does not fit this cache")
         if len(ids) != n:  # slot i holds the token fed at position i
             raise EdgeKVError(f"snapshot holds {n} slots but {len(ids)} token ids")
         if len(ids) > self.max_positions:
             raise ContextOverflow(f"snapshot holds {len(ids)} positions, more than the {self.max_positions} "
                                   f"this bundle was verified for")
 
-    def restore(self, n: int, ids: list[int], w: int | None = None) -> None:
+    def restore(self, n: int, ids: list[int]) -> None:
         """Take the state of a saved sequence whose first n slots were just restored: the token
         ids it had been fed (from position 0)."""
-        self.check_restore(n, ids, w)
+        self.check_restore(n, ids)
         self._n = n
         self._ids = [int(t) for t in ids]
         self._pos = n

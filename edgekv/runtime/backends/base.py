@@ -2,10 +2,8 @@
 
 One `run` is one graph call: the S new tokens of a sequence against the cache slots it has
 filled. The backend binds the past as the sequence's filled slots `buf[:n]` (ort: rounded up to
-a bucket, the tail masked) and `present.*` into the buffers at its write slot `buf[w:w+S]` by
-address (cache.ptr; w == n unless the sequence is a ring that has wrapped, where the overwritten
-slots are masked out of the past; ort-cpu stages a one-token call's present and copies it
-there), takes position_ids and key_mask (`seq.key_mask(s, past)`; a model with sliding-window
+a bucket, the tail masked) and `present.*` into the buffers after them, `buf[n:n+S]`, by
+address (cache.ptr; ort-cpu stages a one-token call's present and copies it there), takes position_ids and key_mask (`seq.key_mask(s, past)`; a model with sliding-window
 layers also local_key_mask, `seq.local_key_mask(s, past)`) from the sequence, and
 returns only the logits rows asked for. It does not change the sequence: the caller records the call (Generator._call).
 
@@ -48,7 +46,7 @@ class Backend(Protocol):
 
     def run(self, cache: KVCache, seq: Sequence, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
         """input_ids [1, S], logits_index [1, K] -> logits [1, K, V]: a host view into a buffer the
-        backend owns (copy it to keep it). The new tokens' K/V are written at seq.w."""
+        backend owns (copy it to keep it). The new tokens' K/V are written after the filled slots (seq.n)."""
 
     def close(self) -> None:
         """Free what the backend allocated (device buffers, streams). Caches allocated from its

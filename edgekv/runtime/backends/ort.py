@@ -561,16 +561,15 @@ class OrtBackend:
     def run(self, cache: KVCache, seq: Sequence, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
         self._check_cache(cache)
         s = input_ids.shape[1]
-        if self.fused is not None:  # a linear sequence appends; a ring overwriting masks its old slots
-            mask = seq.key_mask(s, seq.n) if seq.w != seq.n else None
+        if self.fused is not None:  # a single stream appends: the op's own causal rule over the filled slots
             local = seq.local_key_mask(s, seq.n) if self.local_bias else None  # the window: never the op's rule
-            return self._run_fused(cache, seq.n, seq.w, input_ids, seq.positions(s), mask, logits_index, local)
+            return self._run_fused(cache, seq.n, seq.n, input_ids, seq.positions(s), None, logits_index, local)
         past = self.past_slots(cache, seq)
         if cache.local_ring is not None:  # the local layers' ring, bound at its own bucket
-            return self._run(cache, past, seq.w, input_ids, seq.positions(s), seq.key_mask(s, past), logits_index,
+            return self._run(cache, past, seq.n, input_ids, seq.positions(s), seq.key_mask(s, past), logits_index,
                              *self._ring_call(cache, seq, s))
         local = seq.local_key_mask(s, past) if self.local_mask else None
-        return self._run(cache, past, seq.w, input_ids, seq.positions(s), seq.key_mask(s, past), logits_index, local)
+        return self._run(cache, past, seq.n, input_ids, seq.positions(s), seq.key_mask(s, past), logits_index, local)
 
     def _ring_call(self, cache: KVCache, seq: Sequence, s: int) -> tuple:
         """A windowed cache's local layers: (their mask, the slots bound as their past, where the

@@ -5,8 +5,8 @@ buffers for the small inputs (sized for the largest call) and the logits; `close
 the stream. Per call the past is bound as the filled prefix and `present.*` at the write slot
 (set_tensor_address), so the engine appends to the cache in place; the small inputs go up and
 only the logits rows come back. TensorRT's inputs and outputs may not overlap, so a call whose
-write slots lie inside the bound past (a ring that has wrapped; a shared pool writing into a
-freed run, `edgekv serve`) writes `present.*` to staging buffers and copies them to the write
+write slots lie inside the bound past (a shared pool writing into a freed run: `edgekv serve`,
+chat's ring overwriting its oldest cells) writes `present.*` to staging buffers and copies them to the write
 slots on the device after the run.
 
 Written against the TensorRT 10 Python API (JetPack 6 ships 10.3). It cannot run on the
@@ -101,7 +101,7 @@ class TrtBackend:
     def run(self, cache: KVCache, seq: Sequence, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
         s = input_ids.shape[1]
         local = seq.local_key_mask(s) if self.d_local is not None else None
-        return self.run_cells(cache, seq.n, seq.w, input_ids, seq.positions(s), seq.key_mask(s), logits_index, local)
+        return self.run_cells(cache, seq.n, seq.n, input_ids, seq.positions(s), seq.key_mask(s), logits_index, local)
 
     def run_cells(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
                   key_mask: np.ndarray, logits_index: np.ndarray,

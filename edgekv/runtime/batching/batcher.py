@@ -17,10 +17,11 @@ import numpy as np
 
 from edgekv.errors import ContextOverflow, EdgeKVError, note
 from edgekv.runtime.backends.base import PREFILL_CHUNK, BatchBackend
-from edgekv.runtime.batching.kv import RING, KVManager, split_ring
+from edgekv.runtime.batching import snapshot
+from edgekv.runtime.batching.kv import KVManager
 from edgekv.runtime.batching.poolseq import PoolSequence
 from edgekv.runtime.batching.postprocess import Health, PostProcess
-from edgekv.runtime.batching.request import Request, now
+from edgekv.runtime.batching.request import Request, State, now
 from edgekv.runtime.batching.runner import StepRunner
 from edgekv.runtime.batching.scheduler import Scheduler
 from edgekv.runtime.batching.slots import SlotKV, SlotRunner
@@ -31,7 +32,7 @@ from edgekv.runtime.memory import SlotMemory
 def cell_pool(backend, cache: KVCache, max_prefixes: int):
     """The unified cell pool's KV manager and step runner (every backend's run_cells)."""
     kv = KVManager(cache, backend.past_bucket, max_prefixes)
-    return kv, StepRunner(backend, cache, kv.ring_writes)
+    return kv, StepRunner(backend, cache, kv.rings if cache.local_ring is not None else None)
 
 
 def fused_slots(backend, cache: KVCache, max_prefixes: int):
@@ -175,7 +176,7 @@ class Batcher:
             raise RuntimeError("run() steps on the caller's thread; this batcher has its own")
         with self.turn():
             self.submit(req)
-            while req.finish_reason is None:
+            while req.state is not State.DONE:
                 if not self.step():
                     raise ContextOverflow("the request does not fit in the free cells of the pool",
                                           setting="capacity", fix="raise {}")
@@ -243,36 +244,20 @@ class Batcher:
 
     def restore(self, seq: PoolSequence, snap: dict[str, np.ndarray], ids: list[int], w: int | None = None,
                 sinks: int | None = None) -> None:
-        """Replace what `seq` holds with a snapshot, the token ids it was fed and, for a ring, its
-        sinks. `w`: the write slot of a wrapped ring saved in slot order (its oldest token at
-        slot w, after the sinks): its slots are put in position order. All or nothing."""
+        """Replace what `seq` holds with a snapshot (snapshot.py), the token ids it was fed and,
+        for a ring, its sinks (`w`: an old file's wrapped ring's write slot). All or nothing."""
         self._check_idle(seq)
-        n = self.slots_in(snap)
-        cells, ring = split_ring(snap)  # a windowed pool's snapshot also carries its ring
+        n = self.check_restore(seq, snap, ids, w, sinks)
         with self.turn():
             self.kv.reset(seq)
             if seq.ring:
                 seq.enable_ring(seq.sinks if sinks is None else sinks)
-            seq.check_restore(n, ids)
-            if w is not None and w != n:
-                if not seq.ring or not seq.sinks <= w < n:
-                    raise EdgeKVError("snapshot of a wrapped ring does not fit this cache")
-                order = np.r_[0: seq.sinks, w: n, seq.sinks: w]
-                snap = {**{k: v[order] for k, v in cells.items()}, **{RING + k: v for k, v in ring.items()}}
-            self.kv.restore(seq, snap, ids, n)
+            self.kv.restore(seq, snapshot.in_position_order(snap, n, w, seq.sinks), ids, n)
 
-    def slots_in(self, snap: dict[str, np.ndarray]) -> int:
-        """The cells a snapshot holds; an error unless it fits this pool: its cells' buffers, and
-        beside them a windowed pool's ring part or, from a cache that keeps every position, the
-        local layers' rows of the same cells (a windowed pool takes its ring from those)."""
-        cells, _ = split_ring(snap)
-        names = self.cache.cell_names
-        n = self.cache.slots_in({k: v for k, v in cells.items() if k in names})
-        for k in set(cells) - set(names):
-            if k not in self.cache.local_names or cells[k].shape != (n, *self.cache.shapes[k][1:]) \
-                    or cells[k].dtype != self.cache.dtypes[k]:
-                raise EdgeKVError("snapshot does not match this cache's layout")
-        return n
+    def check_restore(self, seq: PoolSequence, snap: dict[str, np.ndarray], ids: list[int], w: int | None = None,
+                      sinks: int | None = None) -> int:
+        """The cells `restore` would take (nothing changes); an error saying why it would refuse."""
+        return snapshot.check(self.cache, seq, snap, ids, w, sinks)
 
     def _check_idle(self, seq: PoolSequence) -> None:
         if any(r.seq is seq for r in self.running) or any(r.ask.seq is seq for r in self.waiting):

@@ -9,13 +9,11 @@ cells only the prefix cache holds at the top, the free cells one run between. Th
 in a contiguous run of free cells (where the pool is fragmented — a chat turn, which does not
 compact — a step is split over several calls).
 
-A windowed pool (cache.local_ring: chat's, docs/models.md) also gives each sequence a ring of
-the local layers' slots for as long as it lives (`new` .. `release`/`unhold`): a call's kept
-local K/V land at slot p mod local_ring of its sequence's ring (`ring_writes`, `commit`), a
-turn copies the kept sequences' rings whole, a truncation keeps the ring only while it still
-holds the window before the new end (`can_truncate`), and a snapshot carries the ring's rows
-in position order (`RING` keys). Its prefix cache (serve's) keeps a copy of the ring beside each
-entry, and reuses an entry only where that copy holds the window before the match (windows.py)."""
+A windowed pool (cache.local_ring: chat's, docs/models.md) also gives each sequence a window
+ring of the local layers' slots for as long as it lives (`new` .. `release`/`unhold`;
+windowring.py), which a turn copies whole. Its prefix cache (serve's) keeps a copy of the ring
+beside each entry, and reuses an entry only where that copy holds the window before the match
+(windows.py)."""
 from __future__ import annotations
 
 import time
@@ -29,6 +27,7 @@ from edgekv.runtime.backends.base import bound_past
 from edgekv.runtime.batching.plan import Call, Piece
 from edgekv.runtime.batching.poolseq import PoolSequence
 from edgekv.runtime.batching.turns import Turns
+from edgekv.runtime.batching.windowring import NoWindowRings, WindowRings, split_ring
 from edgekv.runtime.batching.windows import PrefixWindows
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.memory import runs
@@ -39,16 +38,6 @@ from edgekv.runtime.pool import CellPool, Prefix
 class KVCounters:
     moved_cells: int = 0
     compaction_seconds: float = 0.0
-
-
-RING = "ring."  # a windowed pool's snapshot: "ring." + a local buffer's name, and RING_POSITIONS
-RING_POSITIONS = RING + "positions"
-
-
-def split_ring(snap: dict) -> tuple[dict, dict]:
-    """(a snapshot's cells, its ring part: the RING keys without their prefix)."""
-    cells = {k: v for k, v in snap.items() if not k.startswith(RING)}
-    return cells, {k[len(RING):]: v for k, v in snap.items() if k.startswith(RING)}
 
 
 class KVManager:
@@ -62,19 +51,17 @@ class KVManager:
         self.sequences: list[PoolSequence] = []  # every sequence handed out and not yet released
         self.kept: list[PoolSequence] = []  # of which those held across requests (chat)
         self.counters = KVCounters()
-        self.free_rings = list(range(cache.rings))  # a windowed pool's rings not given to a sequence
-        if cache.rings:  # each running sequence has its own ring
+        windowed = cache.local_ring is not None
+        self.rings = WindowRings(cache) if windowed else NoWindowRings()
+        if windowed:  # each running sequence has its own ring
             self.max_sequences = cache.rings
         # a windowed pool's prefix cache: each entry's local layers' window, copied from its ring
-        self.windows = PrefixWindows(cache) if cache.local_ring is not None else None
+        self.windows = PrefixWindows(cache) if windowed else None
 
     # -- sequences
     def new(self, kept: bool = False) -> PoolSequence:
         seq = PoolSequence(self.limit, self.cache.max_positions)
-        if self.cache.local_ring is not None:
-            if not self.free_rings:
-                raise EdgeKVError(f"every one of the {self.cache.rings} rings of the local layers' window is in use")
-            seq._take_ring(self.free_rings.pop(0), self.cache.local_ring)
+        self.rings.take(seq)
         self.sequences.append(seq)
         if kept:
             self.kept.append(seq)
@@ -83,8 +70,7 @@ class KVManager:
     def _forget(self, seq: PoolSequence) -> None:
         """A sequence is no longer the manager's: its ring goes back."""
         self.sequences.remove(seq)
-        if seq.local_ring is not None:
-            self.free_rings.append(seq.local_ring)
+        self.rings.give_back(seq)
 
     def release(self, seq: PoolSequence, remember: list[int] | None = None, tenant: str = "") -> None:
         """Give a sequence's cells back (`remember`: its token ids, cached for `tenant` first);
@@ -125,7 +111,7 @@ class KVManager:
         self.pool.take(cells)
         seq._set([int(c) for c in cells], ids[:k])
         if self.windows:
-            self._put_ring(seq, *self.windows.before(key, k))
+            self.rings.put(seq, *self.windows.before(key, k))
         return k
 
     def remember_prompt(self, seq: PoolSequence, feed: list[int], tenant: str) -> None:
@@ -146,17 +132,12 @@ class KVManager:
     def reset(self, seq: PoolSequence) -> None:
         self.pool.drop(seq.cell_view())
         seq._set([], [])
-        if seq.local_ring is not None:
-            seq._forget_ring_from(0)
+        self.rings.forget_from(seq, 0)
 
     def can_truncate(self, seq: PoolSequence, n: int) -> bool:
         """`truncate(seq, n)` keeps everything the next token sees: a wrapped ring cannot, and a
         windowed pool's ring only while it holds the window's positions before n."""
-        if not 0 <= n <= seq.n or seq.wrapped:
-            return False
-        ring = seq.ring_positions()
-        need = np.arange(max(0, n - (self.cache.window or 1) + 1), n)
-        return ring is None or bool(np.isin(need, ring).all())
+        return 0 <= n <= seq.n and not seq.wrapped and self.rings.holds_window(seq, n)
 
     def truncate(self, seq: PoolSequence, n: int) -> None:
         if not self.can_truncate(seq, n):
@@ -166,19 +147,10 @@ class KVManager:
         cells = seq.cells
         self.pool.drop(cells[n:])
         seq._set(cells[:n], seq.ids[:n])
-        if seq.local_ring is not None:
-            seq._forget_ring_from(n)
+        self.rings.forget_from(seq, n)
 
     def snapshot(self, seq: PoolSequence) -> dict[str, np.ndarray]:
-        snap = self.cache.read_cells(seq.cells)
-        if seq.local_ring is not None:  # its ring's filled slots, in position order
-            pos = seq.ring_positions()
-            slots = np.flatnonzero(pos >= 0)
-            slots = slots[np.argsort(pos[slots])]
-            rows = self.cache.read_ring(seq.local_ring)
-            snap.update({RING + name: v[slots] for name, v in rows.items()})
-            snap[RING_POSITIONS] = pos[slots].copy()
-        return snap
+        return self.cache.read_cells(seq.cells) | self.rings.snapshot(seq)
 
     def restore(self, seq: PoolSequence, snap: dict[str, np.ndarray], ids: list[int], n: int) -> None:
         """Fill an empty sequence with a snapshot (in position order) and the ids it was fed."""
@@ -187,7 +159,7 @@ class KVManager:
         if free.size < n:
             raise ContextOverflow(f"snapshot holds {n} tokens, {free.size} cells are free", setting="capacity",
                                   fix="raise {}")
-        ring = self._ring_rows(seq, snap, ring, ids, n)  # checked before anything is written
+        ring = self.rings.to_restore(seq, snap, ring, ids, n)  # checked before anything is written
         cells = [int(c) for c in free[:n]]
         self.pool.take(cells)
         for a, b in runs(np.asarray(cells)):
@@ -195,40 +167,7 @@ class KVManager:
         self.cache.write_cells(cells, {k: snap[k] for k in self.cache.cell_names})
         seq._set(cells, ids)
         if ring is not None:
-            self._put_ring(seq, *ring)
-
-    def _ring_rows(self, seq: PoolSequence, snap: dict, ring: dict, ids: list[int], n: int):
-        """The (positions, rows) a windowed sequence's ring restores: the snapshot's ring part, or
-        a full cache's snapshot's last local_ring cells of the local layers; None without a ring."""
-        local = self.cache.local_names
-        if seq.local_ring is None:
-            if ring:
-                raise EdgeKVError("a snapshot of a windowed cache (its local layers keep only their window) "
-                                  "does not load into a cache that keeps every position")
-            return None
-        if not ring:  # a snapshot of the full cache: its cells, in position order, hold every local row
-            if not set(local) <= set(snap):
-                raise EdgeKVError("snapshot does not match this cache's layout")
-            gone = len(ids) - n  # a wrapped ring's cells after its sinks hold the last positions
-            sinks = seq.sinks or 0
-            pos = np.r_[np.arange(min(sinks, n)), np.arange(min(sinks, n), n) + gone].astype(np.int64)
-            keep = np.flatnonzero(pos >= len(ids) - self.cache.local_ring)
-            return pos[keep], {name: snap[name][keep] for name in local}
-        pos = np.asarray(ring.get("positions", np.zeros(0)), np.int64)
-        if set(ring) != set(local) | {"positions"} or pos.ndim != 1 \
-                or len(set(pos.tolist())) != len(pos) or (len(pos) and not 0 <= pos.min() <= pos.max() < len(ids)) \
-                or any(ring[k].shape != (len(pos), *self.cache.shapes[k][1:]) or ring[k].dtype != self.cache.dtypes[k]
-                       for k in local):
-            raise EdgeKVError("snapshot does not match this cache's layout")
-        keep = np.argsort(pos)[-self.cache.local_ring:]  # (a longer ring's save: its last positions)
-        return pos[keep], {k: ring[k][keep] for k in local}
-
-    def _put_ring(self, seq: PoolSequence, pos: np.ndarray, rows: dict) -> None:
-        slots = pos % self.cache.local_ring
-        order = np.argsort(slots)  # write_local copies runs of consecutive slots
-        for name in self.cache.local_names:
-            self.cache.write_local(name, seq.local_ring * self.cache.local_ring + slots[order], rows[name][order])
-        seq._place_ring(pos)
+            self.rings.put(seq, *ring)
 
     def memory(self) -> dict[str, int]:
         """The KV's bytes (a gauge: /health, /metrics): the pool's buffers (a windowed pool's
@@ -282,32 +221,13 @@ class KVManager:
 
     def commit(self, call: Call) -> None:
         """A call wrote its tokens' K/V at [write, write + size): the sequences hold them (a
-        windowed pool: the kept local K/V in their rings, ring_writes')."""
+        windowed pool: the kept local K/V in their rings too)."""
         self.pool.take(np.arange(call.write, call.write + call.size))
         w = call.write
         for p in call.pieces:
-            if p.seq.local_ring is not None:
-                p.seq._mark_ring(self._ring_kept(p)[1])
+            self.rings.mark(p)
             p.seq._extend(range(w, w + len(p.tokens)), p.tokens)
             w += len(p.tokens)
-
-    def ring_writes(self, call: Call) -> tuple[np.ndarray, np.ndarray]:
-        """A windowed pool's call: (the token rows whose local K/V are kept, their ring slots):
-        each piece's last local_ring tokens, position p to slot p mod local_ring of its ring."""
-        ring = self.cache.local_ring
-        rows, slots, r = [], [], 0
-        for p in call.pieces:
-            first, kept = self._ring_kept(p)
-            rows.append(r + np.arange(first, len(p.tokens)))
-            slots.append(p.seq.local_ring * ring + kept % ring)
-            r += len(p.tokens)
-        return np.concatenate(rows), np.concatenate(slots)
-
-    def _ring_kept(self, p: Piece) -> tuple[int, np.ndarray]:
-        """Of a piece's tokens, the first whose local K/V its ring keeps, and the positions kept:
-        its last local_ring tokens'."""
-        first = max(0, len(p.tokens) - self.cache.local_ring)
-        return first, p.seq.pos + np.arange(first, len(p.tokens))
 
     def protect(self, call: Call) -> None:
         """Before a call writes its cells: an open turn copies those it may have to restore."""

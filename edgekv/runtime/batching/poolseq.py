@@ -111,9 +111,11 @@ class PoolSequence:
         if n > self.capacity:
             raise ContextOverflow(f"snapshot holds {n} tokens, more than the cache capacity {self.capacity}",
                                   setting="capacity", fix="raise {}")
-        if len(ids) < n or (len(ids) > n and not self.ring):
-            raise EdgeKVError(f"snapshot holds {n} slots but {len(ids)} token ids"
-                              + (" (a wrapped ring: load it with the ring policy)" if len(ids) > n else ""))
+        if len(ids) > n and not self.ring:
+            raise EdgeKVError("saved from a ring cache that has wrapped", setting="context_policy",
+                              fix="load it with {} ring")
+        if len(ids) < n:
+            raise EdgeKVError(f"snapshot holds {n} slots but {len(ids)} token ids")
         if len(ids) > self.max_positions:
             raise ContextOverflow(f"snapshot holds {len(ids)} positions, more than the {self.max_positions} "
                                   f"this bundle was verified for")

@@ -32,6 +32,11 @@ class State(Enum):
     CLOSING = "closing"  # finished; its last token still goes in (feed_last) so the cells hold it
     DONE = "done"
 
+    @property
+    def decodes(self) -> bool:
+        """Its next token (sampled) goes in at the next step."""
+        return self is State.DECODING or self is State.CLOSING
+
 
 class Usage(NamedTuple):
     prompt_tokens: int
@@ -102,7 +107,7 @@ class Request:
         # the post-processing's
         self.out: list[int] = []
         self.next_token: int | None = None  # sampled, fed at the next step
-        self.closing: str | None = None  # the reason it ends once its last token is fed
+        self.end_reason: str | None = None  # CLOSING: the reason it ends once its last token is fed
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.t_submit = 0.0
@@ -154,7 +159,7 @@ class Request:
         assert self.budget >= 0, "a request wrote more cells than it had reserved"
         if decode:
             self.next_token = None
-            if not self.closing:
+            if self.state is not State.CLOSING:
                 self.decode_steps += 1
                 self.t_last = now
         else:
@@ -177,7 +182,8 @@ class Request:
         self.out.append(tok)
 
     def goes_on(self, tok: int, closing: str | None = None) -> None:
-        self.next_token, self.closing = tok, closing
+        """`tok` goes in at the next step; with `closing` (a reason) it is the last."""
+        self.next_token, self.end_reason = tok, closing
         self.state = State.CLOSING if closing else State.DECODING
 
     def finished(self, reason: str, error: str | None = None) -> Done:

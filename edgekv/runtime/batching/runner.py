@@ -12,13 +12,14 @@ import numpy as np
 
 from edgekv.runtime.backends.base import BatchBackend
 from edgekv.runtime.batching.plan import Call
+from edgekv.runtime.batching.windowring import WindowRings
 from edgekv.runtime.cache import KVCache
 
 
 class StepRunner:
-    def __init__(self, backend: BatchBackend, cache: KVCache, ring_writes=None):
+    def __init__(self, backend: BatchBackend, cache: KVCache, rings: WindowRings | None = None):
         self.backend, self.cache = backend, cache
-        self.ring_writes = ring_writes  # a windowed pool: KVManager.ring_writes (call -> rows, ring slots)
+        self.rings = rings  # a windowed pool's: where a call's kept local K/V go (`writes`)
         self.calls = 0
 
     def inputs(self, call: Call) -> tuple[np.ndarray, ...]:
@@ -88,7 +89,7 @@ class StepRunner:
         ids, pos, mask, idx = self.inputs(call)
         if self.cache.local_ring is not None:  # a windowed pool: the local layers read and write their rings
             logits = self.backend.run_cells(self.cache, call.past, call.write, ids, pos, mask, idx,
-                                            local_key_mask=self.ring_mask(call, pos), ring=self.ring_writes(call))
+                                            local_key_mask=self.ring_mask(call, pos), ring=self.rings.writes(call))
         elif self.cache.window is None:
             logits = self.backend.run_cells(self.cache, call.past, call.write, ids, pos, mask, idx)
         else:  # a model with sliding-window layers: their mask too

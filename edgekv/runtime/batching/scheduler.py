@@ -127,7 +127,7 @@ class Scheduler:
         token, claimed HEADROOM at a time, oldest request first; when the pool has none, room
         is made (`_make_room`)."""
         for req in sorted(self.running, key=lambda r: r.order):
-            if req.kept or req.next_token is None or req.budget > 0 or req not in self.running:
+            if req.kept or not req.state.decodes or req.budget > 0 or req not in self.running:
                 continue
             if self._make_room(req):
                 req.granted(min(HEADROOM, self._total(req) - req.seq.n, self._spare()))
@@ -151,8 +151,8 @@ class Scheduler:
         token's logits as if it had decoded on (what it emitted stays emitted; its sampler's
         state is untouched). One that only had its last token left to feed just ends."""
         self.counters.preempted += 1
-        if req.closing:
-            self.finish(req, req.closing)
+        if req.state is State.CLOSING:
+            self.finish(req, req.end_reason)
             return
         self.kv.release(req.seq)
         req.took_back()
@@ -221,7 +221,7 @@ class Scheduler:
         self._admit()
         if not self.running:
             return None
-        pieces = [Piece(r, r.seq, [r.next_token], True, True) for r in self.running if r.next_token is not None]
+        pieces = [Piece(r, r.seq, [r.next_token], True, True) for r in self.running if r.state.decodes]
         # prompt tokens ride along up to the chunk, within what one call takes (a TensorRT profile)
         budget = min(self.prefill_chunk, self.max_tokens_per_call - len(pieces))
         for r in self.running:
