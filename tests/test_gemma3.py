@@ -375,7 +375,7 @@ def test_chat_runs_a_windowed_pool_and_equals_the_full_one_over_turns(bundles):
     for e in (windowed_chat(b), real):
         seq = e.hold()
         assert_same_turns(turns(e, seq, prompts), want)
-        assert seq.pos > 10 * WINDOW and (seq.ring_positions() >= 0).all()
+        assert seq.pos > 10 * WINDOW and (seq.window_positions() >= 0).all()
 
 
 def test_a_windowed_turn_rolled_back_leaves_the_ring_as_it_was(bundles):
@@ -386,13 +386,13 @@ def test_a_windowed_turn_rolled_back_leaves_the_ring_as_it_was(bundles):
     seq, ref_seq = e.hold(), ref.hold()
     first = ids(20, 40)
     turns(e, seq, [first]), turns(ref, ref_seq, [first])
-    before = seq.ring_positions().copy()
+    before = seq.window_positions().copy()
     with pytest.raises(RuntimeError):
         with e.turn():
             e.run(Request(ids(12, 41), 8, seq=seq))
-            assert not np.array_equal(seq.ring_positions(), before)
+            assert not np.array_equal(seq.window_positions(), before)
             raise RuntimeError("the turn fails")
-    np.testing.assert_array_equal(seq.ring_positions(), before)
+    np.testing.assert_array_equal(seq.window_positions(), before)
     rest = [ids(9, 42), ids(11, 43)]
     assert_same_turns(turns(e, seq, rest), turns(ref, ref_seq, rest))
 

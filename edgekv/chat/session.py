@@ -125,8 +125,9 @@ class ChatSession:
 
         t0 = time.perf_counter()
         before = (list(self.conv.messages), self.conv.dropped_turns, self.rng.bit_generator.state)
+        turn = None
         try:
-            with self.batcher.turn():
+            with self.batcher.turn() as turn:
                 target = self.policy.fit(self.conv, user, self.seq, self.max_new)
                 n = self._common(target)
                 constraint, stop_ids = self._turn_constraint()
@@ -143,6 +144,8 @@ class ChatSession:
                 self.last_prompt_ids = list(target)
                 self.last = stats_of(req, t0)
         except BaseException as e:
+            if turn is not None and turn.committed and isinstance(e, KeyboardInterrupt):
+                return text, self.last  # the reply is whole (the interrupt came after it): kept
             self._rollback(before)
             if not isinstance(e, KeyboardInterrupt):
                 raise
@@ -158,7 +161,7 @@ class ChatSession:
         return self.reply_grammar.fresh(), set(self.codec.stop_ids) | set(self.reply_grammar.tok.stop_ids)
 
     def _rollback(self, before) -> None:
-        self.batcher.rollback()  # the turn's own lines interrupted leave it open: undone here (else nothing)
+        self.batcher.rollback()  # a second interrupt that cut the turn's rollback short: done whole here
         self.conv.messages, self.conv.dropped_turns, self.rng.bit_generator.state = \
             before[0], before[1], before[2]
 
@@ -183,7 +186,7 @@ class ChatSession:
                 self.reset()
         except BaseException:
             self.system, self.conv.messages = before
-            self.batcher.rollback()  # (an interrupt inside turn() itself)
+            self.batcher.rollback()  # (a rollback cut short by a second interrupt)
             raise
 
     def prefill(self, ids: list[int]) -> None:
@@ -220,7 +223,6 @@ class ChatSession:
             return loaded
         except BaseException:
             if turn is not None and turn.committed:  # the load is whole (the interrupt came after): keep it
-                self.batcher.commit_turn()  # (closed already, unless it landed inside the commit)
                 return loaded
             self.batcher.rollback()
             self._set_loaded_state(before)

@@ -22,9 +22,9 @@ from edgekv.runtime.batching.kv import KVManager
 from edgekv.runtime.batching.poolseq import PoolSequence
 from edgekv.runtime.batching.postprocess import Health, PostProcess
 from edgekv.runtime.batching.request import Request, State, now
-from edgekv.runtime.batching.runner import StepRunner
+from edgekv.runtime.batching.runner import SlotRunner, StepRunner
 from edgekv.runtime.batching.scheduler import Scheduler
-from edgekv.runtime.batching.slots import SlotKV, SlotRunner
+from edgekv.runtime.batching.slots import SlotKV
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.memory import SlotMemory
 
@@ -186,23 +186,21 @@ class Batcher:
     def turn(self):
         """What the block changes can be undone exactly: on an exception it is (the pool's
         owners, the kept sequences, every cell it overwrote), else it is committed. Inside an
-        open turn it joins that one (whose rollback then undoes it). Yields the Turn: its
-        `committed` says, after an interrupt that landed in these lines, whether it was kept."""
-        if self.kv.turns.open:
-            yield self.kv.turns.current
+        open turn it joins that one (whose rollback then undoes it). An interrupt anywhere in
+        these lines leaves the turn committed or undone, never open (but one that cuts the
+        rollback itself short: `rollback` again). Yields the Turn: its `committed` says, after
+        an interrupt, whether what the block did was kept."""
+        turns = self.kv.turns
+        if turns.open:
+            yield turns.current
             return
-        turn = self.kv.turns.begin(self.kv.kept)
         try:
+            turn = turns.begin(self.kv.kept)
             yield turn
+            turns.commit()
         except BaseException:
             self.rollback()
             raise
-        self.kv.turns.commit()
-
-    def commit_turn(self) -> None:
-        """Keep what the open turn changed (nothing when none is open): for a caller whose block
-        was whole when an interrupt landed in `turn()`'s own lines."""
-        self.kv.turns.commit()
 
     def rollback(self) -> None:
         """Undo the open turn (nothing when none is): running and waiting requests dropped, the

@@ -7,9 +7,10 @@ on an empty sequence); everyone else reads it.
 the last reset (a ring's overwritten ones too), so the next position is len(ids). A ring
 (StreamingLLM) keeps its first `sinks` cells forever and overwrites the oldest of the rest.
 
-In a windowed pool (docs/models.md) it also has a ring of the local layers' slots (`local_ring`:
-which ring, `ring_positions`: the position each of its slots holds, -1 none), written by the KV
-manager: position p sits in slot p mod the ring's length."""
+In a windowed pool (docs/models.md) it also has a window ring of the local layers' slots
+(`window_ring`: which one, `window_positions`: the position each of its slots holds, -1 none;
+batching/windowring.py), written by the KV manager: position p sits in slot p mod the ring's
+length. (`ring` is the StreamingLLM ring of its cells, another thing.)"""
 from __future__ import annotations
 
 import numpy as np
@@ -26,8 +27,8 @@ class PoolSequence:
         self._cells: list[int] = []
         self._ids: list[int] = []
         self._sinks: int | None = None
-        self._ring: int | None = None  # its ring of the local layers' slots (a windowed pool)
-        self._ring_pos: np.ndarray | None = None  # [local_ring] the position each slot holds, -1 none
+        self._window_ring: int | None = None  # its window ring of the local layers' slots (a windowed pool)
+        self._window_pos: np.ndarray | None = None  # [cache.local_ring] the position each slot holds, -1 none
 
     # -- what it holds (read-only)
     @property
@@ -59,12 +60,12 @@ class PoolSequence:
         return out
 
     @property
-    def local_ring(self) -> int | None:
-        return self._ring
+    def window_ring(self) -> int | None:
+        return self._window_ring
 
-    def ring_positions(self) -> np.ndarray | None:
-        """[local_ring] the position each of its ring's slots holds (-1: none); read, never changed."""
-        return self._ring_pos
+    def window_positions(self) -> np.ndarray | None:
+        """[cache.local_ring] the position each of its window ring's slots holds (-1: none); read, never changed."""
+        return self._window_pos
 
     @property
     def sinks(self) -> int | None:
@@ -138,29 +139,29 @@ class PoolSequence:
     def _relabel(self, perm) -> None:
         self._cells = perm[self._cells].tolist() if self._cells else []
 
-    def _take_ring(self, ring: int, length: int) -> None:
+    def _take_window_ring(self, ring: int, length: int) -> None:
         """Ring `ring` of `length` slots is its own, empty."""
-        self._ring, self._ring_pos = ring, np.full(length, -1, np.int64)
+        self._window_ring, self._window_pos = ring, np.full(length, -1, np.int64)
 
-    def _forget_ring_from(self, position: int) -> None:
+    def _forget_window_from(self, position: int) -> None:
         """Its ring's slots holding `position` or later hold nothing (0: the whole ring)."""
-        self._ring_pos[self._ring_pos >= position] = -1
+        self._window_pos[self._window_pos >= position] = -1
 
-    def _place_ring(self, positions: np.ndarray) -> None:
+    def _place_window(self, positions: np.ndarray) -> None:
         """Its ring holds exactly `positions`, each at its slot (position mod the ring's length)."""
-        self._ring_pos[:] = -1
-        self._mark_ring(positions)
+        self._window_pos[:] = -1
+        self._mark_window(positions)
 
-    def _mark_ring(self, positions: np.ndarray) -> None:
+    def _mark_window(self, positions: np.ndarray) -> None:
         """A call wrote `positions` into its ring (each at position mod the ring's length)."""
-        self._ring_pos[positions % len(self._ring_pos)] = positions
+        self._window_pos[positions % len(self._window_pos)] = positions
 
     def _state(self) -> tuple:
-        ring = None if self._ring_pos is None else self._ring_pos.copy()
+        ring = None if self._window_pos is None else self._window_pos.copy()
         return list(self._cells), list(self._ids), self._sinks, ring
 
     def _restore_state(self, state: tuple) -> None:
         cells, ids, self._sinks, ring = state
         self._cells, self._ids = list(cells), list(ids)
         if ring is not None:
-            self._ring_pos[:] = ring
+            self._window_pos[:] = ring

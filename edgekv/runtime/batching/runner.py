@@ -1,5 +1,6 @@
-"""The step runner: a call (plan.py) in, the backend's logits rows out. It builds the ids, the
-positions, the per-token mask and the logits index, runs the graph once, and decides nothing.
+"""The step runners: a call in, the backend's logits rows out. Each builds the graph's inputs,
+runs it once, and decides nothing. StepRunner runs the cell pool's calls (plan.py): the ids,
+the positions, the per-token mask and the logits index. SlotRunner runs fused slots' (slots.py).
 
 The mask [1, S, P + S] says per token which cells of the past are its own sequence's (wherever
 they lie: a shared prefix, a ring's wrapped layout) and which earlier tokens of the batch it
@@ -10,8 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from edgekv.errors import EdgeKVError
 from edgekv.runtime.backends.base import BatchBackend
 from edgekv.runtime.batching.plan import Call
+from edgekv.runtime.batching.slots import SlotCall
 from edgekv.runtime.batching.windowring import WindowRings
 from edgekv.runtime.cache import KVCache
 
@@ -75,8 +78,8 @@ class StepRunner:
         for piece in call.pieces:
             n, seq = len(piece.tokens), piece.seq
             q = pos[0, r: r + n, None]  # [n, 1]
-            held = seq.ring_positions()  # [ring]: -1 where none
-            base = seq.local_ring * ring
+            held = seq.window_positions()  # [ring]: -1 where none
+            base = seq.window_ring * ring
             local[0, r: r + n, base: base + ring] = (held >= 0)[None] & (q - held[None] < window)
             d = q - pos[0, None, r: r + n]
             local[0, r: r + n, L + r: L + r + n] = (d >= 0) & (d < window)
@@ -97,3 +100,42 @@ class StepRunner:
                                             local_key_mask=self.local_mask(call, pos, mask))
         self.calls += 1
         return logits[0]
+
+
+class SlotRunner:
+    """A SlotCall in, the backend's logits rows out (run_slots): the ids right-padded to the
+    longest entry, each entry's length and valid tokens, its rows' indices."""
+
+    def __init__(self, backend, cache: KVCache):
+        if not hasattr(backend, "run_slots"):
+            raise EdgeKVError(f"fused slots need a backend that runs them (ort-cpu's fused graph); {backend.name} does not")
+        self.backend, self.cache = backend, cache
+        self.calls = 0
+
+    def inputs(self, call: SlotCall) -> tuple[np.ndarray, ...]:
+        """(input_ids [B, S], lengths [B], query_lengths [B], logits_index [B, K])."""
+        b = len(call.entries)
+        s = max(len(p.tokens) for p in call.pieces)
+        k = max([r for _, r in call.returned] or [1])
+        ids = np.zeros((b, s), np.int64)
+        lengths = np.zeros(b, np.int64)
+        query = np.zeros(b, np.int32)
+        idx = np.zeros((b, k), np.int64)
+        for e, p in enumerate(call.entries):
+            if p is None:
+                continue
+            n = len(p.tokens)
+            ids[e, :n], lengths[e], query[e] = p.tokens, p.seq.n, n
+            rows = max(p.rows, 1)
+            idx[e, :rows] = np.arange(n - rows, n)
+            idx[e, rows:] = n - 1  # padding rows: never read
+        return ids, lengths, query, idx
+
+    def run(self, call: SlotCall) -> np.ndarray:
+        """logits [K, V]: each returned piece's rows, in the call's order."""
+        ids, lengths, query, idx = self.inputs(call)
+        logits = self.backend.run_slots(self.cache, call.first, ids, lengths, query, idx)
+        self.calls += 1
+        at = {id(p): e for e, p in enumerate(call.entries) if p is not None}
+        return np.concatenate([logits[at[id(p)], :k] for p, k in call.returned]) if call.returned \
+            else logits[0, :0]

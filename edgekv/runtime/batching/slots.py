@@ -28,6 +28,7 @@ from edgekv.errors import EdgeKVError
 from edgekv.runtime.batching.kv import KVCounters
 from edgekv.runtime.batching.plan import Piece
 from edgekv.runtime.batching.poolseq import PoolSequence
+from edgekv.runtime.batching.turns import NoTurns
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.pool import Prefix
 
@@ -148,21 +149,6 @@ class SlotPool:
     evict_freeing = evict_one  # a free slot's prefix is only the cache's: dropping it frees its cells
 
 
-class NoTurns:
-    """Chat's turns need the cell pool (a kept sequence, its rollback): never open here."""
-    open = False
-    current = None
-
-    def begin(self, kept):
-        raise EdgeKVError("a chat turn runs on the cell pool, not on fused slots")
-
-    def commit(self) -> None:
-        pass
-
-    def rollback(self) -> bool:
-        return False
-
-
 class SlotKV:
     """The KV manager of a slotted cache (the cell pool's interface, kv.py): each sequence's
     cells are its slot's first ones; it owns the sequences' cells and the slots' prefixes."""
@@ -265,42 +251,3 @@ class SlotKV:
         for p in call.pieces:
             n, base = p.seq.n, self.pool.slot_of(p.seq) * self.pool.length
             p.seq._extend(range(base + n, base + n + len(p.tokens)), p.tokens)
-
-
-class SlotRunner:
-    """A SlotCall in, the backend's logits rows out (run_slots): the ids right-padded to the
-    longest entry, each entry's length and valid tokens, its rows' indices."""
-
-    def __init__(self, backend, cache: KVCache):
-        if not hasattr(backend, "run_slots"):
-            raise EdgeKVError(f"fused slots need a backend that runs them (ort-cpu's fused graph); {backend.name} does not")
-        self.backend, self.cache = backend, cache
-        self.calls = 0
-
-    def inputs(self, call: SlotCall) -> tuple[np.ndarray, ...]:
-        """(input_ids [B, S], lengths [B], query_lengths [B], logits_index [B, K])."""
-        b = len(call.entries)
-        s = max(len(p.tokens) for p in call.pieces)
-        k = max([r for _, r in call.returned] or [1])
-        ids = np.zeros((b, s), np.int64)
-        lengths = np.zeros(b, np.int64)
-        query = np.zeros(b, np.int32)
-        idx = np.zeros((b, k), np.int64)
-        for e, p in enumerate(call.entries):
-            if p is None:
-                continue
-            n = len(p.tokens)
-            ids[e, :n], lengths[e], query[e] = p.tokens, p.seq.n, n
-            rows = max(p.rows, 1)
-            idx[e, :rows] = np.arange(n - rows, n)
-            idx[e, rows:] = n - 1  # padding rows: never read
-        return ids, lengths, query, idx
-
-    def run(self, call: SlotCall) -> np.ndarray:
-        """logits [K, V]: each returned piece's rows, in the call's order."""
-        ids, lengths, query, idx = self.inputs(call)
-        logits = self.backend.run_slots(self.cache, call.first, ids, lengths, query, idx)
-        self.calls += 1
-        at = {id(p): e for e, p in enumerate(call.entries) if p is not None}
-        return np.concatenate([logits[at[id(p)], :k] for p, k in call.returned]) if call.returned \
-            else logits[0, :0]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from edgekv.errors import EdgeKVError
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.memory import runs
 from edgekv.runtime.pool import CellPool
@@ -34,22 +35,22 @@ class Turns:
         return self.current is not None
 
     def begin(self, kept: list) -> Turn:
-        self.current = Turn(self.pool.state(), [(s, s._state()) for s in kept], self.cache.capacity)
+        turn = Turn(self.pool.state(), [(s, s._state()) for s in kept], self.cache.capacity)
         # a ring is small (the window) and any call may write any of its slots: copied at the start
-        self.current.rings = [(s.local_ring, self.cache.read_ring(s.local_ring)) for s in kept
-                              if s.local_ring is not None]
-        return self.current
+        turn.rings = [(s.window_ring, self.cache.read_ring(s.window_ring)) for s in kept if s.window_ring is not None]
+        self.current = turn  # open only once whole
+        return turn
 
     def commit(self) -> None:
-        turn = self.current
-        if turn is not None:
-            turn.committed = True
-        self.current = None
+        """Keep what the open turn changed; one line, so an interrupt finds it open or committed."""
+        if self.current is not None:
+            self.current.committed, self.current = True, None
 
     def rollback(self) -> bool:
         """Back to `begin`: the cells' owners, the kept sequences and every overwritten cell as
-        they were. False when no turn was open."""
-        turn, self.current = self.current, None
+        they were. False when no turn was open. The turn closes only once all of it is back: a
+        rollback cut short (a second Ctrl-C) is done again whole by the next call."""
+        turn = self.current
         if turn is None:
             return False
         if turn.whole is not None:
@@ -61,6 +62,7 @@ class Turns:
         self.pool.set_state(turn.pool)
         for seq, state in turn.kept:
             seq._restore_state(state)
+        self.current = None
         return True
 
     def protect(self, w: int, s: int) -> None:
@@ -77,3 +79,18 @@ class Turns:
         for a, b in runs(w + np.flatnonzero(todo)):
             turn.rows.append((a, self.cache.read_rows(a, b)))
         turn.saved[w: w + s] |= todo
+
+
+class NoTurns:
+    """Chat's turns need the cell pool (a kept sequence, its rollback): never open here."""
+    open = False
+    current = None
+
+    def begin(self, kept):
+        raise EdgeKVError("a chat turn runs on the cell pool, not on fused slots")
+
+    def commit(self) -> None:
+        pass
+
+    def rollback(self) -> bool:
+        return False

@@ -1,7 +1,7 @@
 """Window rings: where a windowed pool (cache.local_ring: chat's, docs/models.md) keeps its local
 layers' K/V. Its cells hold the global layers' only; each running sequence has a ring of
 `local_ring` slots of its own for the local layers, from `take` to `give_back`. Position p sits
-in slot p mod local_ring (PoolSequence.ring_positions says which position each slot holds). Not
+in slot p mod local_ring (PoolSequence.window_positions says which position each slot holds). Not
 to be confused with the StreamingLLM ring (PoolSequence.ring): that one is of cells, and drops a
 sequence's oldest tokens.
 
@@ -38,19 +38,19 @@ class WindowRings:
     def take(self, seq: PoolSequence) -> None:
         if not self.free:
             raise EdgeKVError(f"every one of the {self.cache.rings} rings of the local layers' window is in use")
-        seq._take_ring(self.free.pop(0), self.length)
+        seq._take_window_ring(self.free.pop(0), self.length)
 
     def give_back(self, seq: PoolSequence) -> None:
-        self.free.append(seq.local_ring)
+        self.free.append(seq.window_ring)
 
     def forget_from(self, seq: PoolSequence, n: int) -> None:
         """Its ring's slots holding position n or later hold nothing (0: the whole ring)."""
-        seq._forget_ring_from(n)
+        seq._forget_window_from(n)
 
     def holds_window(self, seq: PoolSequence, n: int) -> bool:
         """Its ring holds every position of the window before n."""
         need = np.arange(max(0, n - (self.cache.window or 1) + 1), n)
-        return bool(np.isin(need, seq.ring_positions()).all())
+        return bool(np.isin(need, seq.window_positions()).all())
 
     # -- a call
     def kept(self, p: Piece) -> tuple[int, np.ndarray]:
@@ -65,21 +65,21 @@ class WindowRings:
         for p in call.pieces:
             first, kept = self.kept(p)
             rows.append(r + np.arange(first, len(p.tokens)))
-            slots.append(p.seq.local_ring * self.length + kept % self.length)
+            slots.append(p.seq.window_ring * self.length + kept % self.length)
             r += len(p.tokens)
         return np.concatenate(rows), np.concatenate(slots)
 
     def mark(self, p: Piece) -> None:
         """A call wrote piece p's kept local K/V (before p's tokens join its sequence)."""
-        p.seq._mark_ring(self.kept(p)[1])
+        p.seq._mark_window(self.kept(p)[1])
 
     # -- snapshots
     def snapshot(self, seq: PoolSequence) -> dict[str, np.ndarray]:
         """Its ring's filled slots, in position order: the RING part of a snapshot."""
-        pos = seq.ring_positions()
+        pos = seq.window_positions()
         slots = np.flatnonzero(pos >= 0)
         slots = slots[np.argsort(pos[slots])]
-        rows = self.cache.read_ring(seq.local_ring)
+        rows = self.cache.read_ring(seq.window_ring)
         return {RING + name: v[slots] for name, v in rows.items()} | {RING_POSITIONS: pos[slots].copy()}
 
     def to_restore(self, seq: PoolSequence, cells: dict, ring: dict, ids: list[int], n: int) -> tuple:
@@ -109,8 +109,8 @@ class WindowRings:
         slots = pos % self.length
         order = np.argsort(slots)  # write_local copies runs of consecutive slots
         for name in self.cache.local_names:
-            self.cache.write_local(name, seq.local_ring * self.length + slots[order], rows[name][order])
-        seq._place_ring(pos)
+            self.cache.write_local(name, seq.window_ring * self.length + slots[order], rows[name][order])
+        seq._place_window(pos)
 
 
 class NoWindowRings:
