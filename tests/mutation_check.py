@@ -759,10 +759,14 @@ MUTATIONS = [
     M("serve windowed: a ring not given back with its request", "engine", "edgekv/runtime/batching/windowring.py", "        self.free.append(seq.window_ring)", "        pass", SERVE_WINDOWED),
     M("turns: a rollback cut short closes the turn", "engine", "edgekv/runtime/batching/turns.py", "        turn = self.current\n        if turn is None:\n            return False", "        turn, self.current = self.current, None\n        if turn is None:\n            return False", ("tests/test_chat_engine.py", "-k", "rollback_cut_short")),
     M("turns: an interrupt at the commit leaves the turn open", "engine", "edgekv/runtime/batching/batcher.py", "            yield turn\n            turns.commit()\n        except BaseException:\n            self.rollback()\n            raise\n", "            yield turn\n        except BaseException:\n            self.rollback()\n            raise\n        turns.commit()\n", ("tests/test_chat_engine.py", "-k", "interrupt_at_every")),
+    M("snapshot: an old file's wrapped ring loaded in slot order", "engine", "edgekv/runtime/batching/snapshot.py", "    order = np.r_[0: sinks, w: n, sinks: w]", "    order = np.r_[0: sinks, sinks: w, w: n]", ("tests/test_chat_engine.py", "-k", "old_format")),
+    M("window rings: a full cache's snapshot fills the ring from its first cells", "engine", "edgekv/runtime/batching/windowring.py", "            keep = np.flatnonzero(pos >= len(ids) - self.length)", "            keep = np.arange(min(self.length, n))", GEMMA_POOL),
+    M("window rings: restored rows not in their slots' order", "engine", "edgekv/runtime/batching/windowring.py", "seq.window_ring * self.length + slots[order], rows[name][order])", "seq.window_ring * self.length + slots[order], rows[name])", GEMMA_POOL),
     # issue 25 item 2: a request's state decides what happens to it
     M("state: a closing request samples on", "engine", "edgekv/runtime/batching/postprocess.py", "        if req.state is State.CLOSING:  # its last token is in the cells now", "        if False:", CHAT),
     M("state: a closing request's last token not fed", "engine", "edgekv/runtime/batching/request.py", "        return self is State.DECODING or self is State.CLOSING", "        return self is State.DECODING", CHAT),
-    M("state: a preempted closing request prefilled again", "engine", "edgekv/runtime/batching/scheduler.py", "        if req.state is State.CLOSING:\n            self.finish(req, req.end_reason)", "        if False:\n            self.finish(req, req.end_reason)", ENGINE_HARD),
+    M("state: feed_last accepted without a kept sequence", "engine", "edgekv/runtime/batching/request.py", "        if feed_last and seq is None:", "        if False:", ENGINE_HARD),
+    M("a step that plans nothing spins", "engine", "edgekv/runtime/batching/batcher.py", "        if not plan:  # requests run", "        if False:  # requests run", ENGINE_HARD),
 ]
 
 _IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", "bundles", "*.egg-info",

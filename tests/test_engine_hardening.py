@@ -322,3 +322,22 @@ def test_submit_does_not_rewrite_max_tokens(rt_float):
     run_checked(engine, [r])
     assert r.max_tokens == 10 ** 6
     assert r.finish_reason == "length" and len(r.out) == 64 - 20
+
+
+def test_feed_last_needs_a_kept_sequence():
+    """Feeding a reply's last token is for a kept sequence (chat); a request's own cells are freed
+    at its end, so nothing would hold it: refused when the request is made."""
+    with pytest.raises(ValueError, match="kept sequence"):
+        Request(ids(4, 120), 3, feed_last=True)
+
+
+def test_a_step_that_plans_nothing_for_running_requests_raises_instead_of_spinning(rt_float, monkeypatch):
+    """Running requests none of which can go on (a scheduling bug) end the step with an error, so
+    chat's run and serve's loop fail them instead of stepping forever."""
+    engine = rt_float.batcher(capacity=64, parallel=2, prefill_chunk=8)
+    r = engine.submit(Request(ids(6, 121), 4))
+    engine.step()
+    monkeypatch.setattr(engine.scheduler, "schedule", lambda: [])
+    with pytest.raises(RuntimeError, match="planned nothing"):
+        engine.step()
+    assert r in engine.running  # nothing was decided for it: serve's loop then fails it

@@ -123,6 +123,8 @@ class Batcher:
         plan = self.scheduler.schedule()
         if plan is None:
             return False
+        if not plan:  # requests run and none can go on: stepping again would spin
+            raise RuntimeError("the scheduler planned nothing for its running requests")
         self.kv.tidy(sum(len(p.tokens) for p in plan))
         for call in self.kv.place(plan):
             self.kv.protect(call)

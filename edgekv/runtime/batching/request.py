@@ -86,6 +86,8 @@ class Request:
                  tenant: str = "", constraint: "Constraint | None" = None, logits_from: int | None = None,
                  logprobs: int | None = None):
         params = params or SamplingParams()
+        if feed_last and seq is None:  # a request's own cells are freed at its end: nothing would hold it
+            raise ValueError("feed_last appends the last token to a kept sequence; this request has none")
         self.ask = Ask(tuple(int(t) for t in prompt), max_tokens, params, frozenset(stop_ids), emit, record_logits,
                        seq, feed_last, tenant, constraint, logits_from, logprobs)
         self.rng = rng if rng is not None else np.random.default_rng(params.seed)

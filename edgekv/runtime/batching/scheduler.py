@@ -149,11 +149,9 @@ class Scheduler:
         """Take a running request's cells back (vLLM's recompute): it goes to the front of the
         queue with its prompt and its reply so far to prefill, and resumes from their last
         token's logits as if it had decoded on (what it emitted stays emitted; its sampler's
-        state is untouched). One that only had its last token left to feed just ends."""
+        state is untouched). Never a closing one: only a kept sequence's request closes (feed_last),
+        and those are never preempted."""
         self.counters.preempted += 1
-        if req.state is State.CLOSING:
-            self.finish(req, req.end_reason)
-            return
         self.kv.release(req.seq)
         req.took_back()
         with self.cond:  # one move for `_would_wait`, which counts both lists
