@@ -38,6 +38,7 @@ class RingSequence(Sequence):
     sinks = PoolSequence.sinks
     ring = PoolSequence.ring
     enable_ring = PoolSequence.enable_ring
+    check_sinks = PoolSequence.check_sinks
     disable_ring = PoolSequence.disable_ring
 
     # -- what it holds (read-only)

@@ -22,9 +22,6 @@ from tests.test_chat_invariants import Interrupting, fresh_greedy, small_bundle 
 from tests.test_chat_invariants import pool_holds_exactly_the_conversation as refs_ok
 
 SYSTEM = "You are terse."
-# reply()'s line after its try, where its turn is committed (the `with batcher.turn()` block left)
-END_TURN_LINE = next(i for i, l in enumerate(open(ChatSession.reply.__code__.co_filename), 1)
-                     if l.rstrip() == "        return text, self.last" and i > ChatSession.reply.__code__.co_firstlineno)
 QS = ["What is the capital of France?", "And of Germany?", "Tell me about trains and tea.", "Go on.",
       "robots?", "Café 東京 🙂", "x", "Der schnelle braune Fuchs."]
 
@@ -77,12 +74,13 @@ def state(s: ChatSession):
 # -- 1. KeyboardInterrupt at every line of the engine during a turn (interrupt_points) -------------
 
 class LineInterrupt:
-    """Raise KeyboardInterrupt at the k-th traced line executed in engine.py / session.py / cache.py."""
+    """Raise KeyboardInterrupt at the k-th traced line executed in the batcher's units, the cache,
+    the pool or the chat session."""
 
     FILES = ("edgekv/runtime/batching/batcher.py", "edgekv/runtime/batching/scheduler.py", "edgekv/runtime/batching/kv.py",
              "edgekv/runtime/batching/turns.py", "edgekv/runtime/batching/poolseq.py", "edgekv/runtime/batching/runner.py",
              "edgekv/runtime/batching/postprocess.py", "edgekv/runtime/batching/request.py", "edgekv/runtime/batching/plan.py",
-             "edgekv/runtime/cache.py", "edgekv/runtime/pool.py",
+             "edgekv/runtime/batching/windowring.py", "edgekv/runtime/cache.py", "edgekv/runtime/pool.py",
              "edgekv/chat/session.py", "edgekv/chat/policies.py", "edgekv/chat/conversation.py")
 
     def __init__(self, k):
@@ -118,6 +116,7 @@ def test_interrupt_at_every_engine_line_rolls_back_exactly(tiny_bundle_int8, con
         assert s.reply(q)[0] == ref.reply(q)[0]
     q = QS[3]
     want, lines = lines_run(LineInterrupt.FILES, lambda: ref.reply(q)[0])
+    whole = state(ref)  # what an uninterrupted turn leaves
     ks = interrupt_points(lines)
     before = state(s)
     fired_any, late = 0, None
@@ -125,16 +124,18 @@ def test_interrupt_at_every_engine_line_rolls_back_exactly(tiny_bundle_int8, con
         tr = LineInterrupt(k)
         sys.settrace(tr)
         try:
-            text, st = s.reply(q)
+            text = s.reply(q)[0]
         except KeyboardInterrupt:
-            text, st = None, None  # landed outside the try
+            text = None  # landed before reply's try: before its turn
         finally:
             sys.settrace(None)
         assert tr.fired, (k, len(ks))  # the same lines as the reference's turn
         fired_any += 1
-        if tr.where[2] == "reply" and tr.where[1] >= END_TURN_LINE:
-            assert s.messages == ref.messages, tr.where  # after its turn committed: the exchange kept whole
-            late = tr.where
+        if s.messages != before["msgs"]:  # after its turn committed: kept whole, the reply too
+            got = state(s)
+            assert all(got[key] == whole[key] for key in got if key != "rng"), (k, tr.where)  # (its own seed)
+            assert text == want, (k, tr.where)  # and reply says so: an interrupt then cancels nothing
+            late = tr.where  # nothing later can be rolled back: stop here
             break
         after = state(s)
         for key in before:  # the turn too: an interrupt in turn()'s own lines never leaves it open
@@ -145,21 +146,55 @@ def test_interrupt_at_every_engine_line_rolls_back_exactly(tiny_bundle_int8, con
         assert s.reply(q)[0] == want
 
 
+def test_an_interrupt_on_any_line_of_a_bare_turn_leaves_it_closed_and_undone(tiny_bundle_int8):
+    """`with batcher.turn(): batcher.run(...)` alone, no session code around it to tidy up: an
+    interrupt on any line it runs (turn()'s own included) leaves no turn open and the pool, the
+    kept ring and its cells exactly as before."""
+    s = make(tiny_bundle_int8, 56, "ring", max_new=10, chunk=5)
+    ref = make(tiny_bundle_int8, 56, "ring", max_new=10, chunk=5)
+    for q in QS[:3]:
+        s.reply(q), ref.reply(q)
+    prompt = s.codec.chat_ids([{"role": "user", "content": QS[3]}])
+
+    def bare_turn(session):
+        with session.batcher.turn():
+            session.batcher.run(Request(prompt, 10, seq=session.seq, feed_last=True))
+
+    _, lines = lines_run(LineInterrupt.FILES, lambda: bare_turn(ref))
+    ks = interrupt_points(lines)
+    assert any(f.endswith("batcher.py") for f, _ in lines)
+    before = state(s)
+    for k in ks:
+        tr = LineInterrupt(k)
+        sys.settrace(tr)
+        try:
+            bare_turn(s)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        assert tr.fired, (k, len(ks))
+        assert not s.batcher.kv.turns.open, tr.where
+        assert state(s) == before, tr.where  # (turn() runs no line once its turn is committed)
+    assert len(ks) > 20
+
+
 def test_a_rollback_cut_short_by_a_second_interrupt_is_done_whole_by_the_next(tiny_bundle_int8, monkeypatch):
     """Ctrl-C at a wrapped ring's third call of a turn, then again while the rollback writes the
-    overwritten cells back: the turn stays open (not closed half undone), and the session's
-    next rollback puts every cell, owner and id back as before the turn."""
+    overwritten cells back (after its first run of rows: partly undone): the turn stays open (not
+    closed half undone), and the next rollback puts every cell, owner and id back as before."""
     s = make(tiny_bundle_int8, 56, "ring", max_new=10, chunk=5)
     for q in QS[:3]:
         s.reply(q)
     assert s.seq.wrapped
     before = state(s)
     cache = s.batcher.cache
-    write_rows, cut = cache.write_rows, []
+    assert cache.reads_rows  # (a memory that cannot copy row ranges restores the whole cache at once)
+    write_rows, calls = cache.write_rows, []
 
     def cut_once(start, rows):
-        if not cut:
-            cut.append(start)
+        calls.append(start)
+        if len(calls) == 2:
             raise KeyboardInterrupt
         write_rows(start, rows)
 
@@ -169,9 +204,9 @@ def test_a_rollback_cut_short_by_a_second_interrupt_is_done_whole_by_the_next(ti
         with s.batcher.turn():
             s.batcher.run(Request(s.codec.chat_ids([{"role": "user", "content": QS[3]}]), 10, seq=s.seq,
                                   feed_last=True))
-    assert cut and s.batcher.kv.turns.open  # cut short: still open, nothing claimed done
+    assert len(calls) == 2 and s.batcher.kv.turns.open  # cut short: still open, nothing claimed done
     s.batcher.rollback()
-    assert state(s) == before
+    assert state(s) == before and not s.batcher.kv.turns.open
 
 
 # -- 2. random operations against oracles --------------------------------------------------------
@@ -426,6 +461,10 @@ def test_old_format_wrapped_ring_file_loads_in_position_order(tiny_bundle_int8, 
             "ring": {"w": g.seq.w, "sinks": sinks}}
     with open(tmp_path / "old.npz", "wb") as f:
         np.savez(f, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **g.cache.read(g.seq.n))
+    linear = make(tiny_bundle_int8, ctx, "drop-turns")
+    with pytest.raises(EdgeKVError, match="wrapped") as refused:  # a session without a ring: how to load it
+        linear.load(tmp_path / "old.npz", trust_unrecorded=True)
+    assert refused.value.setting == "context_policy"
     t.load(tmp_path / "old.npz", trust_unrecorded=True)
     assert t.seq.ids == g.seq.ids and t.seq.wrapped
     req = t.batcher.run(Request([7], 30, seq=t.seq, feed_last=True, record_logits=True))

@@ -451,6 +451,9 @@ def test_a_windowed_chat_saves_and_loads_its_ring(bundles, tmp_path):
     turns(e, seq, [ids(25, 47), ids(9, 48)])
     snap, held = e.snapshot(seq), seq.ids
     assert snap["ring.positions"].tolist() == list(range(seq.pos - (WINDOW - 1), seq.pos))
+    bad = {**snap, "ring.positions": snap["ring.positions"] + len(held)}  # positions it was never fed
+    with pytest.raises(EdgeKVError, match="layout"):  # the ring part is checked before anything changes
+        e.check_restore(seq, bad, held)
     nxt = [ids(10, 49), ids(7, 50)]
     want = turns(e, seq, nxt)
     again = windowed_chat(b)

@@ -139,7 +139,7 @@ def test_concurrent_requests_through_the_windowed_pool_equal_each_alone(bundles,
         req = run.reqs[name]
         assert len(req.out) == n and len(prompt) + n > 2 * WINDOW, name
         assert_alone(b, req, exact_logits=kv == "float")
-    assert len(e.kv.rings.free) == 4 and not e.kv.sequences  # every ring back with its request
+    assert len(e.kv.window_rings.free) == 4 and not e.kv.sequences  # every ring back with its request
 
 
 def test_admission_waits_for_a_free_ring_not_only_for_cells(bundles):
@@ -153,7 +153,7 @@ def test_admission_waits_for_a_free_ring_not_only_for_cells(bundles):
         e.submit(r)
     e.step()
     assert len(e.running) == 2 and len(e.waiting) == 1 and e.pool.free() > 64
-    assert not e.kv.rings.free
+    assert not e.kv.window_rings.free
     while not reqs[0].finish_reason:
         e.step()
         assert len(e.running) <= 2
@@ -162,7 +162,7 @@ def test_admission_waits_for_a_free_ring_not_only_for_cells(bundles):
     run_until_done(e, reqs)
     for r in reqs:
         assert_alone(b, r)
-    assert sorted(e.kv.rings.free) == [0, 1]
+    assert sorted(e.kv.window_rings.free) == [0, 1]
 
 
 def test_a_preempted_request_resumes_through_a_ring_the_same_as_alone(bundles):
@@ -178,7 +178,7 @@ def test_a_preempted_request_resumes_through_a_ring_the_same_as_alone(bundles):
     for r in reqs:
         assert len(r.out) == 60
         assert_alone(b, r)
-    assert sorted(e.kv.rings.free) == [0, 1]
+    assert sorted(e.kv.window_rings.free) == [0, 1]
 
 
 # -- the prefix cache --------------------------------------------------------------------------

@@ -123,35 +123,51 @@ class ChatSession:
                     pieces.append(piece)
                     write(piece)
 
+        def turn() -> str:
+            target = self.policy.fit(self.conv, user, self.seq, self.max_new)
+            n = self._common(target)
+            constraint, stop_ids = self._turn_constraint()
+            # the stop token (or the last one) is fed too: the cache holds the turn as the template renders it
+            req = Request(target[n:], self.max_new, self.params, stop_ids, emit=emit, seq=self.seq,
+                          feed_last=True, rng=self.rng, constraint=constraint)
+            self.batcher.run(req)
+            tail = dec.flush()
+            if tail:
+                pieces.append(tail)
+                write(tail)
+            text = "".join(pieces)
+            self.conv.add_exchange(user, text)
+            self.last_prompt_ids = list(target)
+            self.last = stats_of(req, t0)
+            return text
+
         t0 = time.perf_counter()
         before = (list(self.conv.messages), self.conv.dropped_turns, self.rng.bit_generator.state)
-        turn = None
-        try:
-            with self.batcher.turn() as turn:
-                target = self.policy.fit(self.conv, user, self.seq, self.max_new)
-                n = self._common(target)
-                constraint, stop_ids = self._turn_constraint()
-                # the stop token (or the last one) is fed too: the cache holds the turn as the template renders it
-                req = Request(target[n:], self.max_new, self.params, stop_ids, emit=emit, seq=self.seq,
-                              feed_last=True, rng=self.rng, constraint=constraint)
-                self.batcher.run(req)
-                tail = dec.flush()
-                if tail:
-                    pieces.append(tail)
-                    write(tail)
-                text = "".join(pieces)
-                self.conv.add_exchange(user, text)
-                self.last_prompt_ids = list(target)
-                self.last = stats_of(req, t0)
-        except BaseException as e:
-            if turn is not None and turn.committed and isinstance(e, KeyboardInterrupt):
-                return text, self.last  # the reply is whole (the interrupt came after it): kept
-            self._rollback(before)
-            if not isinstance(e, KeyboardInterrupt):
-                raise
+        try:  # (one line: an interrupt once the turn is whole finds nothing left to run here)
+            return self._whole(turn, lambda: self._put_turn_state(before)), self.last
+        except KeyboardInterrupt:
             st.stop_reason = "interrupted"  # self.last stays the last completed turn's
             return "", st
-        return text, self.last
+
+    def _whole(self, change, undo):
+        """change() in one batcher turn, all or nothing; returns what it returns. An exception
+        before the turn commits rolls it back: undo() puts the session's own fields back (first:
+        a second interrupt in the cells' rollback leaves only the cells, which the next turn
+        finishes), then the cells. One after the commit keeps everything (what it interrupts is
+        whole): a KeyboardInterrupt is dropped, any other exception raised."""
+        turn, out = None, []
+        try:
+            with self.batcher.turn() as turn:
+                out.append(change())
+            return out[0]
+        except BaseException as e:
+            if turn is not None and turn.committed:
+                if isinstance(e, KeyboardInterrupt):
+                    return out[0]
+                raise
+            undo()
+            self.batcher.rollback()
+            raise
 
     def _turn_constraint(self):
         """(this turn's constraint, its stop ids): a fresh matcher of the reply grammar, every end
@@ -160,10 +176,8 @@ class ChatSession:
             return None, self.codec.stop_ids
         return self.reply_grammar.fresh(), set(self.codec.stop_ids) | set(self.reply_grammar.tok.stop_ids)
 
-    def _rollback(self, before) -> None:
-        self.batcher.rollback()  # a second interrupt that cut the turn's rollback short: done whole here
-        self.conv.messages, self.conv.dropped_turns, self.rng.bit_generator.state = \
-            before[0], before[1], before[2]
+    def _put_turn_state(self, before) -> None:
+        self.conv.messages, self.conv.dropped_turns, self.rng.bit_generator.state = before  # one line: whole
 
     def undo(self) -> bool:
         if not self.conv.undo():
@@ -180,14 +194,15 @@ class ChatSession:
     def set_system(self, text: str | None) -> None:
         """A new system prompt resets the conversation; one the policy refuses changes nothing."""
         before = (self.system, list(self.conv.messages))
-        self.system = text
-        try:
-            with self.batcher.turn():  # reset moves no KV data: going back is the turn's bookkeeping
-                self.reset()
-        except BaseException:
-            self.system, self.conv.messages = before
-            self.batcher.rollback()  # (a rollback cut short by a second interrupt)
-            raise
+
+        def change() -> None:
+            self.system = text
+            self.reset()  # moves no KV data: going back is the turn's bookkeeping
+
+        self._whole(change, lambda: self._put_system_state(before))
+
+    def _put_system_state(self, before) -> None:
+        self.system, self.conv.messages = before  # one line: whole
 
     def prefill(self, ids: list[int]) -> None:
         """Feed `ids` to the empty conversation, sampling nothing (the system prompt alone)."""
@@ -214,19 +229,14 @@ class ChatSession:
         loaded = len(saved.meta["messages"]) // 2, saved.n
         conversation = saved.meta.get("conversation") or self.conversation_id  # (older files have none)
         before = self._loaded_state()
-        turn = None
-        try:
-            with self.batcher.turn() as turn:
-                self._set_loaded_state((saved.meta["system"], saved.meta["messages"], 0, None, str(path),
-                                        conversation, []))
-                persistence.restore(self, saved)
+
+        def change() -> tuple[int, int]:
+            self._set_loaded_state((saved.meta["system"], saved.meta["messages"], 0, None, str(path),
+                                    conversation, []))
+            persistence.restore(self, saved)
             return loaded
-        except BaseException:
-            if turn is not None and turn.committed:  # the load is whole (the interrupt came after): keep it
-                return loaded
-            self.batcher.rollback()
-            self._set_loaded_state(before)
-            raise
+
+        return self._whole(change, lambda: self._set_loaded_state(before))
 
     def _loaded_state(self) -> tuple:
         """What a /load replaces beside the cells: the conversation and what /stats says of it."""

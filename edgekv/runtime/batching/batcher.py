@@ -24,6 +24,7 @@ from edgekv.runtime.batching.postprocess import Health, PostProcess
 from edgekv.runtime.batching.request import Request, State, now
 from edgekv.runtime.batching.runner import SlotRunner, StepRunner
 from edgekv.runtime.batching.scheduler import Scheduler
+from edgekv.runtime.batching.windowring import split_window
 from edgekv.runtime.batching.slots import SlotKV
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.memory import SlotMemory
@@ -32,7 +33,7 @@ from edgekv.runtime.memory import SlotMemory
 def cell_pool(backend, cache: KVCache, max_prefixes: int):
     """The unified cell pool's KV manager and step runner (every backend's run_cells)."""
     kv = KVManager(cache, backend.past_bucket, max_prefixes)
-    return kv, StepRunner(backend, cache, kv.rings if cache.local_ring is not None else None)
+    return kv, StepRunner(backend, cache, kv.window_rings if cache.local_ring is not None else None)
 
 
 def fused_slots(backend, cache: KVCache, max_prefixes: int):
@@ -187,19 +188,22 @@ class Batcher:
     @contextmanager
     def turn(self):
         """What the block changes can be undone exactly: on an exception it is (the pool's
-        owners, the kept sequences, every cell it overwrote), else it is committed. Inside an
-        open turn it joins that one (whose rollback then undoes it). An interrupt anywhere in
-        these lines leaves the turn committed or undone, never open (but one that cuts the
-        rollback itself short: `rollback` again). Yields the Turn: its `committed` says, after
-        an interrupt, whether what the block did was kept."""
+        owners, the kept sequences, every cell it overwrote), else it is committed. Inside
+        another turn's block it joins that turn (whose rollback then undoes it). An interrupt
+        on any of these lines leaves the turn committed or undone; only a rollback cut short (a
+        second interrupt, or its own error) leaves it open, and the next turn finishes that
+        rollback before it begins. Yields the Turn: its `committed` says, after an exception,
+        whether what the block did was kept."""
         turns = self.kv.turns
-        if turns.open:
+        if turns.open and not turns.current.undoing:
             yield turns.current
             return
         try:
+            if turns.open:  # a rollback cut short: the pool as it was before that turn, first
+                self.rollback()
             turn = turns.begin(self.kv.kept)
             yield turn
-            turns.commit()
+            turns.commit()  # the last line: nothing runs here once the turn is kept
         except BaseException:
             self.rollback()
             raise
@@ -256,8 +260,13 @@ class Batcher:
 
     def check_restore(self, seq: PoolSequence, snap: dict[str, np.ndarray], ids: list[int], w: int | None = None,
                       sinks: int | None = None) -> int:
-        """The cells `restore` would take (nothing changes); an error saying why it would refuse."""
-        return snapshot.check(self.cache, seq, snap, ids, w, sinks)
+        """The cells `restore` would take (nothing changes); an error saying why it would refuse:
+        the cells, the ids, a ring's sinks and write slot (snapshot.check), a windowed pool's
+        ring part (its window rings')."""
+        n = snapshot.check(self.cache, seq, snap, ids, w, sinks)
+        cells, ring = split_window(snapshot.in_position_order(snap, n, w, seq.sinks if sinks is None else sinks))
+        self.kv.window_rings.to_restore(seq, cells, ring, ids, n)
+        return n
 
     def _check_idle(self, seq: PoolSequence) -> None:
         if any(r.seq is seq for r in self.running) or any(r.ask.seq is seq for r in self.waiting):

@@ -27,7 +27,7 @@ from edgekv.runtime.backends.base import bound_past
 from edgekv.runtime.batching.plan import Call, Piece
 from edgekv.runtime.batching.poolseq import PoolSequence
 from edgekv.runtime.batching.turns import Turns
-from edgekv.runtime.batching.windowring import NoWindowRings, WindowRings, split_ring
+from edgekv.runtime.batching.windowring import NoWindowRings, WindowRings, split_window
 from edgekv.runtime.batching.windows import PrefixWindows
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.memory import runs
@@ -52,7 +52,7 @@ class KVManager:
         self.kept: list[PoolSequence] = []  # of which those held across requests (chat)
         self.counters = KVCounters()
         windowed = cache.local_ring is not None
-        self.rings = WindowRings(cache) if windowed else NoWindowRings()
+        self.window_rings = WindowRings(cache) if windowed else NoWindowRings()
         if windowed:  # each running sequence has its own ring
             self.max_sequences = cache.rings
         # a windowed pool's prefix cache: each entry's local layers' window, copied from its ring
@@ -61,7 +61,7 @@ class KVManager:
     # -- sequences
     def new(self, kept: bool = False) -> PoolSequence:
         seq = PoolSequence(self.limit, self.cache.max_positions)
-        self.rings.take(seq)
+        self.window_rings.take(seq)
         self.sequences.append(seq)
         if kept:
             self.kept.append(seq)
@@ -70,7 +70,7 @@ class KVManager:
     def _forget(self, seq: PoolSequence) -> None:
         """A sequence is no longer the manager's: its ring goes back."""
         self.sequences.remove(seq)
-        self.rings.give_back(seq)
+        self.window_rings.give_back(seq)
 
     def release(self, seq: PoolSequence, remember: list[int] | None = None, tenant: str = "") -> None:
         """Give a sequence's cells back (`remember`: its token ids, cached for `tenant` first);
@@ -111,7 +111,7 @@ class KVManager:
         self.pool.take(cells)
         seq._set([int(c) for c in cells], ids[:k])
         if self.windows:
-            self.rings.put(seq, *self.windows.before(key, k))
+            self.window_rings.put(seq, *self.windows.before(key, k))
         return k
 
     def remember_prompt(self, seq: PoolSequence, feed: list[int], tenant: str) -> None:
@@ -132,12 +132,12 @@ class KVManager:
     def reset(self, seq: PoolSequence) -> None:
         self.pool.drop(seq.cell_view())
         seq._set([], [])
-        self.rings.forget_from(seq, 0)
+        self.window_rings.forget_from(seq, 0)
 
     def can_truncate(self, seq: PoolSequence, n: int) -> bool:
         """`truncate(seq, n)` keeps everything the next token sees: a wrapped ring cannot, and a
         windowed pool's ring only while it holds the window's positions before n."""
-        return 0 <= n <= seq.n and not seq.wrapped and self.rings.holds_window(seq, n)
+        return 0 <= n <= seq.n and not seq.wrapped and self.window_rings.holds_window(seq, n)
 
     def truncate(self, seq: PoolSequence, n: int) -> None:
         if not self.can_truncate(seq, n):
@@ -147,19 +147,19 @@ class KVManager:
         cells = seq.cells
         self.pool.drop(cells[n:])
         seq._set(cells[:n], seq.ids[:n])
-        self.rings.forget_from(seq, n)
+        self.window_rings.forget_from(seq, n)
 
     def snapshot(self, seq: PoolSequence) -> dict[str, np.ndarray]:
-        return self.cache.read_cells(seq.cells) | self.rings.snapshot(seq)
+        return self.cache.read_cells(seq.cells) | self.window_rings.snapshot(seq)
 
     def restore(self, seq: PoolSequence, snap: dict[str, np.ndarray], ids: list[int], n: int) -> None:
         """Fill an empty sequence with a snapshot (in position order) and the ids it was fed."""
-        snap, ring = split_ring(snap)
+        snap, ring = split_window(snap)
         free = np.flatnonzero(self.pool.refs == 0)
         if free.size < n:
             raise ContextOverflow(f"snapshot holds {n} tokens, {free.size} cells are free", setting="capacity",
                                   fix="raise {}")
-        ring = self.rings.to_restore(seq, snap, ring, ids, n)  # checked before anything is written
+        ring = self.window_rings.to_restore(seq, snap, ring, ids, n)  # checked before anything is written
         cells = [int(c) for c in free[:n]]
         self.pool.take(cells)
         for a, b in runs(np.asarray(cells)):
@@ -167,7 +167,7 @@ class KVManager:
         self.cache.write_cells(cells, {k: snap[k] for k in self.cache.cell_names})
         seq._set(cells, ids)
         if ring is not None:
-            self.rings.put(seq, *ring)
+            self.window_rings.put(seq, *ring)
 
     def memory(self) -> dict[str, int]:
         """The KV's bytes (a gauge: /health, /metrics): the pool's buffers (a windowed pool's
@@ -225,7 +225,7 @@ class KVManager:
         self.pool.take(np.arange(call.write, call.write + call.size))
         w = call.write
         for p in call.pieces:
-            self.rings.mark(p)
+            self.window_rings.mark(p)
             p.seq._extend(range(w, w + len(p.tokens)), p.tokens)
             w += len(p.tokens)
 

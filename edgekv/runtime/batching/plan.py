@@ -1,6 +1,7 @@
 """A step as plain data (vLLM's SchedulerOutput): the scheduler's pieces, then the KV manager's
-calls (where each piece's K/V land and the past they see), which the step runner runs. Tuples:
-a step makes one piece per running request."""
+calls (where each piece's K/V land and the past they see; fused slots': which slots a call's
+entries are, slots.py), which the step runner runs. Tuples: a step makes one piece per running
+request."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, NamedTuple
@@ -42,3 +43,17 @@ class Call(NamedTuple):
     def of(cls, write: int, past: int, pieces: list[Piece], freed: int = 0) -> "Call":
         returned = [(p, k) for p, k in zip(pieces, map(Piece.rows.fget, pieces)) if k]
         return cls(write, sum(len(p.tokens) for p in pieces), past, pieces, returned, freed)
+
+
+class SlotCall(NamedTuple):
+    first: int  # the call's entries are slots [first, first + len(entries))
+    entries: tuple  # per slot, its Piece or None (idle: its cells untouched)
+    pieces: list[Piece]  # the entries' pieces, in slot order
+    returned: list[tuple[Piece, int]]  # the pieces whose rows come back, with how many, in order
+    freed: int = 0  # (a ring's: never here) the scheduler's books read it
+
+    @classmethod
+    def of(cls, first: int, entries: list) -> "SlotCall":
+        pieces = [p for p in entries if p is not None]
+        returned = [(p, p.rows) for p in pieces if p.rows]
+        return cls(first, tuple(entries), pieces, returned)

@@ -1,7 +1,8 @@
 """PoolSequence: one sequence's cells in the shared pool, for serve (one per request, released at
-its end) and chat (one held across turns) alike. Its cells and ids are written by the KV manager
-only (kv.py: the methods marked so); its owner chooses the ring (`enable_ring` / `disable_ring`,
-on an empty sequence); everyone else reads it.
+its end) and chat (one held across turns) alike. Its cells, ids and window ring are written by
+the KV manager only, through the methods marked so (kv.py; its window rings, windowring.py, and
+turns, turns.py, are its parts); its owner chooses the ring (`enable_ring` / `disable_ring`, on
+an empty sequence); everyone else reads it.
 
 `cells` are the cells of the tokens in context, in position order; `ids` every token fed since
 the last reset (a ring's overwritten ones too), so the next position is len(ids). A ring
@@ -98,9 +99,13 @@ class PoolSequence:
         """Make this (empty) sequence a ring that keeps its first `sinks` cells."""
         if self.n:
             raise ValueError("a ring is set up on an empty sequence")
+        self.check_sinks(sinks)
+        self._sinks = sinks
+
+    def check_sinks(self, sinks: int) -> None:
+        """`enable_ring(sinks)` would accept them (an error saying why not)."""
         if not 0 <= sinks < self.capacity - 1:
             raise EdgeKVError(f"ring cache: {sinks} sink slots leave no ring in a capacity of {self.capacity}")
-        self._sinks = sinks
 
     def disable_ring(self) -> None:
         if self.ring and self.n:

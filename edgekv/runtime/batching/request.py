@@ -183,10 +183,10 @@ class Request:
     def add(self, tok: int) -> None:
         self.out.append(tok)
 
-    def goes_on(self, tok: int, closing: str | None = None) -> None:
-        """`tok` goes in at the next step; with `closing` (a reason) it is the last."""
-        self.next_token, self.end_reason = tok, closing
-        self.state = State.CLOSING if closing else State.DECODING
+    def goes_on(self, tok: int, end_reason: str | None = None) -> None:
+        """`tok` goes in at the next step; with `end_reason` it is the last (CLOSING)."""
+        self.next_token, self.end_reason = tok, end_reason
+        self.state = State.CLOSING if end_reason else State.DECODING
 
     def finished(self, reason: str, error: str | None = None) -> Done:
         self.finish_reason, self.next_token, self.budget, self.state = reason, None, 0, State.DONE

@@ -9,20 +9,23 @@ their mask: of those keys, the ones whose position is within the window of the t
 (q_pos - k_pos < window), each cell's position from its sequence (PoolSequence.cell_positions)."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from edgekv.errors import EdgeKVError
 from edgekv.runtime.backends.base import BatchBackend
-from edgekv.runtime.batching.plan import Call
-from edgekv.runtime.batching.slots import SlotCall
-from edgekv.runtime.batching.windowring import WindowRings
+from edgekv.runtime.batching.plan import Call, SlotCall
 from edgekv.runtime.cache import KVCache
+
+if TYPE_CHECKING:
+    from edgekv.runtime.batching.windowring import WindowRings
 
 
 class StepRunner:
-    def __init__(self, backend: BatchBackend, cache: KVCache, rings: WindowRings | None = None):
+    def __init__(self, backend: BatchBackend, cache: KVCache, window_rings: "WindowRings | None" = None):
         self.backend, self.cache = backend, cache
-        self.rings = rings  # a windowed pool's: where a call's kept local K/V go (`writes`)
+        self.window_rings = window_rings  # a windowed pool's: where a call's kept local K/V go (`writes`)
         self.calls = 0
 
     def inputs(self, call: Call) -> tuple[np.ndarray, ...]:
@@ -68,7 +71,7 @@ class StepRunner:
             r += n
         return local & mask
 
-    def ring_mask(self, call: Call, pos: np.ndarray) -> np.ndarray:
+    def window_mask(self, call: Call, pos: np.ndarray) -> np.ndarray:
         """A windowed pool's local_key_mask [1, S, L + S], L every ring's slots: per piece its own
         ring's slots whose position is within the window, and its own new tokens (causally)."""
         ring, window, s = self.cache.local_ring, self.cache.window, call.size
@@ -92,7 +95,8 @@ class StepRunner:
         ids, pos, mask, idx = self.inputs(call)
         if self.cache.local_ring is not None:  # a windowed pool: the local layers read and write their rings
             logits = self.backend.run_cells(self.cache, call.past, call.write, ids, pos, mask, idx,
-                                            local_key_mask=self.ring_mask(call, pos), ring=self.rings.writes(call))
+                                            local_key_mask=self.window_mask(call, pos),
+                                            ring=self.window_rings.writes(call))
         elif self.cache.window is None:
             logits = self.backend.run_cells(self.cache, call.past, call.write, ids, pos, mask, idx)
         else:  # a model with sliding-window layers: their mask too

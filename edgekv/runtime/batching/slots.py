@@ -20,13 +20,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import NamedTuple
-
 import numpy as np
 
 from edgekv.errors import EdgeKVError
 from edgekv.runtime.batching.kv import KVCounters
-from edgekv.runtime.batching.plan import Piece
+from edgekv.runtime.batching.plan import Piece, SlotCall
 from edgekv.runtime.batching.poolseq import PoolSequence
 from edgekv.runtime.batching.turns import NoTurns
 from edgekv.runtime.cache import KVCache
@@ -36,20 +34,6 @@ from edgekv.runtime.pool import Prefix
 @dataclass
 class SlotCounters(KVCounters):
     copied_cells: int = 0  # prefix cells copied from another slot (what sharing a prefix costs here)
-
-
-class SlotCall(NamedTuple):
-    first: int  # the call's entries are slots [first, first + len(entries))
-    entries: tuple  # per slot, its Piece or None (idle: its cells untouched)
-    pieces: list[Piece]  # the entries' pieces, in slot order
-    returned: list[tuple[Piece, int]]  # the pieces whose rows come back, with how many, in order
-    freed: int = 0  # (a ring's: never here) the scheduler's books read it
-
-    @classmethod
-    def of(cls, first: int, entries: list) -> "SlotCall":
-        pieces = [p for p in entries if p is not None]
-        returned = [(p, p.rows) for p in pieces if p.rows]
-        return cls(first, tuple(entries), pieces, returned)
 
 
 class SlotPool:

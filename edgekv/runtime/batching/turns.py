@@ -21,8 +21,9 @@ class Turn:
         self.rows: list[tuple[int, dict]] = []
         self.whole: dict | None = None  # the whole cache, where the memory cannot copy row ranges
         self.saved = np.zeros(capacity, np.bool_)
-        self.rings: list[tuple[int, dict]] = []  # a windowed pool: the kept sequences' rings, copied whole
-        self.committed = False  # what it changed is kept (set before the turn closes)
+        self.window_rings: list[tuple[int, dict]] = []  # a windowed pool: the kept sequences' rings, copied whole
+        self.committed = False  # what it changed is kept (set as the turn closes)
+        self.undoing = False  # its rollback began (a turn left open so was cut short)
 
 
 class Turns:
@@ -37,7 +38,8 @@ class Turns:
     def begin(self, kept: list) -> Turn:
         turn = Turn(self.pool.state(), [(s, s._state()) for s in kept], self.cache.capacity)
         # a ring is small (the window) and any call may write any of its slots: copied at the start
-        turn.rings = [(s.window_ring, self.cache.read_ring(s.window_ring)) for s in kept if s.window_ring is not None]
+        turn.window_rings = [(s.window_ring, self.cache.read_ring(s.window_ring)) for s in kept
+                             if s.window_ring is not None]
         self.current = turn  # open only once whole
         return turn
 
@@ -53,11 +55,12 @@ class Turns:
         turn = self.current
         if turn is None:
             return False
+        turn.undoing = True
         if turn.whole is not None:
             self.cache.write(turn.whole)
         for start, rows in turn.rows:
             self.cache.write_rows(start, rows)
-        for ring, rows in turn.rings:
+        for ring, rows in turn.window_rings:
             self.cache.write_ring(ring, rows)
         self.pool.set_state(turn.pool)
         for seq, state in turn.kept:

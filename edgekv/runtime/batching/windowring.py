@@ -24,7 +24,7 @@ RING = "ring."  # a windowed pool's snapshot: "ring." + a local buffer's name, a
 RING_POSITIONS = RING + "positions"
 
 
-def split_ring(snap: dict) -> tuple[dict, dict]:
+def split_window(snap: dict) -> tuple[dict, dict]:
     """(a snapshot's cells, its ring part: the RING keys without their prefix)."""
     cells = {k: v for k, v in snap.items() if not k.startswith(RING)}
     return cells, {k[len(RING):]: v for k, v in snap.items() if k.startswith(RING)}
