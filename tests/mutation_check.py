@@ -765,8 +765,8 @@ MUTATIONS = [
     M("snapshot: a windowed ring part not checked before the restore", "engine", "edgekv/runtime/batching/batcher.py", "        self.kv.window_rings.to_restore(seq, cells, ring, ids, n)\n", "", GEMMA_POOL),
     M("snapshot: an old wrapped file into a session without a ring, no hint", "engine", "edgekv/runtime/batching/snapshot.py", "    seq.check_restore(n, ids)  # (first", "    pass  # (first", ("tests/test_chat_engine.py", "-k", "old_format")),
     # issue 25 item 2: a request's state decides what happens to it
-    M("state: a closing request samples on", "engine", "edgekv/runtime/batching/postprocess.py", "        if req.state is State.CLOSING:  # its last token is in the cells now", "        if False:", CHAT),
-    M("state: a closing request's last token not fed", "engine", "edgekv/runtime/batching/request.py", "        return self is State.DECODING or self is State.CLOSING", "        return self is State.DECODING", CHAT),
+    M("state: a closing request samples on", "engine", "edgekv/runtime/batching/postprocess.py", "        if req.state is CLOSING:  # its last token is in the cells now", "        if False:", CHAT),
+    M("state: a closing request's last token not fed", "engine", "edgekv/runtime/batching/request.py", "DECODES = (DECODING, CLOSING)", "DECODES = (DECODING,)", CHAT),
     M("state: feed_last accepted without a kept sequence", "engine", "edgekv/runtime/batching/request.py", "        if feed_last and seq is None:", "        if False:", ENGINE_HARD),
     M("a step that plans nothing spins", "engine", "edgekv/runtime/batching/batcher.py", "        if not plan:  # requests run", "        if False:  # requests run", ENGINE_HARD),
 ]

@@ -21,7 +21,7 @@ from edgekv.runtime.batching import snapshot
 from edgekv.runtime.batching.kv import KVManager
 from edgekv.runtime.batching.poolseq import PoolSequence
 from edgekv.runtime.batching.postprocess import Health, PostProcess
-from edgekv.runtime.batching.request import Request, State, now
+from edgekv.runtime.batching.request import DONE, Request, now
 from edgekv.runtime.batching.runner import SlotRunner, StepRunner
 from edgekv.runtime.batching.scheduler import Scheduler
 from edgekv.runtime.batching.windowring import split_window
@@ -179,7 +179,7 @@ class Batcher:
             raise RuntimeError("run() steps on the caller's thread; this batcher has its own")
         with self.turn():
             self.submit(req)
-            while req.state is not State.DONE:
+            while req.state is not DONE:
                 if not self.step():
                     raise ContextOverflow("the request does not fit in the free cells of the pool",
                                           setting="capacity", fix="raise {}")

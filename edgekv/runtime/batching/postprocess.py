@@ -18,7 +18,7 @@ import numpy as np
 
 from edgekv.errors import NonFinite, note
 from edgekv.runtime.batching.plan import Call
-from edgekv.runtime.batching.request import Request, State, Token
+from edgekv.runtime.batching.request import CLOSING, Request, Token
 from edgekv.runtime.batching.scheduler import Scheduler
 from edgekv.runtime.constraint import constrain
 from edgekv.runtime.sampling import logprobs, sample
@@ -67,7 +67,7 @@ class PostProcess:
         """Start computing the masks of the call's constrained rows (before the backend runs it)."""
         self._join()
         todo = [p.req.ask.constraint for p in call.pieces if p.sample and p.req.ask.constraint is not None
-                and not (p.req.cancelled or p.req.state is State.CLOSING)]  # (a closing one only feeds its last token)
+                and not (p.req.cancelled or p.req.state is CLOSING)]  # (a closing one only feeds its last token)
         if not todo or not self.overlap_masks:
             return
         if self._masker is None:
@@ -105,7 +105,7 @@ class PostProcess:
                 self._fail(req, e)
 
     def _row(self, req: Request, row: np.ndarray) -> None:
-        if req.state is State.CLOSING:  # its last token is in the cells now
+        if req.state is CLOSING:  # its last token is in the cells now
             self.scheduler.finish(req, req.end_reason)
         elif req.max_new == 0:  # only fed (a kept sequence's prompt)
             self.scheduler.finish(req, "length")

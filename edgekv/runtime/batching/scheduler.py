@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from edgekv.errors import ContextOverflow, EdgeKVError, QueueFull
 from edgekv.runtime.batching.kv import KVManager
 from edgekv.runtime.batching.plan import Call, Piece
-from edgekv.runtime.batching.request import Request, State
+from edgekv.runtime.batching.request import DECODES, PREFILLING, Request
 
 # cells a request reserves beyond its prompt at admission, and claims at a time while it decodes:
 # enough that a new request does not preempt at once, small beside a pool (docs/serve.md)
@@ -127,7 +127,7 @@ class Scheduler:
         token, claimed HEADROOM at a time, oldest request first; when the pool has none, room
         is made (`_make_room`)."""
         for req in sorted(self.running, key=lambda r: r.order):
-            if req.kept or not req.state.decodes or req.budget > 0 or req not in self.running:
+            if req.kept or req.state not in DECODES or req.budget > 0 or req not in self.running:
                 continue
             if self._make_room(req):
                 req.granted(min(HEADROOM, self._total(req) - req.seq.n, self._spare()))
@@ -219,12 +219,12 @@ class Scheduler:
         self._admit()
         if not self.running:
             return None
-        pieces = [Piece(r, r.seq, [r.next_token], True, True) for r in self.running if r.state.decodes]
+        pieces = [Piece(r, r.seq, [r.next_token], True, True) for r in self.running if r.state in DECODES]
         # prompt tokens ride along up to the chunk, within what one call takes (a TensorRT profile)
         budget = min(self.prefill_chunk, self.max_tokens_per_call - len(pieces))
         for r in self.running:
             left = len(r.feed) - r.fed
-            if r.state is State.PREFILLING and left > 0 and budget > 0:
+            if r.state is PREFILLING and left > 0 and budget > 0:
                 take = min(budget, left)
                 if r.seq.ring:  # a ring streams a longer prompt through its cells
                     take = min(take, self.kv.capacity - r.seq.sinks)
