@@ -24,8 +24,8 @@ from edgekv.runtime.batching.postprocess import Health, PostProcess
 from edgekv.runtime.batching.request import DONE, Request, now
 from edgekv.runtime.batching.runner import SlotRunner, StepRunner
 from edgekv.runtime.batching.scheduler import Scheduler
-from edgekv.runtime.batching.windowring import split_window
 from edgekv.runtime.batching.slots import SlotKV
+from edgekv.runtime.batching.windowring import split_window
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.memory import SlotMemory
 

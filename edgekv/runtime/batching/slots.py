@@ -27,6 +27,7 @@ from edgekv.runtime.batching.kv import KVCounters
 from edgekv.runtime.batching.plan import Piece, SlotCall
 from edgekv.runtime.batching.poolseq import PoolSequence
 from edgekv.runtime.batching.turns import NoTurns
+from edgekv.runtime.batching.windowring import NoWindowRings
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.pool import Prefix
 
@@ -147,6 +148,7 @@ class SlotKV:
         self.max_sequences = slots
         self.pool = SlotPool(slots, length, max_prefixes)
         self.turns = NoTurns()
+        self.window_rings = NoWindowRings()  # every slot keeps every position
         self.sequences: list[PoolSequence] = []
         self.kept: list[PoolSequence] = []  # never any: chat keeps the cell pool
         self.counters = SlotCounters()
