@@ -10,7 +10,7 @@ from edgekv.runtime.backends import MATMUL_ACCURACY, make_backend
 from edgekv.runtime.backends.base import PREFILL_CHUNK, Backend
 from edgekv.runtime.cache import KVCache, default_capacity
 from edgekv.runtime.batching import Batcher
-from edgekv.runtime.batching.batcher import MAX_PREFIXES
+from edgekv.runtime.batching.layouts import MAX_PREFIXES
 from edgekv.runtime.generate import Generator
 from edgekv.runtime.text import TextCodec
 

@@ -30,7 +30,7 @@ from edgekv.format.bundle import load_bundle
 from edgekv.runtime.assemble import SERVE_MARGIN, Runtime, open_runtime, serve_pool
 from edgekv.runtime.backends.base import PREFILL_CHUNK
 from edgekv.runtime.batching import Batcher, Done, Request, Token
-from edgekv.runtime.batching.batcher import MAX_PREFIXES
+from edgekv.runtime.batching.layouts import MAX_PREFIXES
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.sampling import SamplingParams
 from edgekv.runtime.text import StreamDecoder

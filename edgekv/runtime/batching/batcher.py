@@ -18,33 +18,13 @@ import numpy as np
 from edgekv.errors import ContextOverflow, EdgeKVError, note
 from edgekv.runtime.backends.base import PREFILL_CHUNK, BatchBackend
 from edgekv.runtime.batching import snapshot
-from edgekv.runtime.batching.kv import KVManager
+from edgekv.runtime.batching.layouts import KV_LAYOUTS, MAX_PREFIXES, cell_pool
 from edgekv.runtime.batching.poolseq import PoolSequence
 from edgekv.runtime.batching.postprocess import Health, PostProcess
 from edgekv.runtime.batching.request import DONE, Request, now
-from edgekv.runtime.batching.runner import SlotRunner, StepRunner
 from edgekv.runtime.batching.scheduler import Scheduler
-from edgekv.runtime.batching.slots import SlotKV
 from edgekv.runtime.batching.windowring import split_window
 from edgekv.runtime.cache import KVCache
-from edgekv.runtime.memory import SlotMemory
-
-
-def cell_pool(backend, cache: KVCache, max_prefixes: int):
-    """The unified cell pool's KV manager and step runner (every backend's run_cells)."""
-    kv = KVManager(cache, backend.past_bucket, max_prefixes)
-    return kv, StepRunner(backend, cache, kv.window_rings if cache.local_ring is not None else None)
-
-
-def fused_slots(backend, cache: KVCache, max_prefixes: int):
-    """Fused slots' KV manager and step runner (ort-cpu's run_slots; docs/serve.md)."""
-    return SlotKV(cache, max_prefixes), SlotRunner(backend, cache)
-
-
-MAX_PREFIXES = 32  # prompts the prefix cache keeps (least recently used dropped first)
-
-# where a sequence's K/V live, by the cache's layout: cells of one shared pool, or a slot of its own
-KV_LAYOUTS = {SlotMemory.layout: fused_slots}
 
 
 class Batcher:
