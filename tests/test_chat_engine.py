@@ -146,6 +146,42 @@ def test_interrupt_at_every_engine_line_rolls_back_exactly(tiny_bundle_int8, con
         assert s.reply(q)[0] == want
 
 
+def test_a_load_whose_rollback_is_cut_short_is_rolled_back_whole_by_the_session(tiny_bundle_int8, tmp_path,
+                                                                                 monkeypatch):
+    """Ctrl-C at the end of a /load's restore, then again while the rollback writes the old
+    conversation's cells back: the session finishes that rollback before the interrupt leaves
+    load, so the conversation is exactly as before at once (not only at its next turn)."""
+    from edgekv.chat import persistence
+
+    other = make(tiny_bundle_int8, 56, "drop-turns")
+    other.reply(QS[1])
+    other.reply(QS[2])
+    f = tmp_path / "other.npz"
+    other.save(str(f))
+    s = make(tiny_bundle_int8, 56, "drop-turns")
+    s.reply(QS[0])
+    before = state(s)
+    restore, cache = persistence.restore, s.batcher.cache
+    write_rows, calls = cache.write_rows, []
+
+    def cut_once(start, rows):
+        calls.append(start)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        write_rows(start, rows)
+
+    def restore_then_interrupt(session, saved):
+        restore(session, saved)
+        monkeypatch.setattr(cache, "write_rows", cut_once)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(persistence, "restore", restore_then_interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        s.load(str(f))
+    assert len(calls) >= 2  # cut short once, then done again whole
+    assert not s.batcher.kv.turns.open and state(s) == before
+
+
 def test_an_interrupt_on_any_line_of_a_bare_turn_leaves_it_closed_and_undone(tiny_bundle_int8):
     """`with batcher.turn(): batcher.run(...)` alone, no session code around it to tidy up: an
     interrupt on any line it runs (turn()'s own included) leaves no turn open and the pool, the
