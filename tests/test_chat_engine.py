@@ -146,6 +146,21 @@ def test_interrupt_at_every_engine_line_rolls_back_exactly(tiny_bundle_int8, con
         assert s.reply(q)[0] == want
 
 
+def cut_rows_write(monkeypatch, cache, at: int) -> list:
+    """The cache's at-th write_rows from now raises KeyboardInterrupt (a second Ctrl-C in a
+    rollback); returns the list of the starts written (the cut one included)."""
+    write_rows, calls = cache.write_rows, []
+
+    def cut(start, rows):
+        calls.append(start)
+        if len(calls) == at:
+            raise KeyboardInterrupt
+        write_rows(start, rows)
+
+    monkeypatch.setattr(cache, "write_rows", cut)
+    return calls
+
+
 def test_a_load_whose_rollback_is_cut_short_is_rolled_back_whole_by_the_session(tiny_bundle_int8, tmp_path,
                                                                                  monkeypatch):
     """Ctrl-C at the end of a /load's restore, then again while the rollback writes the old
@@ -161,24 +176,17 @@ def test_a_load_whose_rollback_is_cut_short_is_rolled_back_whole_by_the_session(
     s = make(tiny_bundle_int8, 56, "drop-turns")
     s.reply(QS[0])
     before = state(s)
-    restore, cache = persistence.restore, s.batcher.cache
-    write_rows, calls = cache.write_rows, []
-
-    def cut_once(start, rows):
-        calls.append(start)
-        if len(calls) == 1:
-            raise KeyboardInterrupt
-        write_rows(start, rows)
+    restore, calls = persistence.restore, []
 
     def restore_then_interrupt(session, saved):
         restore(session, saved)
-        monkeypatch.setattr(cache, "write_rows", cut_once)
+        calls.append(cut_rows_write(monkeypatch, s.batcher.cache, 1))
         raise KeyboardInterrupt
 
     monkeypatch.setattr(persistence, "restore", restore_then_interrupt)
     with pytest.raises(KeyboardInterrupt):
         s.load(str(f))
-    assert len(calls) >= 2  # cut short once, then done again whole
+    assert len(calls[0]) >= 2  # cut short once, then done again whole
     assert not s.batcher.kv.turns.open and state(s) == before
 
 
@@ -226,15 +234,7 @@ def test_a_rollback_cut_short_by_a_second_interrupt_is_done_whole_by_the_next(ti
     before = state(s)
     cache = s.batcher.cache
     assert cache.reads_rows  # (a memory that cannot copy row ranges restores the whole cache at once)
-    write_rows, calls = cache.write_rows, []
-
-    def cut_once(start, rows):
-        calls.append(start)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        write_rows(start, rows)
-
-    monkeypatch.setattr(cache, "write_rows", cut_once)
+    calls = cut_rows_write(monkeypatch, cache, 2)
     s.batcher.backend.arm(3, after=True)
     with pytest.raises(KeyboardInterrupt):
         with s.batcher.turn():
