@@ -142,7 +142,8 @@ class ChatSession:
             return text
 
         t0 = time.perf_counter()
-        before = (list(self.conv.messages), self.conv.dropped_turns, self.rng.bit_generator.state)
+        before = (list(self.conv.messages), self.conv.dropped_turns, self.rng.bit_generator.state, self.last,
+                  self.last_prompt_ids)
         try:  # (one line: an interrupt once the turn is whole finds nothing left to run here)
             return self._whole(turn, lambda: self._put_turn_state(before)), self.last
         except KeyboardInterrupt:
@@ -151,13 +152,13 @@ class ChatSession:
 
     def _whole(self, change, undo):
         """change() in one batcher turn, all or nothing; returns what it returns. An exception
-        before the turn commits rolls it back: undo() puts the session's own fields back (first:
-        a second interrupt in the cells' rollback leaves only the cells, which the next turn
-        finishes), then the cells. One after the commit keeps everything (what it interrupts is
-        whole): a KeyboardInterrupt is dropped, any other exception raised."""
+        before the turn commits rolls it back: the turn's rollback calls undo() (the session's own
+        fields) before it puts the cells back, and again if a second interrupt cuts it short and
+        it is done again. One after the commit keeps everything (what it interrupts is whole): a
+        KeyboardInterrupt is dropped, any other exception raised."""
         turn, out = None, []
         try:
-            with self.batcher.turn() as turn:
+            with self.batcher.turn(undo) as turn:
                 out.append(change())
             return out[0]
         except BaseException as e:
@@ -165,8 +166,7 @@ class ChatSession:
                 if isinstance(e, KeyboardInterrupt):
                     return out[0]
                 raise
-            undo()
-            self.batcher.rollback()
+            self.batcher.rollback()  # a rollback cut short (or a turn begun before `as turn`): done whole here
             raise
 
     def _turn_constraint(self):
@@ -177,7 +177,8 @@ class ChatSession:
         return self.reply_grammar.fresh(), set(self.codec.stop_ids) | set(self.reply_grammar.tok.stop_ids)
 
     def _put_turn_state(self, before) -> None:
-        self.conv.messages, self.conv.dropped_turns, self.rng.bit_generator.state = before  # one line: whole
+        (self.conv.messages, self.conv.dropped_turns, self.rng.bit_generator.state, self.last,
+         self.last_prompt_ids) = before  # one statement: whole
 
     def undo(self) -> bool:
         if not self.conv.undo():

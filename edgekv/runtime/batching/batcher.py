@@ -166,14 +166,15 @@ class Batcher:
         return req
 
     @contextmanager
-    def turn(self):
+    def turn(self, undo=None):
         """What the block changes can be undone exactly: on an exception it is (the pool's
         owners, the kept sequences, every cell it overwrote), else it is committed. Inside
         another turn's block it joins that turn (whose rollback then undoes it). An interrupt
         on any of these lines leaves the turn committed or undone; only a rollback cut short (a
         second interrupt, or its own error) leaves it open, and the next turn finishes that
-        rollback before it begins. Yields the Turn: its `committed` says, after an exception,
-        whether what the block did was kept."""
+        rollback before it begins. `undo`: the caller's own part of a rollback (its fields, put
+        back before the cells; called again by a rollback done again). Yields the Turn: its
+        `committed` says, after an exception, whether what the block did was kept."""
         turns = self.kv.turns
         if turns.open and not turns.current.undoing:
             yield turns.current
@@ -181,7 +182,7 @@ class Batcher:
         try:
             if turns.open:  # a rollback cut short: the pool as it was before that turn, first
                 self.rollback()
-            turn = turns.begin(self.kv.kept)
+            turn = turns.begin(self.kv.kept, undo)
             yield turn
             turns.commit()  # the last line: nothing runs here once the turn is kept
         except BaseException:
@@ -191,10 +192,11 @@ class Batcher:
     def rollback(self) -> None:
         """Undo the open turn (nothing when none is): running and waiting requests dropped, the
         cells' owners, the kept sequences and every overwritten cell as they were."""
-        if not self.kv.turns.open:
-            return
-        self.scheduler.drop_all()
-        self.kv.turns.rollback()
+        turns = self.kv.turns
+        if turns.open:
+            turns.current.undoing = True  # first: a rollback cut short from here on is finished, not joined
+            self.scheduler.drop_all()
+            turns.rollback()
 
     # -- kept sequences (chat), between their requests
     def hold(self) -> PoolSequence:

@@ -16,8 +16,8 @@ class Turn:
     """What a rollback restores: the pool's owners, the kept sequences, and the rows of cells
     written since (copied before their first write)."""
 
-    def __init__(self, pool: tuple, kept: list, capacity: int):
-        self.pool, self.kept = pool, kept
+    def __init__(self, pool: tuple, kept: list, capacity: int, undo=None):
+        self.pool, self.kept, self.undo = pool, kept, undo  # undo: the caller's own part (Batcher.turn)
         self.rows: list[tuple[int, dict]] = []
         self.whole: dict | None = None  # the whole cache, where the memory cannot copy row ranges
         self.saved = np.zeros(capacity, np.bool_)
@@ -35,8 +35,8 @@ class Turns:
     def open(self) -> bool:
         return self.current is not None
 
-    def begin(self, kept: list) -> Turn:
-        turn = Turn(self.pool.state(), [(s, s._state()) for s in kept], self.cache.capacity)
+    def begin(self, kept: list, undo=None) -> Turn:
+        turn = Turn(self.pool.state(), [(s, s._state()) for s in kept], self.cache.capacity, undo)
         # a ring is small (the window) and any call may write any of its slots: copied at the start
         turn.window_rings = [(s.window_ring, self.cache.read_ring(s.window_ring)) for s in kept
                              if s.window_ring is not None]
@@ -56,6 +56,8 @@ class Turns:
         if turn is None:
             return False
         turn.undoing = True
+        if turn.undo is not None:  # the caller's fields first: they go back with the cells, never after them
+            turn.undo()
         if turn.whole is not None:
             self.cache.write(turn.whole)
         for start, rows in turn.rows:
