@@ -194,7 +194,7 @@ class Batcher:
         cells' owners, the kept sequences and every overwritten cell as they were."""
         turns = self.kv.turns
         if turns.open:
-            turns.current.undoing = True  # first: a rollback cut short from here on is finished, not joined
+            turns.mark_undoing()  # first: a rollback cut short from here on is finished, not joined
             self.scheduler.drop_all()
             turns.rollback()
 

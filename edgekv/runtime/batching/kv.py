@@ -127,7 +127,7 @@ class KVManager:
         self.windows.follow(self.pool.prefixes)  # entries the pool evicted or replaced
         key = Prefix(ids, tenant)
         if key in self.pool.prefixes:
-            self.windows.keep(key, seq.window_ring, seq.window_positions())
+            self.windows.keep(key, *self.window_rings.filled(seq))
 
     def reset(self, seq: PoolSequence) -> None:
         self.pool.drop(seq.cell_view())

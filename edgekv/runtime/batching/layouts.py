@@ -13,7 +13,7 @@ from edgekv.runtime.memory import SlotMemory
 def cell_pool(backend, cache: KVCache, max_prefixes: int):
     """The unified cell pool's KV manager and step runner (every backend's run_cells)."""
     kv = KVManager(cache, backend.past_bucket, max_prefixes)
-    return kv, StepRunner(backend, cache, kv.window_rings if cache.local_ring is not None else None)
+    return kv, StepRunner(backend, cache, kv.window_rings)
 
 
 def fused_slots(backend, cache: KVCache, max_prefixes: int):

@@ -19,11 +19,11 @@ from edgekv.runtime.batching.plan import Call, SlotCall
 from edgekv.runtime.cache import KVCache
 
 if TYPE_CHECKING:
-    from edgekv.runtime.batching.windowring import WindowRings
+    from edgekv.runtime.batching.windowring import NoWindowRings, WindowRings
 
 
 class StepRunner:
-    def __init__(self, backend: BatchBackend, cache: KVCache, window_rings: "WindowRings | None" = None):
+    def __init__(self, backend: BatchBackend, cache: KVCache, window_rings: "WindowRings | NoWindowRings | None" = None):
         self.backend, self.cache = backend, cache
         self.window_rings = window_rings  # a windowed pool's: where a call's kept local K/V go (`writes`)
         self.calls = 0

@@ -48,6 +48,12 @@ class Turns:
         if self.current is not None:
             self.current.committed, self.current = True, None
 
+    def mark_undoing(self) -> None:
+        """The open turn's rollback has begun: a turn left open from here on was cut short, and the
+        next turn finishes it instead of joining it (Batcher.turn)."""
+        if self.current is not None:
+            self.current.undoing = True
+
     def rollback(self) -> bool:
         """Back to `begin`: the cells' owners, the kept sequences and every overwritten cell as
         they were. False when no turn was open. The turn closes only once all of it is back: a
@@ -55,7 +61,7 @@ class Turns:
         turn = self.current
         if turn is None:
             return False
-        turn.undoing = True
+        self.mark_undoing()
         if turn.undo is not None:  # the caller's fields first: they go back with the cells, never after them
             turn.undo()
         if turn.whole is not None:

@@ -74,13 +74,18 @@ class WindowRings:
         p.seq._mark_window(self.kept(p)[1])
 
     # -- snapshots
-    def snapshot(self, seq: PoolSequence) -> dict[str, np.ndarray]:
-        """Its ring's filled slots, in position order: the RING part of a snapshot."""
+    def filled(self, seq: PoolSequence) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """Its ring's filled slots in position order: (their positions [n], local buffer name -> rows
+        [n, 1, Hkv, D]), host copies (a snapshot's ring part, a prefix entry's window copy)."""
         pos = seq.window_positions()
         slots = np.flatnonzero(pos >= 0)
         slots = slots[np.argsort(pos[slots])]
-        rows = self.cache.read_ring(seq.window_ring)
-        return {RING + name: v[slots] for name, v in rows.items()} | {RING_POSITIONS: pos[slots].copy()}
+        return pos[slots], {name: v[slots] for name, v in self.cache.read_ring(seq.window_ring).items()}
+
+    def snapshot(self, seq: PoolSequence) -> dict[str, np.ndarray]:
+        """The RING part of a snapshot: `filled`'s rows and positions."""
+        pos, rows = self.filled(seq)
+        return {RING + name: v for name, v in rows.items()} | {RING_POSITIONS: pos}
 
     def to_restore(self, seq: PoolSequence, cells: dict, ring: dict, ids: list[int], n: int) -> tuple:
         """The (positions, rows) a restored sequence's ring gets, checked before anything is

@@ -40,13 +40,10 @@ class PrefixWindows:
         self.saved: dict[Prefix, Window] = {}
         self.nbytes = 0  # the copies' host bytes (a gauge read by /health and /metrics)
 
-    def keep(self, key: Prefix, ring: int, window_positions: np.ndarray) -> None:
-        """Copy ring `ring`'s filled slots (their positions: `window_positions`) for entry `key`."""
-        slots = np.flatnonzero(window_positions >= 0)
-        slots = slots[np.argsort(window_positions[slots])]
-        rows = self.cache.read_ring(ring)
+    def keep(self, key: Prefix, positions: np.ndarray, rows: dict) -> None:
+        """Keep for entry `key` the copy of its ring's filled slots (WindowRings.filled)."""
         self._drop(key)
-        self.saved[key] = Window(window_positions[slots].copy(), {name: v[slots] for name, v in rows.items()})
+        self.saved[key] = Window(positions, rows)
         self.nbytes += self.saved[key].nbytes
 
     def serves(self, key: Prefix, k: int) -> bool:
