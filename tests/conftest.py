@@ -41,6 +41,7 @@ def pytest_configure(config):
     whole run). glibc keeps large freed blocks for reuse instead of unmapping them (torch's
     attention temporaries were zeroed page by page on every forward). A run in one process, or
     the caller's own settings, are left as they are."""
+    use_trace_cache()
     workers = config.getoption("numprocesses", None) or 0
     if os.environ.get("PYTEST_XDIST_WORKER") or workers < 2:
         return
@@ -49,6 +50,23 @@ def pytest_configure(config):
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, default_threads() // workers)))
     for knob in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_"):
         os.environ.setdefault(knob, str(16 << 30))
+
+
+def use_trace_cache() -> None:
+    """Outside CI, torch.onnx traces are reused across runs while no exporter source changes
+    (tests/trace_cache.py); EDGEKV_TRACE_CACHE=off traces every time, =verify checks every reuse
+    against a fresh trace."""
+    mode = os.environ.get("EDGEKV_TRACE_CACHE", "on")
+    if os.environ.get("CI") or mode == "off":
+        return
+    try:
+        import export.onnx_export as oe
+        from export.manifest import exporter_source_key
+    except ImportError:  # the runtime-only install
+        return
+    from tests.trace_cache import cached
+
+    oe._trace = cached(oe._trace, TEST_CACHE / exporter_source_key() / "traces", verify=mode == "verify")
 
 
 # Files xdist hands out test by test instead of whole (pyproject: --dist loadfile): each alone

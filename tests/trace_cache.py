@@ -1,0 +1,125 @@
+"""The tests' cache of torch.onnx traces across runs (not in CI): a run that changes no exporter
+source reuses the graphs the last run traced, as ccache reuses objects. A trace is ~5 CPU-s of a
+tiny model (torch.export's symbolic shapes), ~36 % of a run's CPU (docs/tests.md).
+
+The key is everything a trace depends on except the values of the model's parameters and buffers:
+the exporter's sources and library versions (export/manifest.py's exporter_source_key, which also
+decides when the tests reuse the real bundle), onnxscript's, onnx_ir's and Python's versions,
+torch's default dtype, and the model's structure (every module's type, its parameters' and
+buffers' names, shapes and dtypes, its other attributes: config, scheme, flags; a tensor kept as
+a plain attribute by its bytes). An attribute whose repr varies between processes (an address)
+only makes the key miss. A hit is the stored graph with each initializer that is one of the
+model's tensors set from the model itself; the graph is byte for byte the one a fresh trace
+writes (tests/test_trace_cache.py; EDGEKV_TRACE_CACHE=verify traces afresh beside every hit and
+compares them, over a whole run). CI=1 (a clean run) always traces.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+import numpy as np
+
+
+def structure_key(model) -> str:
+    """A hash of what a trace of `model` depends on besides its tensors' values."""
+    import torch
+
+    h = hashlib.sha256(f"default dtype {torch.get_default_dtype()}\n".encode())
+    for name, mod in model.named_modules(remove_duplicate=False):
+        h.update(f"[{name}] {type(mod).__module__}.{type(mod).__qualname__}\n".encode())
+        for k, v in sorted(vars(mod).items()):
+            if k in ("_parameters", "_buffers"):
+                for n, t in v.items():
+                    h.update(f"{k} {n} {None if t is None else (tuple(t.shape), t.dtype)}\n".encode())
+            elif k == "_modules" or (k.endswith("_hooks") or "_hooks_" in k) and not v:
+                continue
+            elif isinstance(v, (set, frozenset)):  # a set's order follows string hashing: per process
+                h.update(f"{k} {sorted(map(repr, v))}\n".encode())
+            elif isinstance(v, torch.Tensor):
+                h.update(f"{k} tensor {tuple(v.shape)} {v.dtype}\n".encode() + v.detach().cpu().numpy().tobytes())
+            else:
+                h.update(f"{k} {v!r}\n".encode())
+    return h.hexdigest()[:24]
+
+
+def cache_key(model) -> str:
+    import onnx_ir
+    import onnxscript
+
+    from export.manifest import exporter_source_key
+
+    versions = f"onnxscript {onnxscript.__version__} onnx_ir {onnx_ir.__version__} python {sys.version}"
+    return hashlib.sha256(f"{exporter_source_key()} {versions} {structure_key(model)}".encode()).hexdigest()[:24]
+
+
+def _tensors(model) -> dict:
+    return dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+
+
+class CachedTrace:
+    """What the exporter reads of torch's ONNXProgram: `.model` (onnx_ir) and `.model_proto`."""
+
+    def __init__(self, model_ir):
+        self.model = model_ir
+
+    @property
+    def model_proto(self):
+        from onnxscript import ir
+
+        return ir.serde.serialize_model(self.model)
+
+
+def store(path: Path, program, model) -> None:
+    """The traced graph without the data of the model's own tensors (they come from the model on
+    a hit), written whole or not at all (workers may store the same trace at once)."""
+    proto = program.model_proto
+    own = _tensors(model)
+    for init in proto.graph.initializer:
+        if init.name in own:
+            init.ClearField("raw_data")
+            for f in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
+                init.ClearField(f)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(proto.SerializeToString())
+    os.replace(tmp, path)
+
+
+def load(path: Path, model) -> CachedTrace | None:
+    """The stored graph with the model's tensors set in, or None where it does not fit them."""
+    import onnx
+    from onnxscript import ir
+
+    proto = onnx.load_from_string(path.read_bytes())
+    own = _tensors(model)
+    graph = ir.serde.deserialize_model(proto)
+    for name, init in graph.graph.initializers.items():
+        t = own.get(name)
+        if t is None:
+            continue
+        array = t.detach().cpu().numpy()
+        if tuple(init.shape) != array.shape or init.dtype != ir.DataType.from_numpy(array.dtype):
+            return None
+        init.const_value = ir.Tensor(np.ascontiguousarray(array), name=name)
+    return CachedTrace(graph)
+
+
+def cached(trace, folder: Path, verify: bool = False):
+    """`trace` (export/onnx_export._trace) through the cache in `folder`."""
+    def traced(model):
+        path = folder / f"{cache_key(model)}.onnx"
+        hit = load(path, model) if path.is_file() else None
+        if hit is None:
+            program = trace(model)
+            store(path, program, model)
+            return program
+        if verify:
+            fresh = trace(model).model_proto.SerializeToString()
+            if hit.model_proto.SerializeToString() != fresh:
+                raise AssertionError(f"trace cache: {path.name} differs from a fresh trace")
+        return hit
+    traced.__wrapped__ = trace
+    return traced
