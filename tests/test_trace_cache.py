@@ -47,6 +47,12 @@ def test_what_changes_a_trace_changes_the_key():
     m = model(1)
     m.layers[0].attn.factored = not m.layers[0].attn.factored  # a module's flag
     assert cache_key(m) != base
+    untied = model(1)
+    untied.lm_head.weight = torch.nn.Parameter(untied.embed.weight.detach().clone())  # the head no longer the table
+    assert cache_key(untied) != base
+    shared = model(1)
+    shared.lm_head.weight = torch.nn.Parameter(shared.embed.weight.data)  # the same memory, another parameter
+    assert cache_key(shared) not in (base, cache_key(untied))
     h = model(1)
     h.layers[0].register_forward_hook(lambda *a: None)  # a hook: never reused
     assert cache_key(h) != base

@@ -28,6 +28,10 @@ def structure_key(model) -> str:
     import torch
 
     h = hashlib.sha256(f"default dtype {torch.get_default_dtype()}\n".encode())
+    first: dict = {}  # which tensors are one (a tied head): torch.export keeps one initializer for them
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        h.update(f"{name} is {first.setdefault(id(t), name)}, shares memory with "
+                 f"{first.setdefault(('data', t.data_ptr()), name)}\n".encode())
     for name, mod in model.named_modules(remove_duplicate=False):
         h.update(f"[{name}] {type(mod).__module__}.{type(mod).__qualname__}\n".encode())
         for k, v in sorted(vars(mod).items()):
