@@ -115,10 +115,16 @@ def cached(trace, folder: Path, verify: bool = False):
     """`trace` (export/onnx_export._trace) through the cache in `folder`."""
     def traced(model):
         path = folder / f"{cache_key(model)}.onnx"
-        hit = load(path, model) if path.is_file() else None
+        try:
+            hit = load(path, model) if path.is_file() else None
+        except Exception:  # a damaged file (an interrupted run's) is a miss
+            hit = None
         if hit is None:
             program = trace(model)
-            store(path, program, model)
+            try:
+                store(path, program, model)
+            except OSError:  # a read-only checkout: the run traces, as with no cache
+                pass
             return program
         if verify:
             fresh = trace(model).model_proto.SerializeToString()
