@@ -55,9 +55,9 @@ def pytest_configure(config):
 def use_trace_cache() -> None:
     """Outside CI, torch.onnx traces are reused across runs while no exporter source changes
     (tests/trace_cache.py); EDGEKV_TRACE_CACHE=off traces every time, =verify checks every reuse
-    against a fresh trace."""
-    mode = os.environ.get("EDGEKV_TRACE_CACHE", "on")
-    if os.environ.get("CI") or mode == "off":
+    against a fresh trace. To empty it: rm -r models/bundles/.test-cache/*/traces"""
+    mode = os.environ.get("EDGEKV_TRACE_CACHE", "on").lower()
+    if os.environ.get("CI") or mode in ("off", "0", "false", "no"):
         return
     try:
         import export.onnx_export as oe

@@ -774,6 +774,7 @@ MUTATIONS = [
     # the tests' trace cache
     M("trace cache: a hit keeps the stored graph's emptied tensors", "tests", "tests/trace_cache.py", "        init.const_value = ir.Tensor(np.ascontiguousarray(array), name=name)", "        pass", ("tests/test_trace_cache.py",)),
     M("trace cache: tied tensors left out of the key", "tests", "tests/trace_cache.py", '        h.update(f"{name} is {first.setdefault(id(t), name)}, shares memory with "', '        h.update(f"{name} is {name}, shares memory with "', ("tests/test_trace_cache.py",)),
+    M("trace cache: a wrapped model's tensors not found", "tests", "tests/trace_cache.py", '    return own | {f"model.{k}": v for k, v in own.items()}', "    return own", ("tests/test_trace_cache.py",)),
     M("trace cache: a module's flags left out of the key", "tests", "tests/trace_cache.py", '                h.update(f"{k} {v!r}\\n".encode())', "                pass", ("tests/test_trace_cache.py",)),
 ]
 

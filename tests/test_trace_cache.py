@@ -39,6 +39,23 @@ def test_a_reused_trace_is_the_fresh_trace_of_the_new_weights(tmp_path):
     assert hit.model_proto.SerializeToString() == fresh.SerializeToString()
 
 
+def test_a_reused_trace_of_a_model_with_local_layers_takes_the_new_weights(tmp_path, arch_folders):
+    """Gemma 3's graph is traced inside LocalMaskGraph: its tensors are named `model.*` there."""
+    import export.onnx_export as oe
+    from tests.test_stamp import model_of
+
+    trace = getattr(oe._trace, "__wrapped__", oe._trace)
+    traced = cached(trace, tmp_path)
+    first, second = (model_of("gemma3", arch_folders("gemma3"), "int8", 1) for _ in range(2))
+    with torch.no_grad():
+        for t in second.parameters():
+            t.add_(0.25)
+    traced(first)
+    hit = traced(second)
+    assert not hasattr(hit, "exported_program")
+    assert hit.model_proto.SerializeToString() == trace(second).model_proto.SerializeToString()
+
+
 def test_what_changes_a_trace_changes_the_key():
     base = cache_key(model(1))
     assert cache_key(model(1, kv="int8")) != base  # the KV scheme

@@ -56,11 +56,31 @@ def cache_key(model) -> str:
     from export.manifest import exporter_source_key
 
     versions = f"onnxscript {onnxscript.__version__} onnx_ir {onnx_ir.__version__} python {sys.version}"
-    return hashlib.sha256(f"{exporter_source_key()} {versions} {structure_key(model)}".encode()).hexdigest()[:24]
+    own = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()  # how entries are stored and read
+    return hashlib.sha256(f"{exporter_source_key()} {versions} {own} {structure_key(model)}".encode()).hexdigest()[:24]
 
 
 def _tensors(model) -> dict:
-    return dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    """The model's tensors by every name a graph of it may give them: a model with local layers is
+    traced inside LocalMaskGraph, which holds it as `model` (export/onnx_export.py)."""
+    own = dict(model.named_parameters(remove_duplicate=False)) | dict(model.named_buffers(remove_duplicate=False))
+    return own | {f"model.{k}": v for k, v in own.items()}
+
+
+def _module_code() -> dict:
+    """What a trace runs besides the model's instance state, by identity: export.model's and the
+    exporter's globals and their classes' attributes (a test's monkeypatch changes them)."""
+    import export.model
+    import export.onnx_export
+    import edgekv.format.kvschemes
+
+    out = {}
+    for mod in (export.model, export.onnx_export, edgekv.format.kvschemes):
+        for k, v in vars(mod).items():
+            out[(mod.__name__, k)] = id(v)
+            if isinstance(v, type) and v.__module__ == mod.__name__:
+                out.update({(mod.__name__, k, a): id(b) for a, b in vars(v).items()})
+    return out
 
 
 class CachedTrace:
@@ -86,6 +106,8 @@ def store(path: Path, program, model) -> None:
             init.ClearField("raw_data")
             for f in ("float_data", "int32_data", "int64_data", "double_data", "uint64_data"):
                 init.ClearField(f)
+        elif len(init.raw_data) > 4096:  # a weight under a name not the model's: not reused
+            return
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_bytes(proto.SerializeToString())
@@ -99,7 +121,13 @@ def load(path: Path, model) -> CachedTrace | None:
 
     proto = onnx.load_from_string(path.read_bytes())
     own = _tensors(model)
+    for init in proto.graph.initializer:  # one emptied when stored must be the model's now
+        empty = not (init.raw_data or init.float_data or init.int32_data or init.int64_data or init.double_data)
+        if init.name not in own and empty and int(np.prod(init.dims)) > 0:
+            return None
     graph = ir.serde.deserialize_model(proto)
+    if not graph.graph.inputs or not graph.graph.outputs:  # a file cut short
+        return None
     for name, init in graph.graph.initializers.items():
         t = own.get(name)
         if t is None:
@@ -113,7 +141,14 @@ def load(path: Path, model) -> CachedTrace | None:
 
 def cached(trace, folder: Path, verify: bool = False):
     """`trace` (export/onnx_export._trace) through the cache in `folder`."""
+    code = _module_code()
+
     def traced(model):
+        from torch.nn.modules import module as torch_module
+
+        hooks = torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
+        if hooks or _module_code() != code:  # a test patched what the trace runs: trace it, keep nothing
+            return trace(model)
         path = folder / f"{cache_key(model)}.onnx"
         try:
             hit = load(path, model) if path.is_file() else None
