@@ -49,15 +49,22 @@ def structure_key(model) -> str:
     return h.hexdigest()[:24]
 
 
-def cache_key(model) -> str:
+def code_key() -> str:
+    """The part of the key that is the same for every model of a run: the exporter's sources, the
+    libraries' versions and this file (how entries are stored and read)."""
     import onnx_ir
     import onnxscript
 
     from export.manifest import exporter_source_key
 
     versions = f"onnxscript {onnxscript.__version__} onnx_ir {onnx_ir.__version__} python {sys.version}"
-    own = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()  # how entries are stored and read
-    return hashlib.sha256(f"{exporter_source_key()} {versions} {own} {structure_key(model)}".encode()).hexdigest()[:24]
+    own = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()
+    return f"{exporter_source_key()} {versions} {own}"
+
+
+def cache_key(model, code: str | None = None) -> str:
+    code = code_key() if code is None else code
+    return hashlib.sha256(f"{code} {structure_key(model)}".encode()).hexdigest()[:24]
 
 
 def _tensors(model) -> dict:
@@ -143,7 +150,7 @@ def load(path: Path, model) -> CachedTrace | None:
 
 def cached(trace, folder: Path, verify: bool = False):
     """`trace` (export/onnx_export._trace) through the cache in `folder`."""
-    code = _module_code()
+    code, key = _module_code(), code_key()  # once: the sources a run traces with
 
     def traced(model):
         from torch.nn.modules import module as torch_module
@@ -151,7 +158,7 @@ def cached(trace, folder: Path, verify: bool = False):
         hooks = torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks
         if hooks or _module_code() != code:  # a test patched what the trace runs: trace it, keep nothing
             return trace(model)
-        path = folder / f"{cache_key(model)}.onnx"
+        path = folder / f"{cache_key(model, key)}.onnx"
         try:
             hit = load(path, model) if path.is_file() else None
         except Exception:  # a damaged file (an interrupted run's) is a miss
