@@ -106,7 +106,7 @@ def test_ratios_are_edgekv_over_llama_cpp_at_the_largest_capacity():
 def test_missing_llama_cpp_python_is_one_line_with_the_install_command(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(bench.importlib.util, "find_spec", lambda name, *a: None if name == "llama_cpp" else real(name, *a))
-    with pytest.raises(EdgeKVError, match=r'CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX2=ON .*" pip install "edgekv\[bench\]"') as e:
+    with pytest.raises(EdgeKVError, match=r'CMAKE_ARGS="-DGGML_NATIVE=OFF[^"]*" pip install "edgekv\[bench\]"') as e:
         bench.llama_cpp_gguf("")
     assert "\n" not in str(e.value) and f'CMAKE_ARGS="{bench.LLAMA_CPP_FLAGS}"' in str(e.value)
 

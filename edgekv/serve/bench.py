@@ -15,7 +15,9 @@ import numpy as np
 
 from edgekv.errors import EdgeKVError, note
 from edgekv.format.files import write_json
+from edgekv.runtime.backends.base import default_threads
 from edgekv.runtime.memory import SlotMemory
+from edgekv.tools.cpu import cpu_field, describe
 
 TOPICS = ["a robot that learns to paint", "a train crossing the desert", "a lighthouse keeper", "tea in Kyoto",
           "a city under the sea", "the first moon base", "a lost violin", "a clockmaker's apprentice"]
@@ -221,7 +223,9 @@ def cmd_bench_serve(args) -> int:
         srv = BackgroundServer(app)
         url = srv.url
     kv = kv_of(batcher) if batcher else ""
-    res = {"server": args.url or f"edgekv serve ({rt.backend.name}, {kv})", "levels": []}
+    threads = None if args.url else args.threads or default_threads()  # --url: the server's own, not known here
+    res = {"server": args.url or f"edgekv serve ({rt.backend.name}, {kv})", "cpu": cpu_field(threads), "levels": []}
+    note(f"cpu: {describe(threads)}" + (" (this host's; the server at --url may run elsewhere)" if args.url else ""))
     try:
         asyncio.run(level(url, 1, 8))  # warm-up
         if schema is not None:

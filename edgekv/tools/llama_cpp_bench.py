@@ -1,7 +1,7 @@
 """llama.cpp (llama-cpp-python) timed the way `edgekv bench` times a bundle: the same token ids
 (bench.sample_tokens), prompt lengths, decode tokens, threads and rounds, through the same
 measure_runs. `edgekv bench --llama-cpp GGUF` runs it in a subprocess, so that neither process's
-peak RSS holds the other's memory; it prints one JSON line.
+peak RSS holds the other's memory; it prints one JSON line (its "cpu": the CPU it ran on).
 
   python -m edgekv.tools.llama_cpp_bench GGUF --threads 2 --n-ctx 4096 --prompt-lengths 64,1024,1800 --vocab 49152
 
@@ -20,6 +20,7 @@ import numpy as np
 
 from edgekv.errors import EdgeKVError
 from edgekv.tools.bench import measure_runs, rss_bytes, sample_tokens
+from edgekv.tools.cpu import cpu_field
 
 
 class LlamaCppGenerator:
@@ -91,7 +92,7 @@ def main(argv=None) -> None:
     runs = measure_runs({(a.n_ctx, L): gen for L in lens}, a.vocab, a.decode_tokens, a.repeat)
     print(json.dumps({"llama_cpp_version": getattr(llama_cpp, "__version__", "?"), "gguf": a.gguf,
                       "extra_bufts": not a.no_extra_bufts,
-                      "threads": a.threads, "n_ctx": a.n_ctx, "runs": list(runs.values()),
+                      "threads": a.threads, "cpu": cpu_field(a.threads), "n_ctx": a.n_ctx, "runs": list(runs.values()),
                       "peak_rss_mib": rss_bytes()[1] / 2**20}))
 
 
