@@ -323,6 +323,29 @@ def tiny_bundle_int8_static(tiny_bundles) -> Path:
     return tiny_bundles("int8-static")
 
 
+def _gguf_quickstart_types(name: str):
+    """The quickstart file's kinds of blocks: Q8_0 embedding and head, Q4_1 matrices."""
+    import gguf
+
+    T = gguf.GGMLQuantizationType
+    return T.Q8_0 if name.startswith(("token_embd", "output.")) else T.Q4_1
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle_int8_wint4(tiny_llama, tmp_path_factory) -> Path:
+    """The tiny Llama as the quickstart's bundle is made: a GGUF of Q4_1 matrices and a Q8_0
+    head, its blocks kept (onnxruntime's 4- and 8-bit MatMulNBits), an int8 cache; once per run."""
+    from export.bundle import export_bundle
+    from tests.test_gguf import write_gguf
+
+    def make(path: Path) -> None:
+        path.mkdir(parents=True)
+        write_gguf(tiny_llama, path / "tiny-q41.gguf", quant=_gguf_quickstart_types)
+        export_bundle(str(path / "tiny-q41.gguf"), kv="int8", out=str(path / "bundle"), max_context=256, steps=4,
+                      weights="int4")
+    return made_once(run_dir(tmp_path_factory) / "tiny-int8-wint4", make) / "bundle"
+
+
 @pytest.fixture(scope="session")
 def tiny_qwen_bundle_int8_static(tiny_qwen, tmp_path_factory) -> Path:
     """The tiny Qwen2 with the calibrated static int8 cache, once per run."""

@@ -21,6 +21,7 @@ from edgekv.runtime.backends.fused import (BIAS, BIAS_LOCAL, MIN_ORT, SEQLENS, T
                                            ort_version_ok)
 from edgekv.runtime.backends.forms import unpack_forms
 from edgekv.runtime.backends.nbits import fold_graph
+from edgekv.runtime.backends.rows import RowPlan, exact_rows
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.memory import HeadMajorMemory, HostMemory, KVMemory, SlotMemory
 from edgekv.runtime.sequence import Sequence
@@ -490,6 +491,9 @@ class OrtBackend:
                 self._handed = self.minimums.hand_to(ort, opts)  # the remainders, by reference
             graph, unpacked = unpack_forms(graph, str(bundle.onnx_path.parent))  # packed codes: ours, not folded by onnxruntime
             self._unpacked = unpacked.hand_to(ort, opts)  # by reference, as long as the session lives
+            # weight products whose rows do not depend on the call's row count on this CPU (rows.py)
+            graph, self.rows = (exact_rows(graph, opts.intra_op_num_threads, matmul_accuracy)
+                                if self.device == "cpu" else (graph, RowPlan()))
             # the rewritten graph comes as bytes: its weights are still found beside model.onnx
             opts.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                           str(bundle.onnx_path.parent))
@@ -500,6 +504,8 @@ class OrtBackend:
         self.check_session()
         if self.fused is not None:  # a path new to the user: the load log says it runs, and how to leave it
             note(self.attention)
+        if (line := self.rows.line()) is not None:
+            note(line)
         self.vocab = bundle.model["vocab_size"]
         self.window = bundle.window  # the sliding-window layers' (None without them)
         self.binding = Binding(self.session, self.device, self.vocab, max_logits_rows)
