@@ -332,18 +332,23 @@ def _gguf_quickstart_types(name: str):
 
 
 @pytest.fixture(scope="session")
-def tiny_bundle_int8_wint4(tiny_llama, tmp_path_factory) -> Path:
-    """The tiny Llama as the quickstart's bundle is made: a GGUF of Q4_1 matrices and a Q8_0
-    head, its blocks kept (onnxruntime's 4- and 8-bit MatMulNBits), an int8 cache; once per run."""
+def tiny_gguf_bundles(tiny_llama, tmp_path_factory):
+    """kv -> the tiny Llama as the quickstart's bundle is made: a GGUF of Q4_1 matrices and a Q8_0
+    head, its blocks kept (onnxruntime's 4- and 8-bit MatMulNBits), that KV scheme; once per run."""
     from export.bundle import export_bundle
     from tests.test_gguf import write_gguf
 
-    def make(path: Path) -> None:
+    def make(kv: str, path: Path) -> None:
         path.mkdir(parents=True)
         write_gguf(tiny_llama, path / "tiny-q41.gguf", quant=_gguf_quickstart_types)
-        export_bundle(str(path / "tiny-q41.gguf"), kv="int8", out=str(path / "bundle"), max_context=256, steps=4,
+        export_bundle(str(path / "tiny-q41.gguf"), kv=kv, out=str(path / "bundle"), max_context=256, steps=4,
                       weights="int4")
-    return made_once(run_dir(tmp_path_factory) / "tiny-int8-wint4", make) / "bundle"
+    return lambda kv: made_once(run_dir(tmp_path_factory) / f"tiny-{kv}-wint4", lambda p: make(kv, p)) / "bundle"
+
+
+@pytest.fixture(scope="session")
+def tiny_bundle_int8_wint4(tiny_gguf_bundles) -> Path:
+    return tiny_gguf_bundles("int8")
 
 
 @pytest.fixture(scope="session")

@@ -121,3 +121,17 @@ def test_tiny_int4_weights_batched_equals_alone_bit_for_bit(tiny_bundle_int8_win
         spec, reqs, _ = batch_schedule(engine)
         for k, (prompt, n) in spec.items():
             assert_same(reqs[k].out, reqs[k].logits, *alone(rt, prompt, n), k)
+
+
+def test_tiny_int4_weights_fused_slots_batched_equals_alone(tiny_gguf_bundles):
+    """serve's fused slots on 4-bit weights: a lone request's decode steps are one-row calls, the
+    same request beside others many-row ones; logits and tokens equal bit for bit."""
+    from tests.test_fused_serve import CTX, SPEC, alone as alone_in_slots, schedule, slots_engine
+
+    with open_runtime(tiny_gguf_bundles("int8-static"), ctx=CTX, backend="ort-cpu", threads=1, attention="fused") as rt:
+        if not rt.backend.query_lengths:
+            pytest.skip("this onnxruntime has no GroupQueryAttention query_seqlens (serve's slots need 1.32)")
+        reqs, _, _ = schedule(slots_engine(rt))
+        for k, (prompt, n) in SPEC.items():
+            want = alone_in_slots(rt, prompt, n)
+            assert_same(reqs[k].out, reqs[k].logits, want.out, want.logits, k)
