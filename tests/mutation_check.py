@@ -776,6 +776,11 @@ MUTATIONS = [
     M("trace cache: tied tensors left out of the key", "tests", "tests/trace_cache.py", '        h.update(f"{name} is {first.setdefault(id(t), name)}, shares memory with "', '        h.update(f"{name} is {name}, shares memory with "', ("tests/test_trace_cache.py",)),
     M("trace cache: a wrapped model's tensors not found", "tests", "tests/trace_cache.py", '    return own | {f"model.{k}": v for k, v in own.items()}', "    return own", ("tests/test_trace_cache.py",)),
     M("trace cache: a module's flags left out of the key", "tests", "tests/trace_cache.py", '                h.update(f"{k} {v!r}\\n".encode())', "                pass", ("tests/test_trace_cache.py",)),
+    # issue 40: weight products' rows on every CPU (edgekv/runtime/backends/rows.py)
+    M("rows: a one-row difference not padded", "runtime", "edgekv/runtime/backends/rows.py", "        elif single:\n            plan.padded.add(kind)", "        elif False:\n            plan.padded.add(kind)", ("tests/test_rows.py", "tests/test_avx2_emulated.py")),
+    M("rows: many-row differences called exact", "runtime", "edgekv/runtime/backends/rows.py", "        if many:\n            plan.unequal.add(kind)", "        if False:\n            plan.unequal.add(kind)", ("tests/test_rows.py",)),
+    M("rows: the padded row dropped from the front", "runtime", "edgekv/runtime/backends/rows.py", '("rows.pad", [0, 0, 1, 0])', '("rows.pad", [1, 0, 0, 0])', ("tests/test_rows.py",)),
+    M("rows: the probe compares one-row calls with themselves", "runtime", "edgekv/runtime/backends/rows.py", "    single = any(not np.array_equal(run(x[i:i + 1]), whole[i:i + 1]) for i in range(len(x)))", "    single = False", ("tests/test_rows.py", "tests/test_avx2_emulated.py")),
 ]
 
 _IGNORE = shutil.ignore_patterns(".git", ".venv", "__pycache__", ".pytest_cache", "bundles", "*.egg-info",
