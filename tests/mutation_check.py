@@ -579,7 +579,7 @@ MUTATIONS = [
       FUSED_CUDA + ("-k", "serve_slots")),
     M("head-major moves on the wrong axis", "fused", "edgekv/runtime/memory.py", "        buf[0, :, dst] = buf[0, :, src]", "        buf[0, dst] = buf[0, src]", FUSED + ("-k", "head_major")),
     M("auto never fuses", "fused", "edgekv/runtime/backends/ort.py", 'elif mode == "auto" and bundle.scheme.kind != "static":', 'elif mode == "auto":', FUSED + ("-k", "no_plain_attention")),
-    M("fused on an onnxruntime below 1.27", "fused", "edgekv/runtime/backends/ort.py", "    elif not ort_version_ok(backend.ort.__version__):", "    elif False:", FUSED + ("-k", "older_onnxruntime")),
+    M("fused on an onnxruntime below 1.27", "fused", "edgekv/runtime/backends/ort.py", "            why = ort_refusal(backend.ort.__version__)", "            why = None", FUSED + ("-k", "older_onnxruntime")),
     M("a cache of the other layout accepted", "fused", "edgekv/runtime/backends/ort.py", ' or cache.layout != getattr(self.memory, "layout", "slots"):', ":", FUSED + ("-k", "refuses_a_head")),
     M("fused calls beyond the spare slots", "fused", "edgekv/runtime/backends/ort.py", "            self.max_tokens_per_call = FUSED_SPARE", "            pass", FUSED + ("-k", "spare_slots")),
     M("ort-cuda fuses a float32 graph", "fused", "edgekv/runtime/backends/ort_cuda.py", '        if bundle.dtype == "float32":', "        if False:", ("tests/test_backends.py", "-k", "ort_cuda_runs")),

@@ -11,10 +11,18 @@ from onnx import TensorProto as T, helper as h, numpy_helper as nh
 from edgekv.runtime.assemble import open_runtime
 from edgekv.runtime.backends.rows import (FLOAT, Kind, RowPlan, pad_single_rows, plan_rows, rows_differ,
                                           weight_products)
+from edgekv.runtime.backends.forms import Handed
+from edgekv.runtime.backends.nbits8 import fuse_8bit
 from tests.test_int4_determinism import assert_same
 from tests.test_serve_engine import alone, batch_schedule
 
 K, N, B = 64, 48, 32
+
+
+def ort_version() -> str:
+    import onnxruntime as ort
+
+    return ort.__version__
 
 
 def product_graph(bits: int, rank: int = 3) -> onnx.ModelProto:
@@ -32,7 +40,20 @@ def product_graph(bits: int, rank: int = 3) -> onnx.ModelProto:
                       h.make_node("MatMul", ["x", "f"], ["y"], name="float")], "g",
                      [h.make_tensor_value_info("x", T.FLOAT, dims)],
                      [h.make_tensor_value_info(o, T.FLOAT, dims[:-1] + [N]) for o in ("q", "y")], inits)
-    return h.make_model(g, opset_imports=[h.make_opsetid("", 21)])
+    return h.make_model(g, opset_imports=[h.make_opsetid("", 21)], ir_version=10)
+
+
+def as_loaded(model) -> onnx.ModelProto:
+    """The graph as the backend has it before the rows pass: 8-bit block weights written as
+    MatMulNBits where this onnxruntime does not fuse them itself (nbits8.py, < 1.25)."""
+    import onnxruntime as ort
+
+    graph, handed, _ = fuse_8bit(model.SerializeToString(), ".", Handed(), ort, 4)
+    out = onnx.load_from_string(graph)
+    for name, a in handed.buffers:  # in the graph itself, for a plain session
+        t = next(t for t in out.graph.initializer if t.name == name)
+        t.CopyFrom(nh.from_array(a, name))
+    return out
 
 
 def session(model, tmp_path=None):
@@ -58,9 +79,9 @@ def test_a_padded_single_row_is_a_row_of_a_many_row_call(bits, rank, tmp_path):
     """Padded, a one-row call gives the bits that row gets among others in an unpadded call (the
     oracle: the same kernel's many-row path), and a many-row call gives what it gave unpadded;
     onnxruntime still runs the quantized product as MatMulNBits."""
-    model = product_graph(bits, rank)
+    model = as_loaded(product_graph(bits, rank))
     plain = session(model)
-    padded_model = product_graph(bits, rank)
+    padded_model = as_loaded(product_graph(bits, rank))
     assert pad_single_rows(padded_model, {Kind(bits, B, True, K), Kind(FLOAT, 0, False, K)}) == 2
     onnx.checker.check_model(padded_model, full_check=True)
     padded = session(padded_model, tmp_path)
@@ -128,9 +149,11 @@ def test_tiny_int4_weights_fused_slots_batched_equals_alone(tiny_gguf_bundles):
     same request beside others many-row ones; logits and tokens equal bit for bit."""
     from tests.test_fused_serve import CTX, SPEC, alone as alone_in_slots, schedule, slots_engine
 
+    from edgekv.runtime.backends.ort import QUERY_LENGTHS_ORT, ort_at_least
+
+    if not ort_at_least(ort_version(), QUERY_LENGTHS_ORT):
+        pytest.skip(f"onnxruntime {ort_version()} has no GroupQueryAttention query_seqlens (serve's slots need 1.32)")
     with open_runtime(tiny_gguf_bundles("int8-static"), ctx=CTX, backend="ort-cpu", threads=1, attention="fused") as rt:
-        if not rt.backend.query_lengths:
-            pytest.skip("this onnxruntime has no GroupQueryAttention query_seqlens (serve's slots need 1.32)")
         reqs, _, _ = schedule(slots_engine(rt))
         for k, (prompt, n) in SPEC.items():
             want = alone_in_slots(rt, prompt, n)

@@ -39,7 +39,9 @@ from edgekv.errors import BundleError
 from edgekv.format.bundle import Bundle
 from edgekv.format.weight_forms import cone, evaluate
 
-# GroupQueryAttention's CPU kernel takes an int8 cache from onnxruntime 1.27 (docs/fused.md)
+# GroupQueryAttention's CPU kernel takes an int8 cache from onnxruntime 1.27 (docs/fused.md). Older
+# releases (1.23.2: the newest wheel for CPython 3.10 on aarch64, JetPack 6's Python) run the
+# bundle's graph as written; pyproject's floor is the plain graph's (versions.py, tests/test_ort_versions.py)
 MIN_ORT = (1, 27)
 MS = "com.microsoft"
 SEQLENS = "seqlens_k"
@@ -62,6 +64,15 @@ def ort_version_ok(version: str) -> bool:
         digits = "".join(c for c in p if c.isdigit())
         parts.append(int(digits or 0))
     return tuple(parts) >= MIN_ORT
+
+
+def ort_refusal(version: str) -> str | None:
+    """Why onnxruntime `version` cannot run the fused graph (None: it can): the reason in the load
+    log's line, "attention: the bundle's graph as written (...)"."""
+    if ort_version_ok(version):
+        return None
+    return (f"onnxruntime {version} has no int8-cache GroupQueryAttention on CPU "
+            f"(the fused path needs {'.'.join(map(str, MIN_ORT))}+)")
 
 
 class _Graph:

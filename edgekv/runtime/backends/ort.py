@@ -17,11 +17,13 @@ from edgekv.errors import BackendUnavailable, BundleError, EdgeKVError, note
 from edgekv.format.bundle import LOCAL_MASK, Bundle
 from edgekv.runtime.backends.base import PREFILL_CHUNK, UNLIMITED, bound_past, default_threads
 from edgekv.runtime.backends.binding import Binding
-from edgekv.runtime.backends.fused import (BIAS, BIAS_LOCAL, MIN_ORT, SEQLENS, TOTAL, NotFusable, fuse_bundle,
-                                           ort_version_ok)
+from edgekv.runtime.backends.fused import (BIAS, BIAS_LOCAL, SEQLENS, TOTAL, NotFusable, fuse_bundle,
+                                           ort_refusal)
 from edgekv.runtime.backends.forms import unpack_forms
 from edgekv.runtime.backends.nbits import fold_graph
+from edgekv.runtime.backends.nbits8 import fuse_8bit
 from edgekv.runtime.backends.rows import RowPlan, exact_rows
+from edgekv.runtime.backends.versions import too_old
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.memory import HeadMajorMemory, HostMemory, KVMemory, SlotMemory
 from edgekv.runtime.sequence import Sequence
@@ -364,10 +366,7 @@ def choose_attention(backend: "OrtBackend", bundle: Bundle, asked: str | None):
         why = f"{backend.name} runs the graph as written (the fused rewrite targets onnxruntime's CPU kernels)"
     elif (refused := backend.fused_refusal(bundle, mode)) is not None:  # the provider's own limits (ort-cuda)
         why = refused
-    elif not ort_version_ok(backend.ort.__version__):
-        why = (f"onnxruntime {backend.ort.__version__} predates GroupQueryAttention's int8-cache CPU kernel "
-               f"(the fused path needs >= {'.'.join(map(str, MIN_ORT))})")
-    elif mode == "auto" and bundle.scheme.kind != "static":
+    elif mode == "auto" and bundle.scheme.kind != "static":  # the bundle's reason first: no release fuses it
         why = (f"the {bundle.scheme.name} KV scheme runs the graph as written"
                + (" (a float cache is the reference; EDGEKV_ATTENTION=fused fuses it)" if bundle.scheme.kind == "float"
                   else " (GroupQueryAttention takes only static scales)"))
@@ -377,6 +376,9 @@ def choose_attention(backend: "OrtBackend", bundle: Bundle, asked: str | None):
         except NotFusable as e:
             why = str(e)
         else:
+            # the release last: what the bundle cannot express is said on any (JetPack 6's cp310: 1.23.2)
+            why = ort_refusal(backend.ort.__version__)
+        if why is None:
             way_out = f"; {ATTENTION_ENV}=plain runs the graph as written" if asked is None else ""
             return fused, (f"attention: fused (GroupQueryAttention in each of {len(fused.layers)} layers, "
                            f"{fused.skip_norms} SkipSimplifiedLayerNormalization{way_out})")
@@ -457,6 +459,8 @@ class OrtBackend:
                  past_bucket: int = PAST_BUCKET, matmul_accuracy: int = MATMUL_ACCURACY,
                  exact: bool | None = None, attention: str | None = None):
         ort = self.ort = _import_ort()
+        if (old := too_old(ort.__version__)) is not None:  # below 1.21 (an onnxruntime-gpu pip did not check)
+            raise BackendUnavailable(old)
         self.check_available(ort)
         opts = session_options(ort, threads, matmul_accuracy)
         if self.profile_prefix:  # onnxruntime's per-node profile (which provider ran each node: jetson/selftest.py)
@@ -490,6 +494,10 @@ class OrtBackend:
                 graph, self.minimums = fold_graph(graph, str(bundle.onnx_path.parent))
                 self._handed = self.minimums.hand_to(ort, opts)  # the remainders, by reference
             graph, unpacked = unpack_forms(graph, str(bundle.onnx_path.parent))  # packed codes: ours, not folded by onnxruntime
+            # 8-bit block weights as MatMulNBits where onnxruntime < 1.25 does not fuse them itself (nbits8.py;
+            # self.nbits8.line(): the load log's, where its kernel does not run them either)
+            graph, unpacked, self.nbits8 = fuse_8bit(graph, str(bundle.onnx_path.parent), unpacked, ort,
+                                                     matmul_accuracy, self.device)
             self._unpacked = unpacked.hand_to(ort, opts)  # by reference, as long as the session lives
             # weight products whose rows do not depend on the call's row count on this CPU (rows.py)
             graph, self.rows = (exact_rows(graph, opts.intra_op_num_threads, matmul_accuracy)

@@ -36,7 +36,8 @@ def cuda_takes_bias(ort, providers: list) -> tuple[bool, str]:
                                vi("pv", T.FLOAT16, [1, 1, 1, D]), vi("sk", T.INT32, [1]), vi("tl", T.INT32, []),
                                vi("bias", T.FLOAT16, [1, 1, 1, 2])],
                               [vi("o", T.FLOAT16, None), vi("k", T.FLOAT16, None), vi("v", T.FLOAT16, None)])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)],
+                              ir_version=8)  # onnxruntime-gpu 1.2x reads IR 8 (onnx's default is newer)
     feeds = {"q": np.ones((1, 1, 3 * D), np.float16), "pk": np.zeros((1, 1, 1, D), np.float16),
              "pv": np.zeros((1, 1, 1, D), np.float16), "sk": np.array([1], np.int32), "tl": np.array(2, np.int32),
              "bias": np.zeros((1, 1, 1, 2), np.float16)}

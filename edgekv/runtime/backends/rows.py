@@ -73,6 +73,9 @@ def _kind_of(g, node, inits: dict, producer: dict) -> tuple[Kind, str] | None:
     """(the kind, the weight input) of a MatMul by a constant weight, else None."""
     from onnx import TensorProto as T
 
+    if node.op_type == "MatMulNBits":  # written by nbits8.py where onnxruntime < 1.25 does not fuse 8 bits
+        a = {x.name: x.i for x in node.attribute}
+        return Kind(a["bits"], a["block_size"], len(node.input) > 3 and bool(node.input[3]), a["K"]), node.input[1]
     w = node.input[1]
     dq = producer.get(w)
     if dq is not None and dq.op_type == "DequantizeLinear":
@@ -98,8 +101,11 @@ def weight_products(model) -> list[tuple]:
     producer = {o: n for n in g.node for o in n.output if o}
     found = []
     for n in g.node:
-        if n.op_type == "MatMul" and (kw := _kind_of(g, n, inits, producer)) is not None:
+        if n.op_type in ("MatMul", "MatMulNBits") and (kw := _kind_of(g, n, inits, producer)) is not None:
             kind, w = kw
+            if n.op_type == "MatMulNBits":
+                found.append((n, kind, next(a.i for a in n.attribute if a.name == "N")))
+                continue
             dq = producer.get(w)
             dims = inits[dq.input[0]].dims if kind.bits != FLOAT else inits[w].dims
             found.append((n, kind, int(dims[1])))
@@ -115,7 +121,7 @@ def _probe_model(kind: Kind):
     if kind.bits == FLOAT:
         w = nh.from_array(rng.standard_normal((kind.k, PROBE_N)).astype(np.float32), "w")
         g = h.make_graph([h.make_node("MatMul", ["x", "w"], ["y"])], "probe", [x], [y], [w])
-        return h.make_model(g, opset_imports=[h.make_opsetid("", 21)])
+        return h.make_model(g, opset_imports=[h.make_opsetid("", 21)], ir_version=10)  # 10: onnxruntime >= 1.20 reads it
     lo, hi = (-8, 8) if kind.bits == 4 else (-128, 128)
     ty = T.INT4 if kind.bits == 4 else T.INT8
     blocks = -(-kind.k // kind.block)
@@ -127,7 +133,7 @@ def _probe_model(kind: Kind):
         ins.append("z")
     g = h.make_graph([h.make_node("DequantizeLinear", ins, ["d"], axis=0, block_size=kind.block),
                       h.make_node("MatMul", ["x", "d"], ["y"])], "probe", [x], [y], inits)
-    return h.make_model(g, opset_imports=[h.make_opsetid("", 21)])
+    return h.make_model(g, opset_imports=[h.make_opsetid("", 21)], ir_version=10)
 
 
 def rows_differ(run, k: int) -> tuple[bool, bool]:
@@ -142,14 +148,20 @@ def rows_differ(run, k: int) -> tuple[bool, bool]:
 
 @lru_cache(maxsize=None)
 def probe(kind: Kind, threads: int, accuracy: int) -> tuple[bool, bool]:
-    """rows_differ for `kind` on this CPU, run by onnxruntime as a session of the backend's runs it."""
+    """rows_differ for `kind` on this CPU, run by onnxruntime as a session of the backend's runs it
+    (through the same 8-bit pass as the bundle: the kernel it will run)."""
     import onnxruntime as ort
+
+    from edgekv.runtime.backends.forms import Handed
+    from edgekv.runtime.backends.nbits8 import fuse_8bit
 
     opts = ort.SessionOptions()
     opts.intra_op_num_threads, opts.inter_op_num_threads = threads, 1
     opts.log_severity_level = 3
     opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(accuracy))
-    s = ort.InferenceSession(_probe_model(kind).SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    graph, handed, _ = fuse_8bit(_probe_model(kind).SerializeToString(), ".", Handed(), ort, accuracy)
+    kept = handed.hand_to(ort, opts)  # noqa: F841  the session reads these arrays while it lives
+    s = ort.InferenceSession(graph, opts, providers=["CPUExecutionProvider"])
     return rows_differ(lambda x: s.run(None, {"x": x})[0], kind.k)
 
 
@@ -179,7 +191,7 @@ def pad_single_rows(model, kinds: set) -> int:
     padded: dict[str, str] = {}  # a flattened, padded input shared by the products that read it
     nodes = []
     for n in g.node:
-        if n.op_type != "MatMul" or n.output[0] not in chosen:
+        if n.op_type not in ("MatMul", "MatMulNBits") or n.output[0] not in chosen:
             nodes.append(n)
             continue
         (kind, nn), x, out = chosen[n.output[0]], n.input[0], n.output[0]
