@@ -314,6 +314,62 @@ def file_sha256(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
+def _open_weights(onnx_open):
+    """onnx's opening of a tensor's external data file (onnx.external_data_helper), where it
+    refuses a file of more than one hard link, done by us for reading: a bundle copied with
+    `cp -al` or `rsync --link-dest` is intact. Every other refusal of onnx's stands (a path that
+    leaves the folder, a symbolic link, a missing file); a file is only ever opened to be read
+    (a write, onnx's save, gets onnx's own check)."""
+    import stat
+
+    def open_external_data(base_dir: str, location: str, tensor_name: str, read_only: bool) -> int:
+        try:
+            return onnx_open(base_dir, location, tensor_name, read_only)
+        except Exception as e:
+            if not read_only or "hard link" not in str(e) or inside(Path(base_dir), location) is None:
+                raise
+            refusal = e
+        nofollow = getattr(os, "O_NOFOLLOW", 0)  # the last component: onnx refuses a symlink, so do we
+        try:
+            fd = os.open(os.path.join(base_dir, location), os.O_RDONLY | nofollow | getattr(os, "O_CLOEXEC", 0)
+                         | getattr(os, "O_BINARY", 0))
+        except OSError:
+            raise refusal from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise refusal
+        return fd
+
+    open_external_data.edgekv = True
+    return open_external_data
+
+
+def allow_hardlinked_weights() -> bool:
+    """Let onnx read the weights of a bundle whose files have other hard links (_open_weights);
+    once per process. False where this onnx reads external data otherwise (then its own refusal
+    stands, and the backend turns it into one line that says to copy the bundle)."""
+    try:
+        from onnx import external_data_helper as edh
+    except ImportError:
+        return False
+    onnx_open = getattr(edh, "_open_external_data_fd", None)
+    if onnx_open is None:
+        return False
+    if not getattr(onnx_open, "edgekv", False):
+        edh._open_external_data_fd = _open_weights(onnx_open)
+    return True
+
+
+def hard_linked(folder: Path) -> list[str]:
+    """The files in a bundle's folder that have other hard links too (a copy made with `cp -al`)."""
+    try:
+        with os.scandir(folder) as entries:
+            return sorted(e.name for e in entries if e.is_file(follow_symlinks=False)
+                          and e.stat(follow_symlinks=False).st_nlink > 1)
+    except OSError:
+        return []
+
+
 def load_bundle(path: str | os.PathLike) -> Bundle:
     """Read the manifest and check everything that is cheap: the schema, the cross-field rules,
     file names inside the folder and their sizes (hashes: `verify`)."""
@@ -350,6 +406,8 @@ def load_bundle(path: str | os.PathLike) -> Bundle:
             raise BundleError(f"{path}: corrupt bundle ({key} is missing)")
         if f.stat().st_size != size:
             raise BundleError(f"{path}: corrupt bundle ({key} is {f.stat().st_size} bytes, manifest says {size})")
+    if hard_linked(path):  # only then: onnx is not imported for a bundle that does not need it
+        allow_hardlinked_weights()
     return b
 
 

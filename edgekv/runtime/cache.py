@@ -72,12 +72,18 @@ class KVCache:
             slots = self.local_ring * self.rings if name in self.local_names else capacity
             shapes[name] = (spec.shape(slots, 1, m["n_kv_heads"], m["head_dim"]), dtype)
         need = sum(int(np.prod(s)) * np.dtype(d).itemsize for s, d in shapes.values())
+        # refused before anything is allocated: the memory's free bytes are the tightest of the
+        # limits it knows (host memory: MemAvailable, a cgroup's limit, RLIMIT_AS/RLIMIT_DATA)
         free = self.memory.free_bytes()
         if free is not None and need > free:
-            raise EdgeKVError(f"a KV cache of {capacity} slots needs {need / 2**20:.1f} MiB, only "
-                              f"{free / 2**20:.1f} MiB free on {self.memory.device}", setting="capacity",
-                              fix="use a smaller {}")
-        self.buffers = {name: self.memory.alloc(shape, dtype) for name, (shape, dtype) in shapes.items()}
+            raise self._too_large(capacity, need, free)
+        self.buffers = {}
+        try:
+            for name, (shape, dtype) in shapes.items():
+                self.buffers[name] = self.memory.alloc(shape, dtype)
+        except MemoryError:  # a limit the check could not see, or memory taken since: still one line
+            self.buffers.clear()
+            raise self._too_large(capacity, need, self.memory.free_bytes()) from None
         self.shapes = {name: shape for name, (shape, _) in shapes.items()}
         self.dtypes = {name: np.dtype(dtype) for name, (_, dtype) in shapes.items()}
         # bytes of one slot of each buffer: slot i of `name` starts at ptr + i * row_bytes
@@ -88,6 +94,15 @@ class KVCache:
         self.local_row = sum(self.row_bytes[name] for name in self.local_names)  # one slot of every local buffer
         self.local_bytes = self.local_row * (self.local_ring or 0) * self.rings
         self.bytes_per_token = (need - self.local_bytes) // capacity
+
+    def _too_large(self, capacity: int, need: int, free: int | None) -> EdgeKVError:
+        """The refusal of a cache that does not fit: the bytes it needs and those available."""
+        what = getattr(self.memory, "free_note", None)
+        why = f": {what()}" if what is not None and what() else ""
+        left = (f"only {free / 2**20:.1f} MiB free on {self.memory.device} ({free} bytes{why})" if free is not None
+                else f"the allocation failed on {self.memory.device}")
+        return EdgeKVError(f"a KV cache of {capacity} slots needs {need / 2**20:.1f} MiB ({need} bytes), {left}",
+                           setting="capacity", fix="use a smaller {}")
 
     def new_sequence(self) -> Sequence:
         """A sequence over this cache's slots."""

@@ -7,6 +7,7 @@ can do better also copy row ranges (`RowMemory`: a chat turn's undo, /save, /loa
 (onnxruntime OrtValues, cuda-python) are in edgekv/runtime/backends/gpu.py."""
 from __future__ import annotations
 
+import os
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -76,16 +77,135 @@ def write_slots_by_runs(memory: RowMemory, buf: Any, slots: np.ndarray, arr: np.
         i += b - a
 
 
-def available_memory() -> int | None:
-    """Bytes the kernel says it can give us now (MemAvailable), or None where unknown."""
+# where the limits on this process's memory are read (tests point them at files of their own)
+MEMINFO = "/proc/meminfo"
+PROC_STATUS = "/proc/self/status"
+PROC_CGROUP = "/proc/self/cgroup"
+CGROUP_ROOT = "/sys/fs/cgroup"
+NO_CGROUP_LIMIT = 1 << 60  # cgroup v1 says "no limit" as 2^63 rounded down to a page
+
+
+def _text(path: str) -> str | None:
     try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+        with open(path) as f:
+            return f.read()
+    except (OSError, ValueError):
+        return None
+
+
+def _kib_field(path: str, key: str) -> int | None:
+    """`key:  N kB` of a /proc file, in bytes."""
+    for line in (_text(path) or "").splitlines():
+        if line.startswith(key + ":"):
+            try:
+                return int(line.split()[1]) * 1024
+            except (IndexError, ValueError):
+                return None
     return None
+
+
+def _int_file(path: str) -> int | None:
+    t = _text(path)
+    try:
+        return int(t.strip()) if t is not None else None
+    except ValueError:  # cgroup v2's "max": no limit
+        return None
+
+
+def _stat_field(path: str, key: str) -> int:
+    for line in (_text(path) or "").splitlines():
+        k, _, v = line.partition(" ")
+        if k == key:
+            try:
+                return int(v)
+            except ValueError:
+                return 0
+    return 0
+
+
+def _cgroup_dirs() -> list[tuple[str, str, str, str, str]]:
+    """(folder, limit file, usage file, memory.stat's inactive-file key, limit name) of this
+    process's memory cgroup and its ancestors up to the mount (v2, then v1); a namespaced
+    cgroup (/proc/self/cgroup says "/") is the mount itself."""
+    out = []
+    for line in (_text(PROC_CGROUP) or "").splitlines():
+        parts = line.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":  # v2's unified hierarchy
+            mount, files = CGROUP_ROOT, ("memory.max", "memory.current", "inactive_file", "memory.max")
+        elif "memory" in parts[1].split(","):  # v1's memory controller
+            mount, files = os.path.join(CGROUP_ROOT, "memory"), \
+                ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file", "memory.limit_in_bytes")
+        else:
+            continue
+        rel = parts[2].strip().strip("/")
+        if ".." in rel.split("/"):
+            continue
+        folder = os.path.join(mount, rel) if rel else mount
+        while True:
+            out.append((folder, *files))
+            if os.path.normpath(folder) == os.path.normpath(mount):
+                break
+            folder = os.path.dirname(folder)
+    if not out:  # no /proc/self/cgroup: the mount's own files, where there are any
+        out = [(CGROUP_ROOT, "memory.max", "memory.current", "inactive_file", "memory.max"),
+               (os.path.join(CGROUP_ROOT, "memory"), "memory.limit_in_bytes", "memory.usage_in_bytes",
+                "total_inactive_file", "memory.limit_in_bytes")]
+    return out
+
+
+def _gib(n: int) -> str:
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if abs(n) >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} bytes"
+
+
+def memory_limits() -> list[tuple[int, str]]:
+    """Each limit on the memory this process can still take, as (bytes left, what it is): the
+    kernel's MemAvailable, a memory cgroup's limit less its usage (its inactive page cache counted
+    as free: the kernel reclaims that first), and RLIMIT_AS / RLIMIT_DATA less the address space /
+    data this process already maps. Those that are unknown or unlimited are left out."""
+    limits = []
+    avail = _kib_field(MEMINFO, "MemAvailable")
+    if avail is not None:
+        limits.append((avail, f"MemAvailable {_gib(avail)}"))
+    seen = set()
+    for folder, limit_file, usage_file, inactive_key, name in _cgroup_dirs():
+        limit = _int_file(os.path.join(folder, limit_file))
+        if limit is None or limit >= NO_CGROUP_LIMIT or folder in seen:
+            continue
+        seen.add(folder)
+        usage = _int_file(os.path.join(folder, usage_file)) or 0
+        inactive = _stat_field(os.path.join(folder, "memory.stat"), inactive_key)
+        left = max(0, min(limit, limit - usage + inactive))
+        limits.append((left, f"the cgroup's {name} {_gib(limit)}, {_gib(usage - inactive)} of it in use"))
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return limits
+    for rlimit, name, used in ((resource.RLIMIT_AS, "RLIMIT_AS", "VmSize"),
+                               (resource.RLIMIT_DATA, "RLIMIT_DATA", "VmData")):
+        soft = resource.getrlimit(rlimit)[0]
+        if soft == resource.RLIM_INFINITY or soft < 0:
+            continue
+        mapped = _kib_field(PROC_STATUS, used)
+        if mapped is None:
+            continue
+        limits.append((max(0, soft - mapped), f"{name} {_gib(soft)}, {_gib(mapped)} of it mapped"))
+    return limits
+
+
+def available_memory() -> int | None:
+    """Bytes this process can still allocate: the tightest of `memory_limits` (None where none is known)."""
+    limits = memory_limits()
+    return min(n for n, _ in limits) if limits else None
+
+
+def describe_available() -> str:
+    """What limits the memory this process can take, tightest first (for an error message)."""
+    return "; ".join(what for _, what in sorted(memory_limits(), key=lambda x: x[0])) or "no limit known"
 
 
 class HostMemory:
@@ -96,6 +216,10 @@ class HostMemory:
 
     def free_bytes(self) -> int | None:
         return available_memory()
+
+    def free_note(self) -> str:
+        """What limits free_bytes (the KV cache's refusal says it; "" where a subclass counts its own)."""
+        return describe_available() if type(self).free_bytes is HostMemory.free_bytes else ""
 
     def alloc(self, shape: tuple, dtype) -> np.ndarray:
         buf = np.empty(shape, dtype)

@@ -441,6 +441,32 @@ def session_options(ort, threads: int | None, matmul_accuracy: int):
     return opts
 
 
+def link_refusal(e: Exception) -> str | None:
+    """"hard link" or "symbolic link" where `e` is onnx's refusal to read a tensor's external data
+    from such a file (onnx.checker.ValidationError), else None."""
+    text = str(e)
+    if "should be stored in" not in text:
+        return None
+    return "hard link" if "multiple hard links" in text else "symbolic link" if "symbolic link" in text else None
+
+
+def load_refusal(bundle: Bundle, e: Exception) -> BundleError:
+    """The one line for a graph that onnx or onnxruntime would not load. onnx (>= 1.19) refuses to
+    read weights from a file with other hard links or through a symbolic link: the bundle is
+    intact, so the line says how to copy it (format.bundle.allow_hardlinked_weights lifts the
+    first where this onnx lets it); anything else is a corrupt bundle."""
+    first = str(e).splitlines()[0] if str(e) else type(e).__name__
+    msg = first[:200]
+    if link_refusal(e) == "hard link":
+        return BundleError(f"{bundle.path}: its weights file has other hard links (a copy made with cp -al or "
+                           f"rsync --link-dest), which the installed onnx refuses to read; copy the bundle without "
+                           f"links: cp -r {bundle.path} NEW_FOLDER")
+    if link_refusal(e) == "symbolic link":
+        return BundleError(f"{bundle.path}: its weights file is a symbolic link, which onnx refuses to read "
+                           f"through; put the file itself in the bundle: cp -rL {bundle.path} NEW_FOLDER")
+    return BundleError(f"{bundle.path}: corrupt bundle (onnxruntime cannot load {bundle.onnx_path.name}: {msg})")
+
+
 class OrtBackend:
     """onnxruntime with IOBinding; the CPU provider (subclassed for CUDA)."""
     name = "ort-cpu"
@@ -472,7 +498,12 @@ class OrtBackend:
         off = ["QDQPropagationTransformer"] if bundle.weights == "int4" else None
         # the graph this session runs: the fused one where it can (self.fused), else as written;
         # self.attention says which and why (the load log)
-        self.fused, self.attention = choose_attention(self, bundle, attention)
+        try:
+            self.fused, self.attention = choose_attention(self, bundle, attention)
+        except Exception as e:  # the fused graph's rewrite reads weights through onnx too
+            if link_refusal(e):
+                raise load_refusal(bundle, e) from None
+            raise
         try:
             if self.fused is not None:
                 self.adapt_fused(self.fused)
@@ -507,8 +538,7 @@ class OrtBackend:
                                           str(bundle.onnx_path.parent))
             self.session = ort.InferenceSession(graph, opts, providers=self.providers(), disabled_optimizers=off)
         except Exception as e:  # onnxruntime raises its own exception types for a bad file
-            msg = str(e).splitlines()[0][:200]
-            raise BundleError(f"{bundle.path}: corrupt bundle (onnxruntime cannot load {bundle.onnx_path.name}: {msg})") from None
+            raise load_refusal(bundle, e) from None
         self.check_session()
         if self.fused is not None:  # a path new to the user: the load log says it runs, and how to leave it
             note(self.attention)
