@@ -431,7 +431,7 @@ MUTATIONS = [
       LIFE + ("-k", "sigterm_drains")),
     M("serve: a second signal ignored", "serve", SERVER, "self.urgent = True  # from now on (draining)",
       "pass  # from now on (draining)", LIFE + ("-k", "second_signal")),
-    M("serve: the grace period cuts nothing", "serve", SERVER, "        http.abort()\n    else:", "        http.close()\n    else:",
+    M("serve: the grace period cuts nothing", "serve", SERVER, "        cut_the_rest(server, http, seconds, check)", "        pass",
       LIFE + ("-k", "grace_period")),
     M("serve: a stop while loading is a failure", "serve", SERVER,
       "return 128 + s.signum if signals.first is not None else 0", "return 128 + s.signum", LIFE + ("-k", "while_loading")),

@@ -21,13 +21,22 @@ import numpy as np
 
 from edgekv.errors import EdgeKVError
 from edgekv.format.bundle import Bundle
+from edgekv.runtime import grammar_checks as checks
 
 # a grammar's source (a schema's JSON text, a regex, a Lark grammar) is refused past this many
 # characters: compile time grows with it (a 125 kB schema of 2000 properties took ~0.2 s here)
 MAX_GRAMMAR_CHARS = 32 << 10
-# JSON Schema nesting: llguidance stops at its own recursion limit (~ depth 500); past this depth
-# the error says so before the compiler is asked
-MAX_SCHEMA_DEPTH = 64
+# JSON Schema nesting, in levels of subschemas as the schema's author sees them (a property's
+# schema, an item's, an anyOf member: one level below its parent; 32 nested objects are 32 levels).
+# llguidance reads the schema with serde_json, which stops at 128 levels of JSON (arrays and
+# objects; a level of subschemas is one or two of them, and the grammar wraps the schema in a few
+# more): past either limit below the error says so before the compiler is asked
+MAX_SCHEMA_DEPTH = 50
+MAX_JSON_DEPTH = 120
+# a regex (a schema's pattern, --regex) that matches nothing shorter than this many characters is
+# refused: llguidance's lexer spells counted repetitions out, `(a{1000}){1000}` a million characters
+# (~1-2 s, then "too many expressions constructed"); 65536 take ~0.15 s here
+MAX_REGEX_MIN_CHARS = 1 << 16
 # whitespace the JSON grammar allows at each place JSON allows it: a space, or a newline and an
 # indent (as llama.cpp's JSON grammar): a small model otherwise can emit newlines until max tokens
 JSON_WHITESPACE = r"( |\n[ \t]{0,20})"
@@ -45,6 +54,9 @@ class GrammarError(EdgeKVError):
 class Grammar:
     kind: str  # "json_schema" | "json_object" | "regex" | "lark"
     text: str  # llguidance's grammar (its JSON form)
+    # a schema's regexes with counted repetitions: compile_grammar tries each alone (inside the
+    # grammar the engine reaches one only when the reply does)
+    patterns: tuple[str, ...] = ()
 
 
 def _llguidance():
@@ -60,28 +72,34 @@ def _check_size(what: str, text: str) -> None:
         raise GrammarError(f"{what} is {len(text)} characters, more than the {MAX_GRAMMAR_CHARS} allowed")
 
 
-def _depth(x, limit: int) -> int:
-    """Nesting depth of a JSON value, counted only up to `limit` + 1 (iterative: no recursion)."""
-    deepest, stack = 0, [(x, 1)]
-    while stack:
-        v, d = stack.pop()
-        if isinstance(v, (dict, list)):
-            deepest = max(deepest, d)
-            if deepest > limit:
-                return deepest
-            stack.extend((c, d + 1) for c in (v.values() if isinstance(v, dict) else v))
-    return deepest
-
-
 def check_schema(schema, what: str = "the JSON schema") -> str:
     """The schema's JSON text, if it is a schema within the limits (GrammarError if not)."""
     if not isinstance(schema, (dict, bool)):
         raise GrammarError(f"{what} must be an object")
-    if _depth(schema, MAX_SCHEMA_DEPTH) > MAX_SCHEMA_DEPTH:
-        raise GrammarError(f"{what} nests deeper than {MAX_SCHEMA_DEPTH} levels")
+    levels = checks.schema_levels(schema)
+    if levels > MAX_SCHEMA_DEPTH:
+        raise GrammarError(f"{what} nests deeper than {MAX_SCHEMA_DEPTH} levels: its subschemas (properties, items, "
+                           f"anyOf, ...) go {levels} levels deep")
+    if checks.json_depth(schema, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise GrammarError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels of JSON arrays and objects (a const, "
+                           f"enum or default value counts): the grammar engine reads no deeper")
     text = json.dumps(schema)
     _check_size(what, text)
+    cycle = checks.ref_cycle(schema)
+    if cycle:
+        raise GrammarError(f"{what}: recursive $ref {' -> '.join(cycle)} is not supported: it refers back to itself "
+                           "before describing any value (recursion through a property or an item is)")
+    for pattern in checks.patterns(schema):
+        _check_regex(f"{what}: the pattern", pattern)
     return text
+
+
+def _check_regex(what: str, pattern: str) -> None:
+    shortest = checks.regex_min_chars(pattern)
+    if shortest > MAX_REGEX_MIN_CHARS:
+        at_least = f"{shortest}" if shortest < checks.BIG else "astronomically many"
+        raise GrammarError(f"{what} {pattern[:80]!r} matches nothing shorter than {at_least} characters (counted "
+                           f"repetitions multiply out); the grammar engine builds at most {MAX_REGEX_MIN_CHARS}")
 
 
 def json_schema(schema) -> Grammar:
@@ -93,7 +111,12 @@ def json_schema(schema) -> Grammar:
                                                    overrides=JSON_OVERRIDES)
     except ValueError as e:
         raise GrammarError(f"JSON schema: {_first_line(e)}") from None
-    return Grammar("json_schema", g)
+    return Grammar("json_schema", g, counted_patterns(schema))
+
+
+def counted_patterns(schema) -> tuple[str, ...]:
+    """The schema's regexes that hold a counted repetition (what can outgrow the lexer's limits)."""
+    return tuple(dict.fromkeys(p for p in checks.patterns(schema) if checks.COUNTED.search(p)))
 
 
 def json_object() -> Grammar:
@@ -106,15 +129,16 @@ def regex(pattern: str) -> Grammar:
     if not isinstance(pattern, str) or not pattern:
         raise GrammarError("a regex must be a non-empty string")
     _check_size("the regex", pattern)
+    _check_regex("the regex", pattern)
     return Grammar("regex", _llguidance().LLMatcher.grammar_from_regex(pattern))
 
 
-def lark(text: str) -> Grammar:
+def lark(text: str, patterns: tuple[str, ...] = ()) -> Grammar:
     """A reply in the language of a Lark grammar (llguidance's dialect: `start:` rule, %json, <special>)."""
     if not isinstance(text, str) or not text.strip():
         raise GrammarError("a Lark grammar must be non-empty text")
     _check_size("the Lark grammar", text)
-    return Grammar("lark", _llguidance().LLMatcher.grammar_from_lark(text))
+    return Grammar("lark", _llguidance().LLMatcher.grammar_from_lark(text), patterns)
 
 
 def _first_line(e) -> str:
@@ -197,7 +221,41 @@ def compile_grammar(tok: GrammarTokenizer, grammar: Grammar) -> "GrammarConstrai
     warnings = m.get_grammar_warnings()
     if warnings:  # a warning is something the engine would not enforce as written
         raise GrammarError(f"{grammar.kind.replace('_', ' ')}: {_engine_message(warnings[0])}")
+    what = grammar.kind.replace('_', ' ')
+    said = _first_step(m, tok)
+    if said:
+        raise GrammarError(f"{what}: {said}")
+    for pattern in grammar.patterns:
+        said = _pattern_alone(tok, pattern)
+        if said:
+            raise GrammarError(f"{what}: the pattern {pattern[:80]!r}: {said}")
     return GrammarConstraint(m, tok)
+
+
+def _pattern_alone(tok: GrammarTokenizer, pattern: str) -> str | None:
+    """_first_step of a schema's regex as a grammar of its own (one it cannot read as such is
+    left to the schema's compile, which read it already)."""
+    llg = _llguidance()
+    try:
+        alone = llg.LLMatcher(tok.ll, llg.LLMatcher.grammar_from_regex(pattern), log_level=0, limits=parser_limits())
+    except ValueError:
+        return None
+    return None if alone.is_error() else _first_step(alone, tok)
+
+
+def _first_step(m, tok: GrammarTokenizer) -> str | None:
+    """What goes wrong in the grammar's first mask and first token, tried on a copy of the matcher
+    (`m` stays at its start), or None: what the engine finds only once it runs (a rule that never
+    ends, a lexer past its limits) is a GrammarError before a request is queued, not a failed reply."""
+    probe = GrammarConstraint(m.deep_copy(), tok)
+    try:
+        ok = probe.allowed().copy()
+    except GrammarError as e:
+        return str(e).removeprefix("grammar: ")
+    ok[[t for t in tok.stop_ids if t < ok.shape[0]]] = False
+    if ok.any() and not probe.m.consume_token(int(np.argmax(ok))):
+        return _engine_message(probe.m.get_error())
+    return None
 
 
 def _engine_message(msg: str) -> str:
@@ -208,7 +266,19 @@ def _engine_message(msg: str) -> str:
     said = [ln for ln in lines if ln.startswith("error: ")]  # a regex error's line that says what
     if said:
         return f"invalid regex: {said[0].removeprefix('error: ')[:300]}"
+    for known, meaning in ENGINE_ERRORS.items():
+        if known in lines[0]:
+            return f"{meaning} ({lines[0][:200]})"
     return lines[0][:300]
+
+
+# llguidance's errors that name its internals, said as what in the grammar causes them
+ENGINE_ERRORS = {
+    "NoExtensionBias": "a rule of the grammar never ends: it only refers to itself (for a JSON schema: a recursive "
+                       "$ref that never reaches a value is not supported)",
+    "too many expressions constructed": "a regex is too large for the grammar engine (counted repetitions multiply "
+                                        "out: (a{1000}){1000} is a million characters)",
+}
 
 
 class GrammarConstraint:

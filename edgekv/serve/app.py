@@ -32,6 +32,7 @@ from edgekv.runtime.sampling import SamplingParams
 from edgekv.runtime.text import StreamDecoder, TextCodec
 from edgekv.serve import LOCAL_HOSTS
 from edgekv.serve import structured, tools
+from edgekv.serve.drain import CUT, CUT_CODE, LiveReplies, emitter
 from edgekv.serve.metrics import Metrics
 
 log = logging.getLogger("edgekv.serve")
@@ -342,6 +343,7 @@ class Server:
         self.metrics = metrics or Metrics(batcher)
         self.created = int(time.time())
         self.state = "ready"
+        self.live = LiveReplies()  # the replies being written: a drain that runs out cuts them (serve/drain.py)
         # the bundle drives tools, response_format and logprobs (None: they get a 400)
         self.bundle = bundle
         self.takes_tools = bundle is not None and tools.template_takes_tools(bundle.chat_template)
@@ -367,6 +369,10 @@ class Server:
 
     def token_bytes(self, t: int) -> bytes:
         return self.grammar_tokenizer().ll.decode_bytes([t])
+
+    def cut_error(self) -> ApiError:
+        """What a reply cut by the drain ends with (the stream's last event, or a whole reply's 503)."""
+        return ApiError(503, self.live.message or "the server is shutting down", kind="server_error", code=CUT_CODE)
 
     def set_state(self, state: str) -> None:
         """loading (before the warm-up), ready, draining (shutting down): /health says which, and
@@ -457,7 +463,8 @@ class Server:
         reason = self.batcher.fault()
         status = "ok" if self.state == "ready" and reason is None else ("error" if reason else self.state)
         body = {"status": status, "state": self.state, **({"reason": reason} if reason else {}), **self.batcher.stats()}
-        return JSONResponse(body, status_code=200 if status == "ok" else 503)
+        later = {"Retry-After": str(RETRY_AFTER_S)} if status in ("loading", "draining") else None
+        return JSONResponse(body, status_code=200 if status == "ok" else 503, headers=later)
 
     async def prom(self, request: HttpRequest) -> Response:
         body, ctype = self.metrics.render()
@@ -521,10 +528,12 @@ class Server:
                            code=f"server_{self.state}", headers={"Retry-After": str(RETRY_AFTER_S)})
         raw = await self.read_body(request)
         ask = await asyncio.to_thread(prepare, raw)
+        if self.live.message is not None:  # the drain ran out while this request was prepared
+            raise self.cut_error()
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
         req = Request(ask.prompt, ask.max_tokens, ask.params, stop_ids=self.stop_ids(ask.constraint is not None),
-                      emit=lambda event: loop.call_soon_threadsafe(queue.put_nowait, event),
+                      emit=emitter(loop, queue),
                       tenant=request.state.tenant, constraint=ask.constraint, logprobs=ask.logprobs)
         try:
             self.batcher.submit(req)
@@ -537,6 +546,7 @@ class Server:
         except EdgeKVError as e:
             raise ApiError(400, str(e)) from None
         reply = Reply(self, req, queue, StopWatch(self.codec, ask.stops), ask, request.scope)
+        self.live.add(reply, loop, queue)
         if ask.stream:
             return StreamingResponse(reply.sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
@@ -587,6 +597,9 @@ class Reply:
                         yield text, None
                 elif event is GONE:
                     raise ClientGone()
+                elif event is CUT:
+                    self.scope.setdefault("state", {})["cut"] = True  # the access line says so
+                    raise self.server.cut_error()
                 else:
                     self.done, self.cached_tokens = event, event.usage.cached_tokens
                     if event.reason == "error":
@@ -596,6 +609,7 @@ class Reply:
                     return
         finally:
             self.scope.setdefault("state", {})["usage"] = (len(self.req.ask.prompt), self.completion_tokens)
+            self.server.live.discard(self)
             if self.done is None:
                 self.server.batcher.cancel(self.req)  # a client gone, or an early end: free its cells now
 
@@ -679,7 +693,7 @@ class Reply:
             if self.api.include_usage:
                 yield self.usage_chunk()
         except ApiError as e:
-            yield f"data: {json.dumps({'error': {'message': str(e), 'type': e.kind}})}\n\n"
+            yield f"data: {json.dumps({'error': {'message': str(e), 'type': e.kind, 'code': e.code}})}\n\n"
         yield "data: [DONE]\n\n"
 
     def reasoned(self, text: str, final: bool) -> tuple[dict | None, str]:
@@ -761,5 +775,6 @@ class Front:
                 await self.app(scope, receive, send_logged)
         finally:
             p, c = scope.get("state", {}).get("usage", ("-", "-"))
+            cut = " cut" if scope.get("state", {}).get("cut") else ""  # ended by the drain (serve/drain.py)
             log.info("%s %s %s prompt=%s completion=%s %.3fs", scope["method"], scope["path"][:200],
-                     status[0] or "-", p, c, time.perf_counter() - t0)
+                     f"{status[0] or '-'}{cut}", p, c, time.perf_counter() - t0)

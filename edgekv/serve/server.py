@@ -35,6 +35,7 @@ from edgekv.runtime.cache import KVCache
 from edgekv.runtime.sampling import SamplingParams
 from edgekv.runtime.text import StreamDecoder
 from edgekv.serve import LOCAL_HOSTS
+from edgekv.serve.drain import cut_the_rest
 
 READ_TIMEOUT = 15.0  # seconds a client has to send one whole request (headers and body)
 KEEP_ALIVE = 5  # seconds an idle keep-alive connection stays open (uvicorn's timer)
@@ -521,8 +522,8 @@ def busy(batcher, http: BackgroundServer) -> int:
 
 
 def drain(server, batcher, http: BackgroundServer, seconds: float, check=lambda: None) -> None:
-    """No new requests (503 "draining"), running ones finish within `seconds`, the rest are cut;
-    `check()` raises Stop on a second signal."""
+    """No new requests (503 "draining"), running ones finish within `seconds`, the rest are cut
+    (each reply ends with an error saying so: serve/drain.py); `check()` raises Stop on a second signal."""
     server.set_state("draining")
     notify("STOPPING=1\nSTATUS=draining")
     note(f"edgekv serve: draining: {busy(batcher, http)} requests running, up to {seconds:g} s "
@@ -534,6 +535,7 @@ def drain(server, batcher, http: BackgroundServer, seconds: float, check=lambda:
     left = busy(batcher, http)
     if left:
         note(f"edgekv serve: {left} requests still running after {seconds:g} s were cut")
+        cut_the_rest(server, http, seconds, check)  # each ends with an error saying why, then what is left:
         http.abort()
     else:
         http.close()

@@ -293,8 +293,9 @@ def tool_grammar(plan: ToolPlan, tok: g.GrammarTokenizer | None = None) -> g.Gra
             rules.append(f"args_{i}: {g.lark_json(t.parameters, f'the parameters of {t.name}')}")
         except g.GrammarError as e:
             raise BadRequest(str(e), "tools") from None
+    patterns = tuple(dict.fromkeys(p for t in plan.tools for p in g.counted_patterns(t.parameters)))
     try:
-        return g.lark("\n".join(rules))
+        return g.lark("\n".join(rules), patterns)  # each pattern also tried alone by compile_grammar
     except g.GrammarError as e:
         raise BadRequest(f"tools: {e}", "tools") from None
 
