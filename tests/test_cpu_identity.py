@@ -1,4 +1,4 @@
-"""The CPU a benchmark ran on (edgekv/tools/cpu.py): its name and ISA level from /proc/cpuinfo
+"""The CPU a benchmark ran on (edgekv/runtime/cpu.py): its name and ISA level from /proc/cpuinfo
 texts of three kinds of host, the llama.cpp CMAKE_ARGS each can run, and the `cpu` field and
 line that bench, llama_cpp_bench, bench-serve and eval write."""
 import io
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from edgekv.tools import cpu
-from edgekv.tools.cpu import cpu_field, describe, isa_level, llama_cpp_cmake_args, model_name
+from edgekv.runtime import cpu
+from edgekv.runtime.cpu import cpu_field, describe, isa_level, llama_cpp_cmake_args, model_name
 from tests.conftest import ROOT, run_edgekv
 
 X86_BASE = ("fpu vme de pse tsc msr pae mce cx8 apic sep mtrr pge mca cmov pat pse36 clflush mmx fxsr sse sse2 ht "
@@ -115,10 +115,10 @@ def test_host_defaults_and_the_flags_bench_and_help_name():
 
 
 def test_python_m_cpu_prints_the_flags():
-    r = subprocess.run([sys.executable, "-m", "edgekv.tools.cpu", "--cmake-args"], capture_output=True, text=True,
+    r = subprocess.run([sys.executable, "-m", "edgekv.runtime.cpu", "--cmake-args"], capture_output=True, text=True,
                        cwd=ROOT)
     assert r.returncode == 0 and r.stdout.strip() == llama_cpp_cmake_args()
-    r = subprocess.run([sys.executable, "-m", "edgekv.tools.cpu"], capture_output=True, text=True, cwd=ROOT)
+    r = subprocess.run([sys.executable, "-m", "edgekv.runtime.cpu"], capture_output=True, text=True, cwd=ROOT)
     assert r.stdout.splitlines()[0] == f"cpu: {describe(None)}" and llama_cpp_cmake_args() in r.stdout
 
 

@@ -10,7 +10,7 @@ from edgekv.cli.args import (CHAT_SAMPLING, CTX, GENERATE_SAMPLING, THREADS, TOK
 from edgekv.format.bundle import DTYPES, WEIGHT_FORMATS
 from edgekv.format.kvschemes import SCHEMES
 from edgekv.runtime.backends import BACKENDS
-from edgekv.tools.cpu import llama_cpp_cmake_args
+from edgekv.runtime.cpu import llama_cpp_cmake_args
 
 
 # the help texts several commands share
@@ -18,7 +18,7 @@ BUNDLE = "bundle folder written by `edgekv export`"
 CPU_THREADS = "CPU threads (default: OMP_NUM_THREADS where set, else every CPU available)"
 # the build flags for this host's CPU, as bench.LLAMA_CPP_FLAGS (tests/test_bench_llama_cpp.py holds them equal)
 LLAMA_CPP_BUILT = (f'llama-cpp-python, the `bench` extra, built with CMAKE_ARGS="{llama_cpp_cmake_args()}" '
-                   '(this CPU\'s: python -m edgekv.tools.cpu)')
+                   '(this CPU\'s: python -m edgekv.runtime.cpu)')
 
 
 def _command(sub, name: str, help: str, description: str) -> argparse.ArgumentParser:

@@ -17,7 +17,7 @@ from edgekv.errors import EdgeKVError, note
 from edgekv.format.files import write_json
 from edgekv.runtime.backends.base import default_threads
 from edgekv.runtime.memory import SlotMemory
-from edgekv.tools.cpu import cpu_field, describe
+from edgekv.runtime.cpu import cpu_field, describe
 
 TOPICS = ["a robot that learns to paint", "a train crossing the desert", "a lighthouse keeper", "tea in Kyoto",
           "a city under the sea", "the first moon base", "a lost violin", "a clockmaker's apprentice"]

@@ -23,7 +23,7 @@ from edgekv.runtime.assemble import Runtime, open_runtime
 from edgekv.runtime.backends.base import default_threads
 from edgekv.runtime.backends.ort import ATTENTION_ENV, ATTENTIONS
 from edgekv.runtime.generate import Generator
-from edgekv.tools.cpu import cpu_field, describe, llama_cpp_cmake_args
+from edgekv.runtime.cpu import cpu_field, describe, llama_cpp_cmake_args
 from edgekv.tools.progress import stage
 
 

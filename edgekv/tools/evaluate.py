@@ -31,7 +31,7 @@ from edgekv.runtime.backends.base import PREFILL_CHUNK, default_threads
 from edgekv.runtime.generate import Generator
 from edgekv.runtime.text import TextCodec
 from edgekv.tools.bench import llama_cpp_gguf, peer_failure
-from edgekv.tools.cpu import cpu_field, describe as describe_cpu
+from edgekv.runtime.cpu import cpu_field, describe as describe_cpu
 
 
 def default_text() -> tuple[str, str]:

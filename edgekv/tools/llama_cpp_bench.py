@@ -20,7 +20,7 @@ import numpy as np
 
 from edgekv.errors import EdgeKVError
 from edgekv.tools.bench import measure_runs, rss_bytes, sample_tokens
-from edgekv.tools.cpu import cpu_field
+from edgekv.runtime.cpu import cpu_field
 
 
 class LlamaCppGenerator:

@@ -2,8 +2,8 @@
 (llama-cpp-python's CMAKE_ARGS). Stdlib only: the CLI's parser imports it. Every function takes
 /proc/cpuinfo's text (default: this host's) so tests can feed another CPU's.
 
-  python -m edgekv.tools.cpu               this CPU and its CMAKE_ARGS
-  python -m edgekv.tools.cpu --cmake-args  just the flags: CMAKE_ARGS="$(python -m edgekv.tools.cpu --cmake-args)"
+  python -m edgekv.runtime.cpu               this CPU and its CMAKE_ARGS
+  python -m edgekv.runtime.cpu --cmake-args  just the flags: CMAKE_ARGS="$(python -m edgekv.runtime.cpu --cmake-args)"
 """
 from __future__ import annotations
 
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         print(llama_cpp_cmake_args())
         return 0
     if argv:
-        print("usage: python -m edgekv.tools.cpu [--cmake-args]", file=sys.stderr)
+        print("usage: python -m edgekv.runtime.cpu [--cmake-args]", file=sys.stderr)
         return 2
     print(f"cpu: {describe(None)}")
     print(f'CMAKE_ARGS="{llama_cpp_cmake_args()}" pip install "edgekv[bench]"')
