@@ -209,25 +209,12 @@ def test_low_bit_weights_run_as_matmulnbits(wbundle, monkeypatch, tmp_path):
     fused low-bit kernel), no float copy of a weight matrix (tests/test_weights.py's check)."""
     import collections
 
-    import onnx
-    import onnxruntime as ort
     from onnx import TensorProto
 
-    from edgekv.runtime.assemble import open_runtime
+    from tests.conftest import optimized_graph
 
     fmt, bundle = wbundle
-    real = ort.SessionOptions
-    path = tmp_path / "optimized.onnx"
-
-    def options():
-        o = real()
-        o.optimized_model_filepath = str(path)
-        return o
-
-    monkeypatch.setattr(ort, "SessionOptions", options)
-    open_runtime(bundle, None, "ort-cpu", threads=1, log=None).close()
-    monkeypatch.setattr(ort, "SessionOptions", real)
-    g = onnx.load(str(path), load_external_data=False).graph
+    g = optimized_graph(bundle, monkeypatch, tmp_path)
     ops = collections.Counter(n.op_type for n in g.node)
     assert ops["MatMulNBits"] == 2 * 4 + 1, (fmt, dict(ops))
     assert not any(i.data_type == TensorProto.FLOAT and len(i.dims) == 2 and min(i.dims) >= 64

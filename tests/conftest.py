@@ -323,6 +323,27 @@ def tiny_bundle_int8_static(tiny_bundles) -> Path:
     return tiny_bundles("int8-static")
 
 
+def optimized_graph(bundle, monkeypatch, tmp_path, attention: str | None = None):
+    """The graph onnxruntime really runs (an onnx GraphProto), as the runtime's own backend builds it."""
+    import onnx
+    import onnxruntime as ort
+
+    from edgekv.runtime.assemble import open_runtime
+
+    real = ort.SessionOptions
+    path = tmp_path / "optimized.onnx"
+
+    def options():
+        o = real()
+        o.optimized_model_filepath = str(path)
+        return o
+
+    monkeypatch.setattr(ort, "SessionOptions", options)
+    open_runtime(bundle, None, "ort-cpu", threads=1, log=None, attention=attention).close()
+    monkeypatch.setattr(ort, "SessionOptions", real)
+    return onnx.load(str(path), load_external_data=False).graph
+
+
 def _gguf_quickstart_types(name: str):
     """The quickstart file's kinds of blocks: Q8_0 embedding and head, Q4_1 matrices."""
     import gguf

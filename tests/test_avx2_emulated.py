@@ -6,6 +6,7 @@ qemu-user >= 8 (bookworm's 7.2 mis-executes numpy's AVX2 code): `bash .ci/qemu_u
 Debian trixie's into ~/.cache/edgekv/qemu, which .ci/run does; EDGEKV_QEMU_X86 names another."""
 from __future__ import annotations
 
+import functools
 import json
 import os
 import platform
@@ -21,6 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 QEMU_CPU = "EPYC-Rome"  # AVX2, FMA, F16C; no AVX-512
 
 
+@functools.lru_cache(maxsize=None)  # asked at collection and by each run: one `--version` a process
 def find_qemu() -> str | None:
     for cand in (os.environ.get("EDGEKV_QEMU_X86"), str(Path.home() / ".cache/edgekv/qemu/usr/bin/qemu-x86_64"),
                  shutil.which("qemu-x86_64")):

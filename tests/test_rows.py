@@ -116,13 +116,11 @@ def test_plan_pads_where_the_single_row_differs_and_refuses_where_many_rows_diff
 def test_rows_differ_sees_a_single_row_path_and_a_tile_path():
     """The probe's comparison itself, on products whose rounding depends on the row count by construction."""
     w = np.random.default_rng(5).standard_normal((K, N)).astype(np.float32)
-    exact = lambda x: x @ w  # noqa: E731  numpy's float32 product: one path for every row count here? checked below
     single_path = lambda x: (x.astype(np.float64) @ w).astype(np.float32) if len(x) == 1 else x @ w  # noqa: E731
     tile_path = lambda x: x @ w + (np.float32(1e-3) if len(x) % 2 else 0)  # noqa: E731
     assert rows_differ(single_path, K)[0]
     assert rows_differ(tile_path, K)[1]
     assert rows_differ(lambda x: np.stack([r @ w for r in x]), K) == (False, False)
-    del exact
 
 
 def test_the_backend_reports_what_it_found(tiny_bundle_int8_wint4):

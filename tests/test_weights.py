@@ -20,7 +20,7 @@ from edgekv.runtime.backends.engines import tensorrt_graph
 from edgekv.format.trt_graph import widen_half_scales
 from edgekv.format.weight_forms import fold_forms
 from edgekv.format.trt_rules import check_model
-from tests.conftest import make_hf_folder
+from tests.conftest import make_hf_folder, optimized_graph
 
 CASES = [("llama", "int8"), ("llama", "int4"), ("qwen2", "int8"), ("qwen2", "int4")]
 
@@ -191,24 +191,6 @@ def test_graph_format_opset_and_trt_rules(arch, fmt, weight_bundles):
     converted = tensorrt_graph(m, b.onnx_path.parent)
     assert len(converted) == len(blocked8) and check_model(m, "10.3") == []
     assert opset() == (21 if fmt == "int4" else 20)
-
-
-def optimized_graph(bundle, monkeypatch, tmp_path, attention: str | None = None) -> onnx.GraphProto:
-    """The graph onnxruntime really runs, as the runtime's own backend builds it."""
-    import onnxruntime as ort
-
-    real = ort.SessionOptions
-    path = tmp_path / "optimized.onnx"
-
-    def options():
-        o = real()
-        o.optimized_model_filepath = str(path)
-        return o
-
-    monkeypatch.setattr(ort, "SessionOptions", options)
-    open_runtime(bundle, None, "ort-cpu", threads=1, log=None, attention=attention).close()
-    monkeypatch.setattr(ort, "SessionOptions", real)
-    return onnx.load(str(path), load_external_data=False).graph
 
 
 def optimized_ops(bundle, monkeypatch, tmp_path) -> collections.Counter:

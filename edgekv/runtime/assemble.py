@@ -8,8 +8,7 @@ from edgekv.errors import EdgeKVError, note
 from edgekv.format.bundle import Bundle, load_bundle
 from edgekv.runtime.backends import MATMUL_ACCURACY, make_backend
 from edgekv.runtime.backends.base import PREFILL_CHUNK, Backend
-from edgekv.runtime.backends.fused import ort_version_ok
-from edgekv.runtime.backends.nbits8 import Nbits8Report, count_8bit, fuses_8bit
+from edgekv.runtime.backends.fused import ort_refusal
 from edgekv.runtime.cache import KVCache, default_capacity
 from edgekv.runtime.batching import Batcher
 from edgekv.runtime.batching.layouts import MAX_PREFIXES
@@ -119,22 +118,15 @@ def open_runtime(bundle: str | os.PathLike | Bundle, ctx: int | None = None, bac
 def ort_version_lines(be: Backend, bundle: Bundle) -> list[str]:
     """The load log's lines where the installed onnxruntime runs this bundle otherwise than a
     current one would (issue 40 item 3a: JetPack 6's CPython 3.10 gets onnxruntime 1.23.2 at most):
-    a static int8 cache that `auto` fuses on onnxruntime >= 1.27 runs the graph as written (the
-    backend's attention line, which names the release), and 8-bit block weights that onnxruntime
-    < 1.25 leaves as DequantizeLinear -> MatMul (nbits8.py's line; none where the backend rewrote
-    them itself). Nothing for other backends or a current onnxruntime."""
+    the backend's attention line where the release is its reason (a static int8 cache that `auto`
+    fuses from 1.27 runs the graph as written), and nbits8.py's line where 8-bit block weights stay
+    DequantizeLinear -> MatMul. Nothing for other backends or a current onnxruntime."""
     ort = getattr(be, "ort", None)
-    if ort is None or getattr(be, "device", None) != "cpu":
+    if ort is None or be.device != "cpu":
         return []
-    version = ort.__version__
     lines = []
-    attention = getattr(be, "attention", "") or ""
-    if (getattr(be, "fuses", False) and getattr(be, "fused", None) is None and not ort_version_ok(version)
-            and bundle.scheme.kind == "static" and version in attention):
-        lines.append(attention)
-    report = getattr(be, "nbits8", None)  # the backend's own rewrite (nbits8.fuse_8bit), where it has one
-    if report is None and not fuses_8bit(version):
-        report = Nbits8Report(version, found=count_8bit(bundle.onnx_path))
-    if report is not None and (line := report.line()) is not None:
+    if (refusal := ort_refusal(ort.__version__)) is not None and refusal in be.attention:
+        lines.append(be.attention)
+    if (line := be.nbits8.line()) is not None:
         lines.append(line)
     return lines

@@ -97,8 +97,8 @@ class KVCache:
 
     def _too_large(self, capacity: int, need: int, free: int | None) -> EdgeKVError:
         """The refusal of a cache that does not fit: the bytes it needs and those available."""
-        what = getattr(self.memory, "free_note", None)
-        why = f": {what()}" if what is not None and what() else ""
+        note = getattr(self.memory, "free_note", lambda: "")()  # reads the limits' files once
+        why = f": {note}" if note else ""
         left = (f"only {free / 2**20:.1f} MiB free on {self.memory.device} ({free} bytes{why})" if free is not None
                 else f"the allocation failed on {self.memory.device}")
         return EdgeKVError(f"a KV cache of {capacity} slots needs {need / 2**20:.1f} MiB ({need} bytes), {left}",

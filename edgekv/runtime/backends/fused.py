@@ -38,6 +38,7 @@ import numpy as np
 from edgekv.errors import BundleError
 from edgekv.format.bundle import Bundle
 from edgekv.format.weight_forms import cone, evaluate
+from edgekv.runtime.backends.versions import dotted, ort_version
 
 # GroupQueryAttention's CPU kernel takes an int8 cache from onnxruntime 1.27 (docs/fused.md). Older
 # releases (1.23.2: the newest wheel for CPython 3.10 on aarch64, JetPack 6's Python) run the
@@ -59,11 +60,7 @@ class NotFusable(BundleError):
 
 def ort_version_ok(version: str) -> bool:
     """onnxruntime `version` has GroupQueryAttention's int8-cache CPU kernel."""
-    parts = []
-    for p in version.split(".")[:2]:
-        digits = "".join(c for c in p if c.isdigit())
-        parts.append(int(digits or 0))
-    return tuple(parts) >= MIN_ORT
+    return ort_version(version) >= MIN_ORT
 
 
 def ort_refusal(version: str) -> str | None:
@@ -72,7 +69,7 @@ def ort_refusal(version: str) -> str | None:
     if ort_version_ok(version):
         return None
     return (f"onnxruntime {version} has no int8-cache GroupQueryAttention on CPU "
-            f"(the fused path needs {'.'.join(map(str, MIN_ORT))}+)")
+            f"(the fused path needs {dotted(MIN_ORT)}+)")
 
 
 class _Graph:

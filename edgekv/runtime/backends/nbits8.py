@@ -28,12 +28,12 @@ from functools import lru_cache
 import numpy as np
 
 from edgekv.runtime.backends.forms import HANDED, Handed, handed_tensor
+from edgekv.runtime.backends.fused import MS
 from edgekv.runtime.backends.versions import dotted, ort_version
 
 # the first onnxruntime whose graph optimizer rewrites an 8-bit block DequantizeLinear -> MatMul
 # into MatMulNBits itself (measured: 1.24.4 does not, 1.25.0 does)
 NBITS8_FUSION_ORT = (1, 25)
-MS = "com.microsoft"
 
 
 def fuses_8bit(version: str) -> bool:
@@ -102,13 +102,6 @@ def eight_bit_products(g) -> list[tuple]:
         if ty in (T.INT8, T.UINT8) and len(dims) == 2:
             found.append((n, dq))
     return found
-
-
-def count_8bit(onnx_path) -> int:
-    """The bundle graph's 8-bit block weight products (read without its weights)."""
-    import onnx
-
-    return len(eight_bit_products(onnx.load(str(onnx_path), load_external_data=False).graph))
 
 
 def _probe_model(accuracy: int, k: int = 64, n: int = 16, block: int = 32):

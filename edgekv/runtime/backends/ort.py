@@ -23,7 +23,7 @@ from edgekv.runtime.backends.forms import unpack_forms
 from edgekv.runtime.backends.nbits import fold_graph
 from edgekv.runtime.backends.nbits8 import fuse_8bit
 from edgekv.runtime.backends.rows import RowPlan, exact_rows
-from edgekv.runtime.backends.versions import too_old
+from edgekv.runtime.backends.versions import ort_version, too_old
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.memory import HeadMajorMemory, HostMemory, KVMemory, SlotMemory
 from edgekv.runtime.sequence import Sequence
@@ -389,8 +389,7 @@ def choose_attention(backend: "OrtBackend", bundle: Bundle, asked: str | None):
 
 def ort_at_least(version: str, floor: tuple[int, int]) -> bool:
     """onnxruntime `version` (\"1.32.0\", \"1.33.0.dev...\") is `floor` or later."""
-    parts = tuple(int("".join(c for c in p if c.isdigit()) or 0) for p in version.split(".")[:2])
-    return parts >= floor
+    return ort_version(version) >= floor
 
 
 def with_query_lengths(model) -> None:
@@ -456,12 +455,12 @@ def load_refusal(bundle: Bundle, e: Exception) -> BundleError:
     intact, so the line says how to copy it (format.bundle.allow_hardlinked_weights lifts the
     first where this onnx lets it); anything else is a corrupt bundle."""
     first = str(e).splitlines()[0] if str(e) else type(e).__name__
-    msg = first[:200]
-    if link_refusal(e) == "hard link":
+    msg, link = first[:200], link_refusal(e)
+    if link == "hard link":
         return BundleError(f"{bundle.path}: its weights file has other hard links (a copy made with cp -al or "
                            f"rsync --link-dest), which the installed onnx refuses to read; copy the bundle without "
                            f"links: cp -r {bundle.path} NEW_FOLDER")
-    if link_refusal(e) == "symbolic link":
+    if link == "symbolic link":
         return BundleError(f"{bundle.path}: its weights file is a symbolic link, which onnx refuses to read "
                            f"through; put the file itself in the bundle: cp -rL {bundle.path} NEW_FOLDER")
     return BundleError(f"{bundle.path}: corrupt bundle (onnxruntime cannot load {bundle.onnx_path.name}: {msg})")

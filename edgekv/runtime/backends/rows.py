@@ -69,13 +69,13 @@ class RowPlan:
         return None
 
 
-def _kind_of(g, node, inits: dict, producer: dict) -> tuple[Kind, str] | None:
-    """(the kind, the weight input) of a MatMul by a constant weight, else None."""
+def _kind_of(node, inits: dict, producer: dict) -> tuple[Kind, int] | None:
+    """(the kind, N) of a MatMul by a constant weight, else None."""
     from onnx import TensorProto as T
 
     if node.op_type == "MatMulNBits":  # written by nbits8.py where onnxruntime < 1.25 does not fuse 8 bits
         a = {x.name: x.i for x in node.attribute}
-        return Kind(a["bits"], a["block_size"], len(node.input) > 3 and bool(node.input[3]), a["K"]), node.input[1]
+        return Kind(a["bits"], a["block_size"], len(node.input) > 3 and bool(node.input[3]), a["K"]), a["N"]
     w = node.input[1]
     dq = producer.get(w)
     if dq is not None and dq.op_type == "DequantizeLinear":
@@ -87,10 +87,10 @@ def _kind_of(g, node, inits: dict, producer: dict) -> tuple[Kind, str] | None:
         if bits is None:
             return None
         zp = len(dq.input) > 2 and bool(dq.input[2])
-        return Kind(bits, attrs["block_size"], zp, int(codes.dims[0])), w
+        return Kind(bits, attrs["block_size"], zp, int(codes.dims[0])), int(codes.dims[1])
     t = inits.get(w)
     if t is not None and t.data_type == T.FLOAT and len(t.dims) == 2:
-        return Kind(FLOAT, 0, False, int(t.dims[0])), w
+        return Kind(FLOAT, 0, False, int(t.dims[0])), int(t.dims[1])
     return None
 
 
@@ -99,17 +99,8 @@ def weight_products(model) -> list[tuple]:
     g = model.graph
     inits = {t.name: t for t in g.initializer}
     producer = {o: n for n in g.node for o in n.output if o}
-    found = []
-    for n in g.node:
-        if n.op_type in ("MatMul", "MatMulNBits") and (kw := _kind_of(g, n, inits, producer)) is not None:
-            kind, w = kw
-            if n.op_type == "MatMulNBits":
-                found.append((n, kind, next(a.i for a in n.attribute if a.name == "N")))
-                continue
-            dq = producer.get(w)
-            dims = inits[dq.input[0]].dims if kind.bits != FLOAT else inits[w].dims
-            found.append((n, kind, int(dims[1])))
-    return found
+    return [(n, *kn) for n in g.node
+            if n.op_type in ("MatMul", "MatMulNBits") and (kn := _kind_of(n, inits, producer)) is not None]
 
 
 def _probe_model(kind: Kind):
