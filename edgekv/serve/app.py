@@ -28,7 +28,7 @@ from starlette.routing import Route
 from edgekv.errors import ContextOverflow, EdgeKVError, QueueFull
 from edgekv.runtime.batching import Batcher, Done, Request, Token
 from edgekv.runtime.reasoning import ReasoningSplitter, opens_reasoning, split_reply, template_thinks
-from edgekv.runtime.sampling import SamplingParams
+from edgekv.runtime.sampling import SamplingDefaults, SamplingParams
 from edgekv.runtime.text import StreamDecoder, TextCodec
 from edgekv.serve import LOCAL_HOSTS
 from edgekv.serve import structured, tools
@@ -113,11 +113,12 @@ def seed_of(body: dict) -> int | None:
     return None if seed is None else seed & ((1 << 64) - 1)
 
 
-def sampling_of(body: dict) -> SamplingParams:
-    return SamplingParams(temperature=float(_number(body, "temperature", 1.0, 0.0, 2.0)),
-                          top_p=float(_number(body, "top_p", 1.0, 0.0, 1.0)),
-                          top_k=int(_number(body, "top_k", 0, 0, 1 << 20, integer=True)),
-                          repeat_penalty=float(_number(body, "repeat_penalty", 1.0, 0.1, 10.0)),
+def sampling_of(body: dict, unset: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
+    """A request's sampling; what it leaves unset comes from the server's defaults (the model's)."""
+    return SamplingParams(temperature=float(_number(body, "temperature", unset.temperature, 0.0, 2.0)),
+                          top_p=float(_number(body, "top_p", unset.top_p, 0.0, 1.0)),
+                          top_k=int(_number(body, "top_k", unset.top_k, 0, 1 << 20, integer=True)),
+                          repeat_penalty=float(_number(body, "repeat_penalty", unset.repeat_penalty, 0.1, 10.0)),
                           seed=seed_of(body))
 
 
@@ -329,13 +330,14 @@ class Server:
 
     def __init__(self, batcher: Batcher, codec: TextCodec, model: str, api_keys: Sequence[str] | str | None = (),
                  metrics: Metrics | None = None, *, max_body_bytes: int = MAX_BODY_BYTES,
-                 bind_host: str = "127.0.0.1", bundle=None):
+                 bind_host: str = "127.0.0.1", bundle=None, sampling_defaults: SamplingDefaults = SamplingDefaults()):
         keys = [api_keys] if isinstance(api_keys, str) else list(api_keys or ())
         if not all(isinstance(k, str) and k for k in keys):
             raise ValueError("API keys must be non-empty strings")
         if max_body_bytes < 1:
             raise ValueError("max_body_bytes must be at least 1")
         self.batcher, self.codec, self.model = batcher, codec, model
+        self.sampling_defaults = sampling_defaults  # what a request that sets no sampling gets
         self.keys = [(k.encode("utf-8"), tenant_of(k)) for k in keys]
         self.max_body_bytes = max_body_bytes
         self.check_host = bind_host.strip("[]") in LOCAL_HOSTS
@@ -492,7 +494,7 @@ class Server:
                                 else (None, None))
         except structured.BadRequest as e:
             raise ApiError(400, str(e), param=e.param, code=e.code) from None
-        opts = max_tokens_of(body), sampling_of(body), stops_of(body), _flag(body, "stream")
+        opts = max_tokens_of(body), sampling_of(body, self.sampling_defaults), stops_of(body), _flag(body, "stream")
         kw = template_kwargs_of(body)
         self.check_length(sum(len(m.get("content") or "") for m in msgs), "messages")
         codec = self.codec.with_thinking(kw["enable_thinking"]) if "enable_thinking" in kw else self.codec
@@ -516,7 +518,7 @@ class Server:
             raise ApiError(400, str(e), param=e.param, code=e.code) from None
         if top is not None:
             self.grammar_tokenizer()  # its bytes of each token
-        opts = max_tokens_of(body), sampling_of(body), stops_of(body), _flag(body, "stream")
+        opts = max_tokens_of(body), sampling_of(body, self.sampling_defaults), stops_of(body), _flag(body, "stream")
         self.check_length(len(prompt), "prompt")
         return ApiAsk(encode_unlocked(self.codec, prompt), *opts, chat=False, logprobs=top,
                       include_usage=include_usage_of(body))

@@ -32,7 +32,7 @@ from edgekv.runtime.backends.base import PREFILL_CHUNK
 from edgekv.runtime.batching import Batcher, Done, Request, Token
 from edgekv.runtime.batching.layouts import MAX_PREFIXES
 from edgekv.runtime.cache import KVCache
-from edgekv.runtime.sampling import SamplingParams
+from edgekv.runtime.sampling import SamplingParams, defaults_of
 from edgekv.runtime.text import StreamDecoder
 from edgekv.serve import LOCAL_HOSTS
 from edgekv.serve.drain import cut_the_rest
@@ -170,6 +170,7 @@ def build_server(rt: Runtime, ctx: int | None = None, parallel: int = 4, max_que
 
     layout = slots if isinstance(slots, Layout) else serve_layout(rt, slots, parallel, ctx)
     batcher = make_batcher(rt, layout, parallel, max_queue, prefill_chunk).start()
+    server.setdefault("sampling_defaults", defaults_of(rt.bundle.manifest))
     return batcher, Server(batcher, rt.codec, rt.bundle.manifest.get("name", rt.bundle.path.name),
                            bundle=rt.bundle, **server)
 
