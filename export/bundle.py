@@ -13,9 +13,10 @@ import torch
 from edgekv.errors import ExportError, note
 from edgekv.format.bundle import load_bundle
 from edgekv.tools.progress import stage
-from export.destination import check_out_dir, default_out_dir, install, share, staging
+from export.destination import check_out_dir, check_room, default_out_dir, install, share, staging
 from export.graph_file import write_graph
 from export.kv_calibration import calibrate
+from export.kv_gate import AUTO, AUTO_CHOICES, verdict_line
 from export.loaders import Source, gguf_matrix_types
 from export.manifest import build_manifest, weights_manifest, write_manifest
 from export.model import Transformer
@@ -50,6 +51,7 @@ class Prepared:
     plan: dict  # weight name -> its stored QuantWeights (empty: float weights)
     awq: dict | None
     calibration: dict | None
+    kv: str  # the scheme stored (--kv auto resolved)
 
 
 def export_bundle(model_arg: str | None = None, **options) -> Path:
@@ -68,8 +70,9 @@ def run_export(opts: ExportOptions) -> Path:
     dest = settle_destination(opts)
     with stage("loading", f" {opts.model or DEFAULT_RECIPE}"):
         src = load_source(dest.path)
+    check_room(dest.out_dir, least_bytes(src, opts.dtype, dest.weights))  # a full disk: before the long steps
     made = prepare_model(opts, dest, src, t0)
-    with staging(dest.out_dir) as tmp:
+    with staging(dest.out_dir, stored_weight_bytes(made.model, made.plan)) as tmp:
         write_graph(made.model, made.plan, tmp, opts.dtype)
         (tmp / "tokenizer.json").write_text(src.tokenizer_json)
         manifest = bundle_manifest(opts, dest, src, made)
@@ -84,6 +87,17 @@ def run_export(opts: ExportOptions) -> Path:
     return dest.out_dir
 
 
+def least_bytes(src: Source, dtype: str, weights: str) -> int:
+    """The bundle's weights at the least, known once the source is loaded: every parameter at
+    the float dtype's width, or for quantized weights at 4 bits (no format stores fewer)."""
+    seen, n = set(), 0
+    for t in src.state_dict.values():
+        if (t.data_ptr(), t.numel()) not in seen:  # a tied table once
+            seen.add((t.data_ptr(), t.numel()))
+            n += t.numel()
+    return n * (2 if dtype == "float16" else 4) if weights == "float" else n // 2
+
+
 def settle_destination(opts: ExportOptions) -> Destination:
     """Everything about the destination is settled before the model is loaded (tens of seconds)."""
     path, recipe = locate_source(opts.model)
@@ -91,7 +105,8 @@ def settle_destination(opts: ExportOptions) -> Destination:
     if out:
         check_out_dir(Path(out), force)
     weights, why = source_weights(path, opts.weights)
-    out_dir = Path(out) if out else default_out_dir(recipe["name"], opts.kv, opts.dtype, weights)
+    named = AUTO_CHOICES[1] if opts.kv == AUTO else opts.kv  # either choice is an int8 cache
+    out_dir = Path(out) if out else default_out_dir(recipe["name"], named, opts.dtype, weights)
     check_out_dir(out_dir, force)
     note(f"weights: {weights} ({why}); bundle: {out_dir}")
     return Destination(path, recipe, weights, out_dir)
@@ -107,20 +122,27 @@ def prepare_model(opts: ExportOptions, dest: Destination, src: Source, t0: float
     note(f"  {cfg.arch}: {cfg.n_layers} layers, {cfg.n_heads} heads ({cfg.n_kv_heads} KV), head_dim {cfg.head_dim}, "
          f"hidden {cfg.hidden_size}, vocab {cfg.vocab_size}  [{time.time() - t0:.1f}s]")
     torch_dtype = {"float32": torch.float32, "float16": torch.float16}[opts.dtype]
-    model = Transformer.loaded(cfg.for_context(max_context), src.state_dict, opts.kv)  # LongRoPE: one factor set for the bundle's positions
+    kv = AUTO_CHOICES[0] if opts.kv == AUTO else opts.kv
+    model = Transformer.loaded(cfg.for_context(max_context), src.state_dict, kv)  # LongRoPE: one factor set for the bundle's positions
     calibration = None
     if model.scheme.kind == "static" or model.scheme.center_keys:
-        with stage("calibrating", f" {opts.kv}"):
-            calibration = calibrate(model, src, opts.kv, opts.calib_text, opts.calib_tokens)
+        with stage("calibrating", f" {kv}"):
+            calibration = calibrate(model, src, kv, opts.calib_text, opts.calib_tokens, max_context)
+        check = calibration.get("held_out")
+        if check:
+            note(verdict_line(opts.kv, check))
+            if opts.kv == AUTO and not check["passed"]:
+                kv, calibration = AUTO_CHOICES[1], None
+                model = Transformer.loaded(cfg.for_context(max_context), src.state_dict, kv)
     plan, awq = {}, None
     if dest.weights != "float":
         with stage("quantizing weights", f" to {dest.weights}"):
             plan, awq = quantize_model(model, src, dest.weights, opts.group, opts.method, opts.requantize, opts.calib)
-    return Prepared(model.to(torch_dtype).eval(), max_context, plan, awq, calibration)
+    return Prepared(model.to(torch_dtype).eval(), max_context, plan, awq, calibration, kv)
 
 
 def bundle_manifest(opts: ExportOptions, dest: Destination, src: Source, made: Prepared) -> dict:
-    manifest = build_manifest(src, dest.recipe, opts.kv, opts.dtype, made.max_context)
+    manifest = build_manifest(src, dest.recipe, made.kv, opts.dtype, made.max_context)
     file_types = gguf_matrix_types(dest.path) if src.kind == "gguf" else {}
     manifest["weights"] = weights_manifest(dest.weights, made.plan, opts.group, opts.method, made.awq, file_types)
     manifest["weights"]["source_blocks_kept"] = bool(src.blocks) and not opts.requantize

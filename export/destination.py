@@ -6,13 +6,11 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from edgekv.errors import ExportError, note
 from edgekv.format.bundle import MANIFEST, VERIFIED
-from edgekv.format.files import kind_of, replace_dir, replace_dir_keeping
+from edgekv.format.files import check_space, kind_of, make_folders, replace_dir, replace_dir_keeping, temp_dir
 from export import recipes
 
 
@@ -23,15 +21,21 @@ def default_out_dir(name: str, kv: str, dtype: str, weights: str) -> Path:
 
 
 @contextlib.contextmanager
-def staging(out_dir: Path):
+def staging(out_dir: Path, need: int = 0):
     """A temporary folder beside out_dir (the same file system: the bundle moves in whole), removed
-    afterwards whatever happened."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
-    try:
+    afterwards whatever happened; a killed export's left there before are removed first. `need`:
+    the bytes the bundle takes at least, checked against the free space before anything is
+    written; a disk that fills up anyway is one line naming out_dir (edgekv/format/files.py)."""
+    make_folders(out_dir.parent)
+    with temp_dir(out_dir, need) as tmp:
         yield tmp
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def check_room(out_dir: Path, need: int) -> None:
+    """Room beside out_dir for `need` bytes (a killed export's leftovers there removed first),
+    checked in the nearest folder that exists: nothing is made yet."""
+    above = next(p for p in out_dir.absolute().parents if kind_of(p) is not None)
+    check_space(out_dir, need, above)
 
 
 def share(folder: Path) -> None:

@@ -3,11 +3,13 @@ AWQ's activation statistics are measured on, and the KV calibration itself (expo
 from __future__ import annotations
 
 from edgekv.errors import ExportError, note
+from export.kv_gate import WINDOW, held_out_check
 from export.loaders import Source
 from export.model import Transformer
 
 
-def calibrate(model: Transformer, src: Source, kv: str, calib_text: str | None, calib_tokens: int) -> dict:
+def calibrate(model: Transformer, src: Source, kv: str, calib_text: str | None, calib_tokens: int,
+              context: int = WINDOW) -> dict:
     from export.calibrate import calibrate_static, key_mean, set_key_offsets
 
     ids, desc = calibration_ids(src, calib_text, calib_tokens)
@@ -18,7 +20,8 @@ def calibrate(model: Transformer, src: Source, kv: str, calib_text: str | None, 
         return {"text": desc, "tokens": len(ids),
                 "method": "key offset = mean key per (layer, KV head, channel) after RoPE"
                           + (" and the rotation" if model.scheme.rotate else "") + "; int4 levels fixed (INT4_LEVELS)"}
-    return {"text": desc, "tokens": len(ids), **calibrate_static(model, ref, ids)}
+    record = {"text": desc, "tokens": len(ids), **calibrate_static(model, ref, ids)}
+    return {**record, "held_out": held_out_check(model, ref, src.tokenizer_json, context)}
 
 
 def calibration_ids(src: Source, calib_text: str | None, calib_tokens: int) -> tuple[list[int], str]:

@@ -16,6 +16,7 @@ from edgekv.format.files import write_text
 from edgekv.format.kvschemes import INT4_GROUP, INT4_LEVELS, get_scheme
 from export.graph_file import TRT_TARGET
 from export.loaders import Source
+from export.model_sampling import manifest_sampling
 from export.weights import stored_bytes, summary
 
 
@@ -103,4 +104,6 @@ def build_manifest(src: Source, recipe: dict, kv: str, dtype: str, max_context: 
         "special": src.special,
         "chat_template": src.chat_template,
         "defaults": recipe.get("defaults", {}),
+        # what a request that sets no sampling gets; editable (the manifest is not among the hashed files)
+        "sampling": manifest_sampling(src.sampling, recipe),
     }

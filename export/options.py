@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from edgekv.errors import ExportError
 from edgekv.format.kvschemes import get_scheme
+from export.kv_gate import AUTO
 from export.weights import GROUPS, METHODS, WEIGHT_FORMATS
 
 WEIGHT_DEFAULT = "auto"  # `edgekv export --weights`: keep what the source holds (recipes.source_weights)
@@ -17,7 +18,7 @@ class ExportOptions:
     """The library's default weights stay float (the tests' float-weights reference bundle is made
     by this default); `edgekv export` defaults to auto (WEIGHT_DEFAULT)."""
     model: str | None = None  # a recipe name, a Hugging Face folder or a .gguf file (None: the default recipe)
-    kv: str = "int8"
+    kv: str = "int8"  # `edgekv export` defaults to auto: int8-static where its held-out check holds, else int8
     out: str | None = None  # None: models/bundles/NAME-KV...
     max_context: int | None = None  # None: the recipe's, else min(model, 4096)
     dtype: str = "float32"
@@ -33,7 +34,7 @@ class ExportOptions:
 
     def __post_init__(self):
         try:
-            get_scheme(self.kv)
+            self.kv == AUTO or get_scheme(self.kv)
         except ValueError as e:
             raise ExportError(str(e)) from None
         if self.weights not in WEIGHT_CHOICES:

@@ -9,6 +9,7 @@ from pathlib import Path
 from edgekv.errors import ExportError
 from export.loaders import Source, SourceError, gguf_matrix_types, load_gguf, load_hf_folder
 from export.model import UnsupportedModel
+from export.model_sampling import recipe_sampling
 from export.weights import KEPT_BITS, auto_format
 
 MODELS_DIR = Path(__file__).resolve().parent.parent / "models"
@@ -31,6 +32,7 @@ def locate_source(model: str | None) -> tuple[Path, dict]:
     recipe = {}
     if (MODELS_DIR / f"{model}.json").is_file():
         recipe = json.loads((MODELS_DIR / f"{model}.json").read_text())
+        recipe_sampling({"name": model, **recipe})  # a bad recipe is refused before anything loads
         path = recipe_path(recipe)
     else:
         path = Path(model)

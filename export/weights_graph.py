@@ -10,6 +10,7 @@ import hashlib
 import numpy as np
 
 from edgekv.format.weight_forms import pack_codes
+from edgekv.graph.index import GraphIndex
 from export.weights import Factors, QuantWeight
 
 
@@ -24,9 +25,8 @@ def quantize_initializers(m, targets: dict[str, tuple[np.ndarray, QuantWeight]],
     left in float would silently cost memory and speed)."""
     from onnx import numpy_helper
 
-    g = m.graph
-    inits = {i.name: i for i in g.initializer}
-    producers = {o: n for n in g.node for o in n.output}
+    index = GraphIndex(m)
+    g, inits, producers = m.graph, index.inits, index.producer
     by_key = {}
     for name, (w, q) in targets.items():
         by_key[_key(w.T)] = name

@@ -13,19 +13,16 @@ Needs TensorRT's Python package and cuda-python (JetPack provides both). Not run
 development machines of this project (no TensorRT there); jetson/selftest.sh runs it."""
 from __future__ import annotations
 
-import json
-import shutil
-import tempfile
 import threading
 import time
 from pathlib import Path
 
 from edgekv.errors import EdgeKVError, note
 from edgekv.format.bundle import load_bundle
-from edgekv.format.files import replace_dir
+from edgekv.format.files import make_folders, temp_dir
 from edgekv.format.trt_graph import stage_weights
-from edgekv.runtime.backends.engines import (META, PLAN, PROFILES_VERSION, bundle_fingerprint, engine_dir, engine_key, is_fresh,
-                                             per_channel, profile_shapes)
+from edgekv.runtime.backends.engines import (PLAN, PROFILES_VERSION, bundle_fingerprint, engine_dir, engine_key, is_fresh,
+                                             per_channel, profile_shapes, write_engine)
 from edgekv.runtime.backends.gpu import check, cudart
 from edgekv.runtime.backends.trt import gpu_name, import_tensorrt
 from edgekv.runtime.cache import default_capacity
@@ -127,24 +124,17 @@ def build_engine(bundle_path: str, ctx: int | None = None, max_prefill: int = 25
                           f"(the GPU shares memory with the CPU on a Jetson): close other programs, or use a "
                           f"smaller --ctx / --workspace-mib")
 
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".{key}.graph.", dir=folder.parent) as scratch:
+    make_folders(folder.parent)
+    with temp_dir(folder.with_name(key + ".graph")) as scratch:  # killed builds' leftovers removed first
         # a rewritten graph (parse) stays on disk until the engine is built
-        plan, profiles, took = _build(trt, bundle, gpu, key, ctx, max_prefill, workspace, Path(scratch))
-    tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=folder.parent))
-    try:
-        (tmp / PLAN).write_bytes(bytes(plan))
-        (tmp / META).write_text(json.dumps({
-            "bundle_fingerprint": bundle_fingerprint(bundle), "profiles_version": PROFILES_VERSION,
-            "gpu": gpu, "tensorrt": trt.__version__,
-            "ctx": ctx, "max_prefill": max_prefill, "workspace_mib": workspace_mib, "build_s": round(took, 1),
-            "profiles": [{n: [list(x) for x in v] for n, v in p.items() if not n.startswith("past.") or n.startswith("past.0.")}
-                         for p in profiles],
-        }, indent=1))
-        replace_dir(tmp, folder)  # an engine folder is ours: the old one is deleted once replaced
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        plan, profiles, took = _build(trt, bundle, gpu, key, ctx, max_prefill, workspace, scratch)
+    write_engine(folder, bytes(plan), {  # a full disk: one line, the old engine kept
+        "bundle_fingerprint": bundle_fingerprint(bundle), "profiles_version": PROFILES_VERSION,
+        "gpu": gpu, "tensorrt": trt.__version__,
+        "ctx": ctx, "max_prefill": max_prefill, "workspace_mib": workspace_mib, "build_s": round(took, 1),
+        "profiles": [{n: [list(x) for x in v] for n, v in p.items() if not n.startswith("past.") or n.startswith("past.0.")}
+                     for p in profiles],
+    })
     note(f"engine written: {folder / PLAN} ({(folder / PLAN).stat().st_size / 2**20:.1f} MiB, built in {took:.0f} s)")
     return folder
 

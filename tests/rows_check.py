@@ -18,9 +18,9 @@ def same(got_toks, got_rows, want_toks, want_rows) -> bool:
 def main(argv: list[str]) -> None:
     pool_bundle, slots_bundle = argv[0], argv[1]
     if "--no-pad" in argv:
-        import edgekv.runtime.backends.ort as ort_backend
-        from edgekv.runtime.backends.rows import RowPlan
-        ort_backend.exact_rows = lambda graph, threads, accuracy: (graph, RowPlan())
+        from edgekv.graph.passes import Changed
+        from edgekv.runtime.backends.rows import RowPadding
+        RowPadding.apply = lambda self, index: Changed(False)
     from edgekv.runtime.assemble import open_runtime
     from tests.test_serve_engine import alone, batch_schedule
 

@@ -95,3 +95,24 @@ def staggered(engine, spec: dict, prefill_steps: int) -> Staggered:
     join("D", 1)
     run_until_done(engine, list(reqs.values()))
     return Staggered(reqs, mixed, first)
+
+
+# A ChatML template that takes `tools` (so the prompt is the template's, not the generic
+# format's long system message) and renders them, calls and results in a few tokens: a tool
+# round trip fits the tiny bundles' 256 cells (tests/test_api_*.py)
+TOOLS_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                  "{% if m.tool_calls %}{% for c in m.tool_calls %}<tool_call>{{ c.function.name }} "
+                  "{{ c.function.arguments }}</tool_call>{% endfor %}{% endif %}{{ m['content'] or '' }}<|im_end|>\n"
+                  "{% endfor %}{% if tools %}<|im_start|>system\n{% for t in tools %}{{ t.function.name }} "
+                  "{% endfor %}<|im_end|>\n{% endif %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def with_template(bundle, folder, template: str):
+    """A copy of `bundle` in `folder` whose manifest names `template` as its chat template."""
+    import json
+    import shutil
+
+    shutil.copytree(bundle, folder)
+    man = json.loads((folder / "edgekv.json").read_text())
+    (folder / "edgekv.json").write_text(json.dumps({**man, "chat_template": template}))
+    return folder

@@ -321,7 +321,7 @@ REAL_BOUND = 3.0
 
 @pytest.mark.slow
 def test_real_model_static_kv_close_to_per_token_on_unseen_text():
-    from edgekv.tools.evaluate import default_text
+    from edgekv.tools.corpus import default_text
     from export.bundle import calibration_ids, resolve_source
     from export.calibrate import calibrate_static
     from export.model import Transformer

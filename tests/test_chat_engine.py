@@ -69,7 +69,7 @@ def state(s: ChatSession):
                 msgs=[dict(m) for m in s.messages], dropped=s.dropped_turns,
                 rng=repr(s.rng.bit_generator.state), kv={k: v.tobytes() for k, v in snap.items()},
                 waiting=len(e.waiting), active=len(e.running), turn=e.kv.turns.current,
-                last=s.last, prompt_ids=s.last_prompt_ids)
+                last=s.last, prompt_ids=s.last_prompt_ids, turns=len(s.turns))  # turns: /stats' totals
 
 
 # -- 1. KeyboardInterrupt at every line of the engine during a turn (interrupt_points) -------------

@@ -160,11 +160,15 @@ def test_non_utf8_prompt_is_one_line(tiny_bundle_int8):
 
 
 def test_generate_and_chat_defaults():
-    """generate is greedy with chat's repeat guard (a bare question on the int4 bundle looped for 256
-    tokens without it); chat samples with the small-model defaults."""
+    """generate's and chat's sampling flags are unset: the model's defaults, as serve's requests
+    (tests/test_sampling_defaults.py); the default model's keep the repeat guard (a bare question
+    on the int4 bundle looped for 256 tokens without it)."""
     from edgekv.cli import build_parser
+    from edgekv.runtime.sampling import defaults_of
+    from export.model_sampling import manifest_sampling
+    from export.recipes import locate_source
 
     g = build_parser().parse_args(["generate", "B", "hi"])
     c = build_parser().parse_args(["chat", "B"])
-    assert (g.temperature, g.repeat_penalty) == (0.0, 1.1)
-    assert (c.temperature, c.top_p, c.top_k, c.repeat_penalty) == (0.3, 0.9, 40, 1.1)
+    assert (g.temperature, g.repeat_penalty, c.temperature, c.top_p, c.top_k, c.repeat_penalty) == (None,) * 6
+    assert defaults_of({"sampling": manifest_sampling({}, locate_source(None)[1])}, g).repeat_penalty == 1.1

@@ -1,6 +1,6 @@
 """The layers of edgekv, checked from the import statements (every one, also inside functions):
 
-    errors < format < runtime < chat < tools < cli        (export/ and jetson/ above all of edgekv)
+    errors < graph < format < runtime < chat < tools < cli        (export/ and jetson/ above all of edgekv)
 
 A module may import its own layer or a lower one, never a higher one, and no modules import
 each other in a circle. edgekv never imports export/ or jetson/: the CLI reaches them by module
@@ -15,10 +15,19 @@ from tests.conftest import ROOT
 LAYERS = [  # (module prefix, layer): the longest matching prefix decides
     ("edgekv", 0),  # the package itself: its version only
     ("edgekv.errors", 0),
+    ("edgekv.graph", 0.5),  # the graph index and its passes (onnx, numpy): below format, whose TensorRT staging uses them
     ("edgekv.format", 1),
     ("edgekv.runtime", 2),
     ("edgekv.chat", 3),
     ("edgekv.serve", 3),
+    # inside serve, downwards: what each API shares, its requests and replies, the app, the process
+    ("edgekv.serve.api", 3.1), ("edgekv.serve.listen", 3.1), ("edgekv.serve.signals", 3.1),
+    ("edgekv.serve.fields", 3.2), ("edgekv.serve.stops", 3.2), ("edgekv.serve.front", 3.2),
+    ("edgekv.serve.reply", 3.3),
+    ("edgekv.serve.chat", 3.4), ("edgekv.serve.messages", 3.4), ("edgekv.serve.responses", 3.4),
+    ("edgekv.serve.app", 3.5),
+    ("edgekv.serve.server", 3.6),
+    ("edgekv.serve.bench", 3.7),
     ("edgekv.tools", 4),
     ("edgekv.cli", 5),
     ("edgekv.__main__", 5),
@@ -153,7 +162,7 @@ def test_the_checks_catch_an_upward_import_and_a_cycle():
 # them. A command module of tools/ holds its command only, and the exporter imports no command.
 RULES = ("edgekv.format.trt_rules", "edgekv.format.trt_graph")  # the rules, what they see of a graph
 COMMAND_ONLY = {"edgekv.tools.trt_check"}
-EXPORT_MAY_USE_FROM_TOOLS = {"edgekv.tools.progress"}  # the stage lines on stderr, not a command
+EXPORT_MAY_USE_FROM_TOOLS = {"edgekv.tools.progress", "edgekv.tools.corpus"}  # stage lines on stderr; the eval text
 
 
 def top_level_names(source: str) -> set[str]:

@@ -11,8 +11,8 @@ import onnxruntime as ort
 import pytest
 from onnx import TensorProto, helper
 
-from edgekv.runtime.backends.nbits import FoldReport, fold_minimums, fold_weights
-from edgekv.format.weight_forms import cone
+from edgekv.graph.passes.minimum_fold import FoldReport, fold_minimums, fold_weights
+from edgekv.graph.forms import cone
 from export.weights import QuantWeight
 from export.weights_graph import Emitted, _quantized_matmul
 

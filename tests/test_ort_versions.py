@@ -27,7 +27,7 @@ from edgekv.errors import BackendUnavailable  # noqa: E402
 from edgekv.format.bundle import load_bundle  # noqa: E402
 from edgekv.runtime.assemble import open_runtime, ort_version_lines  # noqa: E402
 from edgekv.runtime.backends import ort as ort_mod  # noqa: E402
-from edgekv.runtime.backends.forms import Handed, handed_tensor  # noqa: E402
+from edgekv.graph.forms import Handed, handed_tensor  # noqa: E402
 from edgekv.runtime.backends.fused import MIN_ORT, ort_refusal, ort_version_ok  # noqa: E402
 from edgekv.runtime.backends.nbits8 import (NBITS8_FUSION_ORT, Nbits8Report,  # noqa: E402
                                             eight_bit_products, fuse_8bit, fuses_8bit, kernel_runs)

@@ -11,7 +11,7 @@ from onnx import TensorProto as T, helper as h, numpy_helper as nh
 from edgekv.runtime.assemble import open_runtime
 from edgekv.runtime.backends.rows import (FLOAT, Kind, RowPlan, pad_single_rows, plan_rows, rows_differ,
                                           weight_products)
-from edgekv.runtime.backends.forms import Handed
+from edgekv.graph.forms import Handed
 from edgekv.runtime.backends.nbits8 import fuse_8bit
 from tests.test_int4_determinism import assert_same
 from tests.test_serve_engine import alone, batch_schedule

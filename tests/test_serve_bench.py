@@ -92,3 +92,29 @@ def test_bench_serve_json_schema_compares_constrained_and_free_requests(tiny_bun
         assert set(lv["per_client_tps"]) == {"json_schema", "free"} and lv["per_client_tps"]["json_schema"] > 0
     r = run_edgekv("bench-serve", tiny_bundle_int8, "--json-schema", tmp_path / "none.json", timeout=120)
     assert r.returncode == 1 and "no such file" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_each_api_streams_the_same_tokens_through_one_engine(rt_int8):
+    """bench-serve's client through the chat, Messages and Responses APIs: the same requests (the
+    same seeds) give the same token counts, and the counts are the servers' usage, not chunks;
+    with several --api the command reports each API per level."""
+    from tests.serving import serving
+
+    with serving(rt_int8) as s:
+        runs = {a: asyncio.run(level(s.url, 2, 12, api=a)) for a in ("chat", "messages", "responses")}
+    assert all(r["failed"] == 0 for r in runs.values())
+    assert runs["chat"]["tokens"] == runs["messages"]["tokens"] == runs["responses"]["tokens"] > 2
+
+
+def test_bench_serve_compares_the_apis(tiny_bundle_int8, tmp_path):
+    from tests.conftest import run_edgekv
+
+    out = tmp_path / "apis.json"
+    r = run_edgekv("bench-serve", tiny_bundle_int8, "--clients", "1,2", "--tokens", "6", "--rounds", "2",
+                   "--api", "chat,messages,responses", "--threads", "1", "--ctx", "256", "--json", out)
+    assert r.returncode == 0, r.stderr
+    res = json.loads(out.read_text())
+    assert [lv["clients"] for lv in res["apis"]] == [1, 2]
+    for lv in res["apis"]:
+        assert set(lv["per_client_tps"]) == {"chat", "messages", "responses"} and lv["failed"] == 0
+        assert len(set(lv["tokens"].values())) == 1  # the same requests through each API

@@ -136,9 +136,9 @@ def chat(url, **body):
     ({"type": "string", "pattern": "^(a{1000}){1000}$"}, "matches nothing shorter than 1000000 characters"),
     ({"$ref": "#"}, "recursive $ref # -> # is not supported"),
     (CYCLE, "recursive $ref #/$defs/B -> #/$defs/A -> #/$defs/B is not supported"),
-    ({"anyOf": [{"$ref": "#"}, {"$ref": "#"}]}, "a recursive $ref that never reaches a value is not supported"),
+    ({"anyOf": [{"$ref": "#"}, {"$ref": "#"}]}, "the schema requires a value inside itself"),
     ({"type": "object", "properties": {"s": {"type": "string", "pattern": "(a{1,1000}){1000}"}},
-      "required": ["s"]}, "the pattern '(a{1,1000}){1000}': a regex is too large for the grammar engine"),
+      "required": ["s"]}, "the pattern '(a{1,1000}){1000}' is too large"),
 ])
 def test_a_schema_the_grammar_cannot_build_is_a_400_before_any_cell(served, schema, said):
     """Each was a 500 "generation failed" after the request had been queued (llguidance's errors
@@ -168,7 +168,7 @@ def test_the_openai_client_hears_the_reason(served):
 def test_schema_nesting_counts_the_levels_its_author_wrote(served):
     """32 nested objects were refused as "deeper than 64 levels" (64 levels of JSON); they pass, and
     a schema past the limit is refused naming its own count against it."""
-    r = chat(served.url, response_format=rf(nested(32)))
+    r = chat(served.url, response_format=rf(nested(32)), max_tokens=64)  # its shortest reply fits
     assert r.status_code == 200, r.text
     deep = g.MAX_SCHEMA_DEPTH + 1
     r = chat(served.url, response_format=rf(nested(deep)))

@@ -69,10 +69,13 @@ def test_openai_client_whole_and_streamed_equal_the_runtime_alone(rt, served):
     assert r.choices[0].message.content == want
     assert r.usage.completion_tokens == n and r.usage.prompt_tokens == len(rt.codec.chat_ids(MSGS))
     assert r.choices[0].finish_reason == ("length" if n == 24 else "stop")
-    chunks = list(c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=24, temperature=0, stream=True))
+    chunks = list(c.chat.completions.create(model="tiny", messages=MSGS, max_tokens=24, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
     assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == want
-    assert chunks[-1].choices[0].finish_reason == r.choices[0].finish_reason
-    assert chunks[-1].usage.completion_tokens == n
+    assert chunks[-2].choices[0].finish_reason == r.choices[0].finish_reason
+    # include_usage, as OpenAI sends it: one last chunk without choices holds the usage, no other chunk does
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n
+    assert all(ch.usage is None for ch in chunks[:-1])
     # the second request's system prompt came from the prefix cache
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
     # completions: the raw prompt, no template

@@ -275,7 +275,7 @@ def test_sigterm_drains_the_running_stream_then_exits_0(serve, tmp_path):
     want = alone["choices"][0]["message"]["content"]
 
     s.hold_engine_after(3)  # admit and prefill, two decode steps: then the stream is held mid-way
-    t, lines = s.stream(body)
+    t, lines = s.stream({**body, "stream_options": {"include_usage": True}})
     s.until(lambda: s.held() and s.health().json()["active"] == 1, "the stream is running, held")
     s.proc.send_signal(signal.SIGTERM)
     r = s.state("draining")
@@ -287,8 +287,9 @@ def test_sigterm_drains_the_running_stream_then_exits_0(serve, tmp_path):
     t.join(WAIT)
     assert lines[-1] == "[DONE]"
     chunks = [json.loads(x) for x in lines[:-1]]
-    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == want
-    assert chunks[-1]["usage"]["completion_tokens"] == alone["usage"]["completion_tokens"]
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == want
+    # the whole reply, finished in the drain: its usage in the last chunk (include_usage)
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == alone["usage"]["completion_tokens"]
     assert s.wait() == 0
     err = s.stderr()
     assert "draining" in err and "stopped" in err and "Traceback" not in err

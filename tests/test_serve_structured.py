@@ -119,6 +119,43 @@ def test_tool_calls_validate_and_stream_to_the_same_reply(real_url, choice, name
     assert [got[i] for i in sorted(got)] == [{"name": fn["name"], "arguments": fn["arguments"]}]
 
 
+GET_WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("choice", ["required", "auto"])
+def test_greedy_tool_calls_end_with_the_list_not_at_max_tokens(real_url, choice):
+    """Issue 43: greedy SmolLM2-135M under required (parallel calls allowed) repeated
+    get_weather(Paris) until max_tokens (7 calls in 300 tokens, finish_reason length). The list
+    ends: distinct calls only, finish_reason tool_calls, streamed the same."""
+    body = {"messages": [{"role": "user", "content": "What is the weather like in Paris today?"}],
+            "tools": [GET_WEATHER], "tool_choice": choice, "temperature": 0, "max_tokens": 300}
+    r = post(real_url, body)
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    if choice == "auto" and not c["message"].get("tool_calls"):
+        pytest.skip("the model answered in text under auto")
+    calls = [(x["function"]["name"], x["function"]["arguments"]) for x in c["message"]["tool_calls"]]
+    assert c["finish_reason"] == "tool_calls" and len(set(calls)) == len(calls) >= 1, (c["finish_reason"], calls)
+    assert r.json()["usage"]["completion_tokens"] < 300
+    chunks = stream_chunks(real_url, body)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    names = [d["function"]["name"] for ch in chunks for d in ch["choices"][0]["delta"].get("tool_calls") or []
+             if d.get("function", {}).get("name")]
+    assert names == [n for n, _ in calls]
+
+
+def test_a_reply_that_could_not_close_within_max_tokens_is_a_400(url):
+    schema = {"type": "object", "properties": {"k": {"const": "x" * 3000}}, "required": ["k"]}
+    body = {"messages": MSGS, "max_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "k", "schema": schema}}}
+    r = post(url, body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+    assert "could not close" in r.json()["error"]["message"]
+
+
 @pytest.mark.slow
 def test_a_tool_result_round_trip_is_accepted(real_url):
     url = real_url

@@ -9,7 +9,8 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from edgekv.format.weight_forms import code_width, fold_forms, pack_codes, packable
+from edgekv.format.weight_forms import code_width, pack_codes, packable
+from edgekv.graph.passes.trt_staging import fold_forms
 from export.gguf_blocks import DECODERS
 from export.weights import from_gguf_blocks
 from export.weights_graph import Emitted, _factored

@@ -18,7 +18,7 @@ from edgekv.format.bundle import load_bundle
 from edgekv.runtime.assemble import open_runtime
 from edgekv.runtime.backends.engines import tensorrt_graph
 from edgekv.format.trt_graph import widen_half_scales
-from edgekv.format.weight_forms import fold_forms
+from edgekv.graph.passes.trt_staging import fold_forms
 from edgekv.format.trt_rules import check_model
 from tests.conftest import make_hf_folder, optimized_graph
 

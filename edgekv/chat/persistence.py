@@ -33,7 +33,7 @@ import numpy as np
 
 from edgekv.chat.conversation import sink_count
 from edgekv.errors import EdgeKVError
-from edgekv.format.files import atomic_open, kind_of
+from edgekv.format.files import DiskFull, atomic_open, kind_of
 from edgekv.runtime.text import system_turn
 
 FORMAT = 1
@@ -76,10 +76,13 @@ def save(session, path: str) -> None:
             "conversation": session.conversation_id, "system": session.system,
             "messages": session.messages, "ids": seq.ids, "ring": {"w": seq.n, "sinks": seq.sinks}}
     snap = session.batcher.snapshot(seq)
-    with atomic_open(path, "wb") as f:  # a Ctrl-C or an error here: the temporary file is removed
+    head = np.frombuffer(json.dumps(meta).encode(), np.uint8)
+    size = head.nbytes + sum(a.nbytes for a in snap.values())  # at least: the zip's headers come on top
+    # a Ctrl-C, a full disk or an error here: the temporary file is removed, the old file stays
+    with atomic_open(path, "wb", size=size) as f:
         try:
             # __meta__ first: its name at a fixed offset is how a file is known to be ours (SIGNATURE)
-            np.savez(f, __meta__=np.frombuffer(json.dumps(meta).encode(), np.uint8), **snap)
+            np.savez(f, __meta__=head, **snap)
         except Exception as e:
             if interrupted(e):  # zipfile's close refuses a member the Ctrl-C left open: it is still a Ctrl-C
                 raise KeyboardInterrupt from None
@@ -257,7 +260,10 @@ def warm_system(session, prompt_cache: str | None) -> str:
     session.prefill(ids)
     took = time.perf_counter() - t0
     if prompt_cache:
-        save(session, prompt_cache)
+        try:
+            save(session, prompt_cache)
+        except DiskFull as e:  # a cache: the chat goes on without it
+            return f"prefilled {len(ids)} system-prompt tokens in {took * 1000:.0f} ms, not saved ({e})"
         return f"prefilled {len(ids)} system-prompt tokens in {took * 1000:.0f} ms, saved to {prompt_cache}"
     return f"prefilled {len(ids)} system-prompt tokens in {took * 1000:.0f} ms"
 

@@ -39,6 +39,8 @@ class ChatSession:
         self.conv = Conversation(codec, system)
         self.policy.prepare(self.seq, codec, system)
         self.last: Stats | None = None  # the last completed turn's (None: none since the start or a /load)
+        # every completed turn since the chat started, (its stats, the KV bytes held after it): /stats' totals
+        self.turns: tuple[tuple[Stats, int], ...] = ()
         self.loaded_from: str | None = None  # the file of the last /load
         # which conversation this is, in its saved chats: a plain /save replaces only those (/load takes the file's)
         self.conversation_id = uuid.uuid4().hex
@@ -139,11 +141,12 @@ class ChatSession:
             self.conv.add_exchange(user, text)
             self.last_prompt_ids = list(target)
             self.last = stats_of(req, t0)
+            self.turns += ((self.last, self.cache.used_bytes(self.seq.n)),)  # a new tuple: the rollback restores it
             return text
 
         t0 = time.perf_counter()
         before = (list(self.conv.messages), self.conv.dropped_turns, self.rng.bit_generator.state, self.last,
-                  self.last_prompt_ids)
+                  self.last_prompt_ids, self.turns)
         try:  # (one line: an interrupt once the turn is whole finds nothing left to run here)
             return self._whole(turn, lambda: self._put_turn_state(before)), self.last
         except KeyboardInterrupt:
@@ -178,7 +181,7 @@ class ChatSession:
 
     def _put_turn_state(self, before) -> None:
         (self.conv.messages, self.conv.dropped_turns, self.rng.bit_generator.state, self.last,
-         self.last_prompt_ids) = before  # one statement: whole
+         self.last_prompt_ids, self.turns) = before  # one statement: whole
 
     def undo(self) -> bool:
         if not self.conv.undo():

@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from statistics import median
 
 from edgekv.chat.session import ChatSession
 from edgekv.errors import EdgeKVError
@@ -11,19 +12,38 @@ from edgekv.runtime.assemble import open_runtime
 from edgekv.runtime.generate import kv_line, ring_note, stats_line, stats_record
 from edgekv.runtime.grammar import compile_grammar, grammar_from_args, tokenizer_for
 from edgekv.runtime.reasoning import CLOSE, OPEN, ReasoningSplitter, split_reply
-from edgekv.runtime.sampling import sampling_from
+from edgekv.runtime.sampling import defaults_of, sampling_from
 
 HELP = """commands:
   /help            this help
   /reset           forget the conversation (keeps the system prompt)
   /undo            forget the last exchange (the cache is truncated, not recomputed)
   /system TEXT     set a new system prompt (resets the conversation)
-  /stats           cache and speed of the last reply
+  /stats           the last reply's cache and speed, and the session's totals
   /save FILE       save the conversation and its KV cache (over nothing but its own saved chats)
   /save! FILE      the same, over any regular file
   /load FILE       load a saved conversation (made with this bundle only)
   /load! FILE      the same, for a file from an older edgekv that did not record its bundle's weights
   /quit            exit (Ctrl-D too); Ctrl-C stops a reply, or cancels a /save or /load"""
+
+
+def stats_report(s: ChatSession) -> str:
+    """/stats: the last turn's line and the session's totals."""
+    return f"last turn: {session_stats(s)}\n{session_totals(s)}"
+
+
+def session_totals(s: ChatSession) -> str:
+    """Every turn completed since the chat started (undone, reset and /load-replaced ones too: they
+    ran; stopped ones not): turns, tokens, the KV's peak, TTFT and decode-speed medians."""
+    if not s.turns:
+        return "session: no turn completed yet"
+    stats, mib = [st for st, _ in s.turns], 2 ** 20
+    rates = [st.decode_tps for st in stats if st.decode_s > 0]  # a one-token reply has no decode step
+    decode = f"decode median {median(rates):.1f} tok/s" if rates else "no decode steps"
+    return (f"session: {len(stats)} turn{'s' if len(stats) > 1 else ''} | prefill {sum(st.prompt_tokens for st in stats)} "
+            f"tok, decode {sum(st.new_tokens for st in stats)} tok | TTFT median "
+            f"{median(st.ttft_s for st in stats) * 1000:.0f} ms | {decode} | KV peak "
+            f"{max(b for _, b in s.turns) / mib:.2f} / {s.cache.nbytes / mib:.2f} MiB")
 
 
 def session_stats(s: ChatSession) -> str:
@@ -56,8 +76,9 @@ def chat_loop(args, rt, explain, reply_grammar=None) -> int:
     batcher = rt.batcher(parallel=1, max_queue=1, max_prefixes=0, windowed=True)  # Gemma 3: the local layers' window only
     thinking = getattr(args, "thinking", "show")
     codec = rt.codec.with_thinking(False) if thinking == "off" else rt.codec
-    session = ChatSession(rt.bundle, codec, batcher, sampling_from(args), args.system, args.max_new_tokens,
-                          args.context, reply_grammar)
+    params = sampling_from(args, rt.bundle.manifest)  # unset flags: the model's defaults, as serve's
+    session = ChatSession(rt.bundle, codec, batcher, params, args.system, args.max_new_tokens, args.context,
+                          reply_grammar)
     interactive = sys.stdin.isatty() and not args.json
     if args.system or args.prompt_cache:
         note = session.warm_system(args.prompt_cache)
@@ -70,6 +91,7 @@ def chat_loop(args, rt, explain, reply_grammar=None) -> int:
             pass
         print(f"edgekv chat — {rt.bundle.manifest.get('name', rt.bundle.path.name)}, KV {rt.bundle.scheme.name}, "
               f"ctx {batcher.capacity}. /help for commands, Ctrl-D to quit.", file=sys.stderr)
+        print(f"sampling: {defaults_of(rt.bundle.manifest, args).line()}", file=sys.stderr)
     dim = ("\033[2m", "\033[0m") if sys.stderr.isatty() else ("", "")
     # bytes that are not UTF-8 come through as surrogates: such a line is refused, not fatal
     if hasattr(sys.stdin, "reconfigure"):
@@ -190,7 +212,7 @@ def handle_command(s: ChatSession, line: str, explain=EdgeKVError.explain):
                 s.set_system(arg)
                 print("(system prompt set; conversation reset)", file=err)
         elif cmd == "/stats":
-            print(session_stats(s), file=err)
+            print(stats_report(s), file=err)
         elif cmd in ("/save", "/save!"):
             if not arg:
                 raise EdgeKVError(f"{cmd} FILE")

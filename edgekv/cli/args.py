@@ -80,25 +80,31 @@ CTX = int_range(1, TOKENS)
 
 def kv_scheme(name: str) -> str:
     """--kv: a scheme of the code's own table (the table's own error for any other name)."""
+    if name == "auto":  # export's default: int8-static where its held-out check holds (export/kv_gate.py)
+        return name
     try:
         return get_scheme(name).name
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-# sampling defaults that suit a small instruct model (chat); generate is greedy but keeps the repeat
-# guard: a 135M model's greedy answer otherwise loops on some plain questions (docs/chat.md)
-CHAT_SAMPLING = dict(temperature=0.3, top_p=0.9, top_k=40, repeat_penalty=1.1)
-GENERATE_SAMPLING = dict(temperature=0.0, top_p=1.0, top_k=0, repeat_penalty=1.1)
+# the sampling flags default to None, "unset": the bundle's own defaults (its manifest's `sampling`,
+# recorded at export: edgekv/runtime/sampling.py's defaults_of), as a serve request that sets none
+MODEL_DEFAULT = "default: the model's, from its manifest; the load line says which"
 
 
-def add_sampling(p, temperature: float, top_p: float, top_k: int, repeat_penalty: float):
-    p.add_argument("--temperature", type=float_range(0, 100), default=temperature, help="0 = greedy")
-    p.add_argument("--top-k", type=int_range(0, LIMITS["vocab_size"]), default=top_k,
-                   help="keep the k most likely tokens (0 = off)")
-    p.add_argument("--top-p", type=float_range(0, 1, lo_open=True), default=top_p, help="nucleus sampling mass (1 = off)")
-    p.add_argument("--repeat-penalty", type=float_range(0, 100, lo_open=True), default=repeat_penalty,
-                   help="divide logits of recent tokens (1 = off)")
+def add_sampling(p, serve: bool = False):
+    """--temperature, --top-k, --top-p, --repeat-penalty (unset: the model's); generate and chat
+    also --repeat-last-n and --seed. serve: the flags set what a request that leaves them unset gets."""
+    p.add_argument("--temperature", type=float_range(0, 100), default=None, help=f"0 = greedy ({MODEL_DEFAULT})")
+    p.add_argument("--top-k", type=int_range(0, LIMITS["vocab_size"]), default=None,
+                   help=f"keep the k most likely tokens, 0 = off ({MODEL_DEFAULT})")
+    p.add_argument("--top-p", type=float_range(0, 1, lo_open=True), default=None,
+                   help=f"nucleus sampling mass, 1 = off ({MODEL_DEFAULT})")
+    p.add_argument("--repeat-penalty", type=float_range(0, 100, lo_open=True), default=None,
+                   help=f"divide logits of recent tokens, 1 = off ({MODEL_DEFAULT})")
+    if serve:
+        return
     p.add_argument("--repeat-last-n", type=int_range(0, TOKENS), default=64,
                    help="recent tokens the repeat penalty looks at (0 = off)")
     p.add_argument("--seed", type=int_range(0, 2**63 - 1), default=None, help="sampling seed (default: random each run)")

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 from edgekv.format.trt_graph import TYPES, GraphFacts, Violation, block_size, graph_facts, read_onnx, stage_weights
-from edgekv.format.weight_forms import forms
+from edgekv.graph.forms import forms
 
 DATA = Path(__file__).parent.parent / "data" / "trt_onnx_ops.json"
 

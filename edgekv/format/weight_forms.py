@@ -1,6 +1,7 @@
-"""Weights a bundle stores smaller than the tensor a node reads: a constant subgraph ("form") of a
-few integer and Cast ops over initializers, which onnxruntime folds into one tensor at load and
-the TensorRT staging folds the same way (fold_forms). Three forms (docs/weights.md, "Codes at the
+"""Weights a bundle stores smaller than the tensor a node reads, written by the exporter: a constant
+subgraph ("form") of a few integer and Cast ops over initializers, which onnxruntime folds into one
+tensor at load and the TensorRT staging folds the same way (what reads them in a graph:
+edgekv/graph/forms.py; the passes: edgekv/graph/passes/). Three forms (docs/weights.md, "Codes at the
 file's width"):
 
 - an fp16 block scale or minimum: X_f16 -> Cast(float32) -> X (a GGUF's own fp16 fields);
@@ -16,92 +17,6 @@ from __future__ import annotations
 
 import numpy as np
 
-FORM_OPS = frozenset({"Cast", "Unsqueeze", "Reshape", "BitShift", "BitwiseAnd", "BitwiseOr", "Sub", "Mul"})
-
-
-def cone(name: str, producers: dict, inits) -> list | None:
-    """The nodes, in order, computing `name` from initializers alone through FORM_OPS ([] for an
-    initializer itself), else None."""
-    if name in inits:
-        return []
-    n = producers.get(name)
-    if n is None or n.op_type not in FORM_OPS or n.domain not in ("", "ai.onnx"):
-        return None
-    out: list = []
-    for i in n.input:
-        c = cone(i, producers, inits)
-        if c is None:
-            return None
-        out += [x for x in c if all(x is not y for y in out)]
-    return out + [n]
-
-
-def evaluate(name: str, nodes: list, inits: dict, folder) -> np.ndarray:
-    """The value of `name`, computed by onnx's reference evaluator over `nodes` (a cone) with the
-    initializers they read (inits: name -> TensorProto, external ones read from `folder`)."""
-    from onnx import helper, numpy_helper
-    from onnx.reference import ReferenceEvaluator
-
-    if not nodes:
-        return numpy_helper.to_array(inits[name], str(folder))
-    used = {i for n in nodes for i in n.input if i in inits}
-    g = helper.make_graph(list(nodes), "form", [], [helper.make_tensor_value_info(name, 0, None)],
-                          [numpy_helper.from_array(numpy_helper.to_array(inits[i], str(folder)), i) for i in sorted(used)])
-    return ReferenceEvaluator(helper.make_model(g, opset_imports=[helper.make_opsetid("", 21)])).run(None, {})[0]
-
-
-def forms(g, least: int = 1) -> dict[str, list]:
-    """Every form of at least `least` nodes whose output a non-form node reads (or the graph
-    returns): its output's name -> its nodes (the objects: protobuf's wrappers keep their id only
-    while referenced)."""
-    inits = {i.name for i in g.initializer}
-    producers = {o: n for n in g.node for o in n.output}
-    readers = [i for n in g.node if n.op_type not in FORM_OPS for i in n.input] + [o.name for o in g.output]
-    found = {}
-    for name in dict.fromkeys(readers):
-        nodes = cone(name, producers, inits)
-        if nodes and len(nodes) >= least:
-            found[name] = nodes
-    return found
-
-
-def form_values(g, folder, least: int = 1) -> tuple[dict[str, np.ndarray], list]:
-    """The value of every form of at least `least` nodes (`forms`), and those forms' nodes."""
-    inits = {i.name: i for i in g.initializer}
-    found = forms(g, least)
-    values = {name: np.ascontiguousarray(evaluate(name, nodes, inits, folder)) for name, nodes in found.items()}
-    return values, [n for nodes in found.values() for n in nodes]
-
-
-def replace_forms(g, gone: list, tensors: list) -> None:
-    """Drop the nodes `gone` (forms), and what only they read, in place; the initializers
-    `tensors` (named as the forms' outputs) take their place."""
-    names, ids = {t.name for t in tensors}, {id(n) for n in gone}
-    kept_nodes = [n for n in g.node if id(n) not in ids]
-    del g.node[:]
-    g.node.extend(kept_nodes)
-    read = {i for n in g.node for i in n.input} | {o.name for o in g.output}
-    kept = [i for i in g.initializer if i.name in read and i.name not in names]
-    del g.initializer[:]
-    g.initializer.extend(kept + list(tensors))
-    vi = [v for v in g.value_info if v.name not in names]
-    del g.value_info[:]
-    g.value_info.extend(vi)
-
-
-def fold_forms(model, folder) -> list[str]:
-    """Replace (in place) every form whose output a non-form node reads (or the graph returns) by an
-    initializer of that name and value, and drop what only forms read: the graph a float32-scale,
-    8-bit-code exporter wrote, name for name. Returns the folded names (none: untouched)."""
-    from onnx import numpy_helper
-
-    values, gone = form_values(model.graph, folder)
-    if values:
-        replace_forms(model.graph, gone, [numpy_helper.from_array(a, name) for name, a in values.items()])
-    return list(values)
-
-
-# --- the exporter's side: the forms as nodes ---------------------------------------------------
 
 def code_width(codes: np.ndarray) -> tuple[int, int]:
     """(bits, offset): the fewest bits of 5, 6 that hold every code as an unsigned q = code + offset

@@ -141,49 +141,79 @@ def regex_min_chars(pattern: str) -> int:
     """The fewest characters any match of `pattern` has (Rust regex syntax, as llguidance reads it:
     a character, a class, `.` or an escape is one; anchors and look-arounds none; `x{m,n}` m times
     x). An unbalanced pattern is measured as far as it goes (the engine names the error)."""
-    frames = [[[], 0, 0, False]]  # per open group: its alternatives done, this one's width, its last atom's, zero-width
+    return regex_sizes(pattern)[0]
+
+
+def regex_spelled(pattern: str) -> int:
+    """How many characters the pattern's counted repetitions spell out at most: `x{m,n}` is n
+    copies of x (`x{m,}` m + 1), nested ones multiply, alternatives add up; a `*`, `+` or `?` is
+    a loop, one copy. llguidance's lexer builds expressions in proportion (its derivatives of
+    `([a-z]{1,500}){1,500}` are 250000 ways to be part-way through)."""
+    return regex_sizes(pattern)[1]
+
+
+def regex_sizes(pattern: str) -> tuple[int, int]:
+    """(regex_min_chars, regex_spelled) in one pass."""
+    # per open group: its alternatives done [(min, spelled)], this one's (min, spelled), its last
+    # atom's (min, spelled), zero-width (a look-around)
+    frames = [[[], [0, 0], (0, 0), False]]
     i, n = 0, len(pattern)
     while i < n:
         c, f = pattern[i], frames[-1]
         if c == "(":
             i, kind = _group_open(pattern, i)
             if kind != "flags":
-                frames.append([[], 0, 0, kind == "look"])
+                frames.append([[], [0, 0], (0, 0), kind == "look"])
             continue
         if c == "|":
-            f[0].append(f[1])
-            f[1] = f[2] = 0
+            f[0].append(tuple(f[1]))
+            f[1], f[2] = [0, 0], (0, 0)
             i += 1
             continue
         if c in "*?+" or (c == "{" and COUNTED.match(pattern, i)):
             if c == "{":
                 m = COUNTED.match(pattern, i)
                 times, i = int(m.group(1)), m.end()
+                copies = times if m.group(2) is None else (max(times, 1) if m.group(2) == "" else int(m.group(2)))
             else:
-                times, i = (1 if c == "+" else 0), i + 1
+                times, copies, i = (1 if c == "+" else 0), 1, i + 1
             if i < n and pattern[i] in "?+":  # lazy (or possessive)
                 i += 1
-            width = min(f[2] * times, BIG)
-            f[1], f[2] = min(f[1] - f[2] + width, BIG), width
+            atom = f[2]
+            rep = (min(atom[0] * times, BIG), min(atom[1] * copies, BIG))
+            f[1] = [min(f[1][k] - atom[k] + rep[k], BIG) for k in (0, 1)]
+            f[2] = rep
             continue
         if c == ")":
             i += 1
             if len(frames) == 1:
-                atom = 1
+                atom = (1, 1)
             else:
-                alts, width, _, look = frames.pop()
-                atom, f = 0 if look else min(alts + [width]), frames[-1]
+                atom = _group_sizes(frames.pop())
+                f = frames[-1]
         elif c == "\\":
-            i, atom = _escape(pattern, i)
+            i, w = _escape(pattern, i)
+            atom = (w, w)
         elif c == "[":
-            i, atom = _class_end(pattern, i), 1
+            i, atom = _class_end(pattern, i), (1, 1)
         else:
-            i, atom = i + 1, 0 if c in "^$" else 1
-        f[1], f[2] = min(f[1] + atom, BIG), atom
+            i, atom = i + 1, (0, 0) if c in "^$" else (1, 1)
+        f[1] = [min(f[1][k] + atom[k], BIG) for k in (0, 1)]
+        f[2] = atom
     while len(frames) > 1:
-        alts, width, _, look = frames.pop()
-        frames[-1][1] = min(frames[-1][1] + (0 if look else min(alts + [width])), BIG)
-    return min(frames[0][0] + [frames[0][1]])
+        atom = _group_sizes(frames.pop())
+        frames[-1][1] = [min(frames[-1][1][k] + atom[k], BIG) for k in (0, 1)]
+    alts = frames[0][0] + [tuple(frames[0][1])]
+    return min(a[0] for a in alts), min(sum(a[1] for a in alts), BIG)
+
+
+def _group_sizes(frame) -> tuple[int, int]:
+    """A closed group's (min, spelled): its shortest alternative, all of them spelled out."""
+    alts, last, _, look = frame
+    alts = alts + [tuple(last)]
+    if look:
+        return 0, 0
+    return min(a[0] for a in alts), min(sum(a[1] for a in alts), BIG)
 
 
 def _group_open(p: str, i: int) -> tuple[int, str]:
@@ -237,3 +267,70 @@ def _class_end(p: str, i: int) -> int:
                 return j + 1
         j += 1
     return len(p)
+
+
+# -- the shortest reply ----------------------------------------------------------------------------
+
+def schema_min_chars(schema, root=None, path: frozenset = frozenset()) -> int:
+    """A lower bound on the characters of any JSON value valid under `schema`, written compactly
+    (whitespace is optional: json_schema's grammar never requires it); BIG where none can be
+    finite (false, or a required $ref back to itself). Keywords it does not read count nothing,
+    so the bound stays a bound (a number's digits, a format's length: one character)."""
+    root = schema if root is None else root
+    if schema is True or schema == {}:
+        return 1
+    if not isinstance(schema, dict):
+        return BIG if schema is False else 1
+    if id(schema) in path:  # back on the way here: no finite value goes round
+        return BIG
+    path = path | {id(schema)}
+    if "const" in schema:
+        return len(_compact(schema["const"]))
+    if isinstance(schema.get("enum"), list):
+        return min((len(_compact(v)) for v in schema["enum"]), default=BIG)
+    least = _typed_min(schema, root, path)
+    ref = schema.get("$ref")
+    if isinstance(ref, str) and (target := _resolve(root, ref)) is not None:
+        least = max(least, schema_min_chars(target, root, path))
+    for member in schema.get("allOf") or []:
+        least = max(least, schema_min_chars(member, root, path))
+    for key in ("anyOf", "oneOf"):
+        if isinstance(schema.get(key), list) and schema[key]:
+            least = max(least, min(schema_min_chars(m, root, path) for m in schema[key]))
+    return min(least, BIG)
+
+
+def _compact(value) -> str:
+    import json
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def _typed_min(s: dict, root, path) -> int:
+    types = s.get("type")
+    types = [types] if isinstance(types, str) else types if isinstance(types, list) and types else None
+    if types is None:
+        return 1  # any value: a digit
+    return min(_type_min(t, s, root, path) for t in types)
+
+
+def _type_min(t: str, s: dict, root, path) -> int:
+    if t == "string":
+        inner = s.get("minLength") if type(s.get("minLength")) is int else 0
+        if isinstance(s.get("pattern"), str):
+            inner = max(inner, regex_min_chars(s["pattern"]))
+        return 2 + inner
+    if t in ("boolean", "null"):
+        return 4  # true, null (false: 5)
+    if t == "array":
+        n = s.get("minItems") if type(s.get("minItems")) is int else 0
+        prefix = s.get("prefixItems") if isinstance(s.get("prefixItems"), list) else []
+        items = s.get("items", True)
+        sizes = [schema_min_chars(prefix[i] if i < len(prefix) else items, root, path) for i in range(min(n, 10_000))]
+        return min(2 + sum(sizes) + max(n - 1, 0), BIG)
+    if t == "object":
+        req = [k for k in (s.get("required") or []) if isinstance(k, str)]
+        props = s.get("properties") if isinstance(s.get("properties"), dict) else {}
+        extra = s.get("additionalProperties", True)
+        sizes = [len(_compact(k)) + 1 + schema_min_chars(props.get(k, extra), root, path) for k in req]
+        return min(2 + sum(sizes) + max(len(req) - 1, 0), BIG)
+    return 1  # integer, number

@@ -5,6 +5,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from edgekv.errors import BundleError
+from edgekv.format.bundle import MANIFEST
+
 # Temperatures below float32's smallest normal number are greedy: the logits are divided in float32,
 # where such a temperature is subnormal (1/T within 4x of float32's largest number, so every logit
 # more than 4 below the max overflows to -inf) or, below 1.4e-45, rounds to 0 (0 / 0 = NaN at the
@@ -22,6 +25,13 @@ class SamplingParams:
     seed: int | None = None
 
 
+# what a manifest's `sampling` may hold: key -> (type, lowest, highest, lowest excluded); the
+# CLI's ranges (edgekv/cli/args.py)
+SAMPLING_KEYS = {"temperature": (float, 0.0, 100.0, False), "top_p": (float, 0.0, 1.0, True),
+                 "top_k": (int, 0, 1 << 22, False), "repeat_penalty": (float, 0.0, 100.0, True)}
+FLAGS = {"temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k", "repeat_penalty": "--repeat-penalty"}
+
+
 @dataclass(frozen=True)
 class SamplingDefaults:
     """What a request that leaves sampling unset gets (generate, chat and serve alike): the
@@ -37,11 +47,67 @@ class SamplingDefaults:
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
                               repeat_penalty=self.repeat_penalty, seed=seed)
 
+    def record(self) -> dict:
+        """As /v1/models shows them."""
+        return {"temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k,
+                "repeat_penalty": self.repeat_penalty, "source": self.source}
+
+    def line(self) -> str:
+        """As the load line says them: 'temperature 0.2, top_p 0.9 (the model's: ...)'."""
+        shown = [f"temperature {self.temperature:g}" + (" (greedy)" if self.temperature < GREEDY_BELOW else "")]
+        shown += [f"top_p {self.top_p:g}"] if self.top_p < 1.0 else []
+        shown += [f"top_k {self.top_k}"] if self.top_k else []
+        shown += [f"repeat penalty {self.repeat_penalty:g}"] if self.repeat_penalty != 1.0 else []
+        return f"{', '.join(shown)} ({self.source})"
+
+
+# a bundle whose manifest has no `sampling` (exported before edgekv recorded the model's defaults):
+# what `edgekv generate` did by default then, greedy with its repeat guard, in every command
+UNRECORDED = dict(temperature=0.0, top_p=1.0, top_k=0, repeat_penalty=1.1)
+
+
+def check_sampling(sampling) -> str | None:
+    """What is wrong with a manifest's `sampling` (None if nothing)."""
+    if not isinstance(sampling, dict):
+        return f"sampling is {type(sampling).__name__}, not an object"
+    for key, v in sampling.items():
+        if key == "source":
+            if not isinstance(v, str):
+                return "sampling.source is not a string"
+            continue
+        if key not in SAMPLING_KEYS:
+            return f"sampling.{key} is not one of {', '.join([*SAMPLING_KEYS, 'source'])}"
+        kind, lo, hi, lo_open = SAMPLING_KEYS[key]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
+            return f"sampling.{key} is {type(v).__name__}, not {'an integer' if kind is int else 'a number'}"
+        if not (lo < v if lo_open else lo <= v) or not v <= hi:  # NaN fails both
+            return f"sampling.{key} = {v} is outside {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+    return None
+
 
 def defaults_of(manifest: dict, args=None) -> SamplingDefaults:
-    """The sampling a bundle's requests get when they set none (issue 43 item 3: manifest, then
-    --temperature/--top-p flags over it; OpenAI's only where nothing gives one)."""
-    return SamplingDefaults()
+    """The sampling a bundle's requests get when they set none: the manifest's `sampling` (the
+    model's, recorded at export, editable), each of `args`' --temperature/--top-p/--top-k/
+    --repeat-penalty that is set (not None) over it; OpenAI's for a key neither gives. A manifest
+    without `sampling` (an older export) gets UNRECORDED."""
+    recorded = manifest.get("sampling")
+    if recorded is None:
+        base, source = dict(UNRECORDED), ("the bundle records no model defaults (an older export): greedy, as "
+                                          "generate was; re-export it or add \"sampling\" to its edgekv.json")
+    else:
+        problem = check_sampling(recorded)
+        if problem:
+            raise BundleError(f"{MANIFEST}: corrupt manifest ({problem}; fix or remove its \"sampling\" object)")
+        base = {k: v for k, v in recorded.items() if k in SAMPLING_KEYS}
+        said = recorded.get("source") or "its manifest"
+        source = f"the model's: {said}" if base else f"OpenAI's defaults: the model gives none ({said})"
+    flags = {k: getattr(args, k) for k in SAMPLING_KEYS if getattr(args, k, None) is not None}
+    if flags:
+        source = f"{', '.join(f'{FLAGS[k]} {v:g}' for k, v in flags.items())} over {source}"
+    values = {**base, **flags}
+    return SamplingDefaults(temperature=float(values.get("temperature", 1.0)), top_p=float(values.get("top_p", 1.0)),
+                            top_k=int(values.get("top_k", 0)), repeat_penalty=float(values.get("repeat_penalty", 1.0)),
+                            source=source)
 
 
 def penalized(logits: np.ndarray, p: SamplingParams, history: list[int]) -> np.ndarray:
@@ -155,7 +221,9 @@ def logprobs(logits: np.ndarray, p: SamplingParams, history: list[int], token: i
     return TokenLogprob(int(token), float(lp[token]), top)
 
 
-def sampling_from(args) -> SamplingParams:
-    """The sampling options of `edgekv generate` and `edgekv chat`."""
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          repeat_penalty=args.repeat_penalty, repeat_last_n=args.repeat_last_n, seed=args.seed)
+def sampling_from(args, manifest: dict | None = None) -> SamplingParams:
+    """The sampling of `edgekv generate` and `edgekv chat`: each flag left unset (None) is the
+    bundle's default, as serve's requests get it (defaults_of)."""
+    p = defaults_of(manifest or {}, args).params(seed=args.seed)
+    p.repeat_last_n = args.repeat_last_n
+    return p

@@ -1,5 +1,6 @@
 """`edgekv bench-serve`: concurrent streaming clients against the server (in-process, or any
-OpenAI-compatible --url such as llama_cpp.server): aggregate and per-client tokens/s, TTFT p50/p95,
+OpenAI-compatible --url such as llama_cpp.server), through the chat API, Anthropic's Messages or
+OpenAI's Responses API (--api; several: each level through each, taking turns): aggregate and per-client tokens/s, TTFT p50/p95,
 peak RSS and KV cells; the TTFT of a second request that shares a long system prompt; RSS over a
 soak of short requests. Numbers go to docs/serve.md."""
 from __future__ import annotations
@@ -50,44 +51,77 @@ class Sampler:
         self._t.join()
 
 
-async def stream_one(h, url: str, messages: list[dict], max_tokens: int, seed: int, extra: dict | None = None) -> dict:
-    body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0.7, "seed": seed,
-            "stream": True, **(extra or {})}
+def request_of(api: str, messages: list[dict], max_tokens: int, seed: int, extra: dict | None) -> tuple[str, dict]:
+    """(path, body) of one streamed request through `api`: the same conversation and sampling
+    through each (seed: an edgekv extension beyond the chat API, so the replies are the same)."""
+    common = {"model": "m", "temperature": 0.7, "seed": seed, "stream": True, **(extra or {})}
+    if api == "messages":
+        system = "".join(m["content"] for m in messages if m["role"] == "system")
+        turns = [m for m in messages if m["role"] != "system"]
+        return "/v1/messages", {**common, "messages": turns, "max_tokens": max_tokens,
+                                **({"system": system} if system else {})}
+    if api == "responses":
+        return "/v1/responses", {**common, "input": messages, "max_output_tokens": max_tokens}
+    return "/v1/chat/completions", {**common, "messages": messages, "max_tokens": max_tokens,
+                                    "stream_options": {"include_usage": True}}
+
+
+def read_event(api: str, ev: dict) -> tuple[bool, int | None, str | None]:
+    """(a text piece, the completion tokens, an error) of one streamed event of `api`."""
+    if api == "chat":
+        if "error" in ev:
+            return False, None, str(ev["error"].get("message", ev["error"]))
+        ch, usage = ev.get("choices") or [], ev.get("usage") or {}
+        return bool(ch and ch[0].get("delta", {}).get("content")), usage.get("completion_tokens"), None
+    kind = ev.get("type")
+    if kind == "error":
+        err = ev.get("error", ev)
+        return False, None, str(err.get("message", err))
+    if api == "messages":
+        text = kind == "content_block_delta" and ev["delta"].get("type") == "text_delta" and bool(ev["delta"]["text"])
+        return text, (ev.get("usage") or {}).get("output_tokens") if kind == "message_delta" else None, None
+    if kind in ("response.completed", "response.incomplete"):
+        return False, (ev["response"].get("usage") or {}).get("output_tokens"), None
+    return kind == "response.output_text.delta" and bool(ev.get("delta")), None, None
+
+
+async def stream_one(h, url: str, messages: list[dict], max_tokens: int, seed: int, extra: dict | None = None,
+                     api: str = "chat") -> dict:
     import httpx
 
+    path, body = request_of(api, messages, max_tokens, seed, extra)
     t0 = time.perf_counter()
     t_first, n, usage = None, 0, None
     try:
-        async with h.stream("POST", url + "/v1/chat/completions", json=body) as r:
+        async with h.stream("POST", url + path, json=body) as r:
             if r.status_code != 200:
                 raise EdgeKVError(f"{url}: HTTP {r.status_code}: {(await r.aread())[:200]!r}")
             async for line in r.aiter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                ev = json.loads(line[6:])
-                if "error" in ev:  # the server ended the stream with an error event: a failed request
+                text, tokens, error = read_event(api, json.loads(line[6:]))
+                if error is not None:  # the server ended the stream with an error event: a failed request
                     return {"t0": t0, "t_first": t_first, "t1": time.perf_counter(), "tokens": n,
-                            "error": f"SSE error: {str(ev['error'].get('message', ev['error']))[:120]}"}
-                usage = ev.get("usage") or usage
-                ch = ev.get("choices") or []
-                if ch and ch[0].get("delta", {}).get("content"):
+                            "error": f"SSE error: {error[:120]}"}
+                usage = tokens or usage
+                if text:
                     n += 1
                     t_first = t_first or time.perf_counter()
     except (httpx.HTTPError, json.JSONDecodeError) as e:  # the server broke the stream: a failed request
         return {"t0": t0, "t_first": t_first, "t1": time.perf_counter(), "tokens": n,
                 "error": f"{type(e).__name__}: {str(e)[:120]}"}
     t1 = time.perf_counter()
-    if usage and usage.get("completion_tokens"):
-        n = usage["completion_tokens"]  # chunks can hold several tokens (a held-back UTF-8 character)
+    if usage:
+        n = usage  # chunks can hold several tokens (a held-back UTF-8 character)
     return {"t0": t0, "t_first": t_first or t1, "t1": t1, "tokens": n}
 
 
-async def level(url: str, clients: int, tokens: int, extra: dict | None = None) -> dict:
+async def level(url: str, clients: int, tokens: int, extra: dict | None = None, api: str = "chat") -> dict:
     import httpx
 
     async with httpx.AsyncClient(timeout=600) as h:
         runs = await asyncio.gather(*(stream_one(h, url, [{"role": "user", "content": f"Write a long story about "
-                                                          f"{TOPICS[i % len(TOPICS)]}."}], tokens, i, extra)
+                                                          f"{TOPICS[i % len(TOPICS)]}."}], tokens, i, extra, api)
                                       for i in range(clients)))
     failed = [r for r in runs if "error" in r]
     if failed:
@@ -114,56 +148,60 @@ def system_prompt(codec, n_tokens: int) -> str:
 SHARED_REPLY = 64  # cells a shared-prefix request needs beyond its system prompt (template, question, 4 tokens)
 
 
-async def shared_prefix(url: str, system: str) -> dict:
+async def shared_prefix(url: str, system: str, api: str = "chat") -> dict:
     import httpx
 
     async with httpx.AsyncClient(timeout=600) as h:
         out = []
         for q in ("What is rule 3?", "What is rule 7?"):
-            r = await stream_one(h, url, [{"role": "system", "content": system}, {"role": "user", "content": q}], 4, 0)
+            r = await stream_one(h, url, [{"role": "system", "content": system}, {"role": "user", "content": q}], 4, 0,
+                                 api=api)
             if "error" in r:
                 raise EdgeKVError(f"{url}: the stream broke off ({r['error']})")
             out.append((r["t_first"] - r["t0"]) * 1000)
     return {"first_ttft_ms": out[0], "second_ttft_ms": out[1], "speedup": out[0] / out[1]}
 
 
-async def soak(url: str, n: int) -> int:
+async def soak(url: str, n: int, api: str = "chat") -> int:
     """n short streamed requests, 8 at a time; returns how many broke off."""
     import httpx
 
     failed = 0
     async with httpx.AsyncClient(timeout=600) as h:
         for start in range(0, n, 8):
-            runs = await asyncio.gather(*(stream_one(h, url, [{"role": "user", "content": f"Say hi {i}."}], 8, i)
+            runs = await asyncio.gather(*(stream_one(h, url, [{"role": "user", "content": f"Say hi {i}."}], 8, i,
+                                                     api=api)
                                           for i in range(start, min(n, start + 8))))
             failed += sum("error" in r for r in runs)
     return failed
 
 
 class ConstraintLog:
-    """Every grammar constraint compiled while it is open (in this process: the in-process
-    server's), for their mask time: runtime/grammar.py's compile_grammar, wrapped."""
+    """Every grammar constraint made while it is open (in this process: the in-process server's),
+    for their mask time: GrammarConstraint's __init__, wrapped (whichever thread or helper
+    compiles it)."""
 
     def __init__(self):
-        from edgekv.runtime import grammar
+        from edgekv.runtime.grammar import GrammarConstraint
 
-        self.grammar, self.made, self.real = grammar, [], grammar.compile_grammar
+        self.cls, self.made, self.real = GrammarConstraint, [], GrammarConstraint.__init__
 
     def __enter__(self) -> "ConstraintLog":
-        def compiled(*a, **kw):
-            c = self.real(*a, **kw)
-            self.made.append(c)
-            return c
+        real, made = self.real, self.made
 
-        self.grammar.compile_grammar = compiled
+        def init(c, *a, **kw):
+            real(c, *a, **kw)
+            made.append(c)
+
+        self.cls.__init__ = init
         return self
 
     def __exit__(self, *exc) -> None:
-        self.grammar.compile_grammar = self.real
+        self.cls.__init__ = self.real
 
     def take(self) -> tuple[float, int]:
         """(mask seconds, masks) of the constraints made since the last take."""
-        made, self.made = self.made, []
+        made, self.made[:] = list(self.made), []
         return sum(c.mask_s for c in made), sum(c.masks for c in made)
 
 
@@ -200,6 +238,28 @@ def structured_levels(url: str, levels: list[int], tokens: int, schema: dict, ro
     return out
 
 
+def api_levels(url: str, levels: list[int], tokens: int, apis: list[str], rounds: int) -> list[dict]:
+    """Per level: the same requests through each API, taking turns (the order turns each round);
+    per-client and aggregate tok/s of each (medians over the rounds) and their largest relative
+    spread (one engine underneath: the spread is the machine's noise plus each format's cost)."""
+    out = []
+    for c in levels:
+        seen: dict = {a: [] for a in apis}
+        for rnd in range(rounds):
+            for a in apis[rnd % len(apis):] + apis[:rnd % len(apis)]:
+                seen[a].append(asyncio.run(level(url, c, tokens, api=a)))
+        tps = {a: float(np.median([r["per_client_tps"] for r in v])) for a, v in seen.items()}
+        agg = {a: float(np.median([r["aggregate_tps"] for r in v])) for a, v in seen.items()}
+        ttft = {a: float(np.median([r["ttft_p50_ms"] for r in v])) for a, v in seen.items()}
+        spread = (max(tps.values()) - min(tps.values())) / max(tps.values()) if max(tps.values()) else 0.0
+        out.append({"clients": c, "rounds": rounds, "per_client_tps": tps, "aggregate_tps": agg, "ttft_p50_ms": ttft,
+                    "spread_per_client": spread, "tokens": {a: sum(r["tokens"] for r in v) for a, v in seen.items()},
+                    "failed": sum(r["failed"] for v in seen.values() for r in v)})
+        note(f"{c} clients: per client " + ", ".join(f"{a} {t:.1f}" for a, t in tps.items()) +
+             f" tok/s (spread {spread * 100:.1f} %); aggregate " + ", ".join(f"{a} {t:.1f}" for a, t in agg.items()))
+    return out
+
+
 def cmd_bench_serve(args) -> int:
     from edgekv.serve.server import BackgroundServer, build, open_serve_runtime, serve_layout
 
@@ -227,13 +287,19 @@ def cmd_bench_serve(args) -> int:
     res = {"server": args.url or f"edgekv serve ({rt.backend.name}, {kv})", "cpu": cpu_field(threads), "levels": []}
     note(f"cpu: {describe(threads)}" + (" (this host's; the server at --url may run elsewhere)" if args.url else ""))
     try:
-        asyncio.run(level(url, 1, 8))  # warm-up
+        apis = getattr(args, "api", None) or ["chat"]
+        for a in apis:
+            asyncio.run(level(url, 1, 8, api=a))  # warm-up
         if schema is not None:
             res["structured"] = structured_levels(url, levels, args.tokens, schema, args.rounds)
             levels = []
+        elif len(apis) > 1:
+            res["apis"] = api_levels(url, levels, args.tokens, apis, args.rounds)
+            return _report(res, args)
+        res["api"] = api = apis[0]
         for c in levels:
             s = Sampler(batcher, pid)
-            r = asyncio.run(level(url, c, args.tokens))
+            r = asyncio.run(level(url, c, args.tokens, api=api))
             s.stop()
             r.update(peak_rss_mib=s.rss, peak_kv_cells=s.cells if batcher else None)
             res["levels"].append(r)
@@ -247,11 +313,11 @@ def cmd_bench_serve(args) -> int:
             note(f"shared {args.system_tokens}-token system prompt: left out (a slot holds "
                  f"{layout.capacity // layout.slots} cells: raise --ctx or lower --system-tokens)")
         else:
-            res["shared_prefix"] = p = asyncio.run(shared_prefix(url, system_prompt(rt.codec, args.system_tokens)))
+            res["shared_prefix"] = p = asyncio.run(shared_prefix(url, system_prompt(rt.codec, args.system_tokens), api))
             note(f"shared {args.system_tokens}-token system prompt: first TTFT {p['first_ttft_ms']:.0f} ms, second "
                  f"{p['second_ttft_ms']:.0f} ms ({p['speedup']:.1f}x)")
         before = rss_mib(pid)
-        failed = asyncio.run(soak(url, args.soak))
+        failed = asyncio.run(soak(url, args.soak, api))
         res["soak"] = {"requests": args.soak, "failed": failed, "rss_before_mib": before, "rss_after_mib": rss_mib(pid)}
         note(f"soak of {args.soak} requests ({failed} broke off): RSS {before:.1f} -> {res['soak']['rss_after_mib']:.1f} MiB")
     finally:

@@ -55,7 +55,17 @@ def compile_for_request(tok: g.GrammarTokenizer, grammar: g.Grammar | None, para
     if grammar is None:
         return None
     try:
-        return g.compile_grammar(tok, grammar)
+        return g.compile_bounded(tok, grammar)  # on the grammar workers (runtime/grammar_worker.py)
+    except g.GrammarError as e:
+        raise BadRequest(f"{param}: {e}", param) from None
+
+
+async def compile_for_request_async(tok: g.GrammarTokenizer, grammar: g.Grammar | None, param: str):
+    """compile_for_request awaited on an event loop: no thread waits while the workers build it."""
+    if grammar is None:
+        return None
+    try:
+        return await g.compile_async(tok, grammar)
     except g.GrammarError as e:
         raise BadRequest(f"{param}: {e}", param) from None
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from edgekv.errors import EdgeKVError, note
-from edgekv.format.files import write_json
+from edgekv.format.files import temp_dir, write_json
 from edgekv.format.bundle import load_bundle
 from edgekv.runtime.assemble import Runtime, open_runtime
 from edgekv.runtime.backends.base import default_threads
@@ -276,7 +276,8 @@ def compare(args, bundles: list, gguf: Path | None) -> int:
     per = [[] for _ in entries]  # each entry's result per round
     theirs, failed = [], None
     res = {"threads": threads, "cpu": cpu_field(threads), "rounds": rounds, "load_average_start": list(os.getloadavg())}
-    with tempfile.TemporaryDirectory(prefix="edgekv-bench-") as tmp:
+    # each run's --json: a killed comparison's folder is removed by the next (files.temp_dir)
+    with temp_dir(Path(tempfile.gettempdir()) / "edgekv-bench") as tmp:
         for r in range(rounds):
             for i, (b, attention) in enumerate(entries):
                 note(f"== round {r + 1}/{rounds}, {i + 1}/{len(entries)}: {b.path}"

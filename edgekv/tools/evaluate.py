@@ -23,22 +23,16 @@ from pathlib import Path
 import numpy as np
 
 from edgekv.errors import EdgeKVError, note
-from edgekv.format.files import atomic_open, write_bytes, write_json, write_text
+from edgekv.format.files import atomic_open, make_folders, write_bytes, write_json, write_text
 from edgekv.format.bundle import Bundle, load_bundle
 from edgekv.format.kvschemes import float16_bytes_per_token
 from edgekv.runtime.assemble import open_runtime
 from edgekv.runtime.backends.base import PREFILL_CHUNK, default_threads
 from edgekv.runtime.generate import Generator
+from edgekv.tools.corpus import default_text
 from edgekv.runtime.text import TextCodec
 from edgekv.tools.bench import llama_cpp_gguf, peer_failure
 from edgekv.runtime.cpu import cpu_field, describe as describe_cpu
-
-
-def default_text() -> tuple[str, str]:
-    """An English corpus that ships with every Python: the pydoc topics help text."""
-    from pydoc_data.topics import topics
-
-    return "\n\n".join(topics[k] for k in sorted(topics)), "pydoc_data.topics (Python stdlib help text)"
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -339,7 +333,7 @@ def plot(res: dict, path: str) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.set_xlim(0, max(r["total_mib_at_ctx"] for r in res["results"]) * 1.6)
     fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    make_folders(Path(path).parent)
     png = io.BytesIO()
     fig.savefig(png, format="png")
     plt.close(fig)

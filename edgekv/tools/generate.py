@@ -41,7 +41,8 @@ def generate(args, rt, grammar=None) -> int:
     dec = StreamDecoder(codec)
     pieces = []
     out = sys.stdout
-    for tok_id in gen.generate(ids, args.max_new_tokens, sampling_from(args), stop_ids, st, constraint):
+    params = sampling_from(args, rt.bundle.manifest)  # unset flags: the model's defaults, as serve's
+    for tok_id in gen.generate(ids, args.max_new_tokens, params, stop_ids, st, constraint):
         text = dec.push(tok_id)
         pieces.append(text)
         if not args.json and text:

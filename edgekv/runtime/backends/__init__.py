@@ -1,5 +1,7 @@
 """Backends: which one runs here (`make_backend`, `auto`). The backends themselves: ort.py
-(ort-cpu, ort-cuda), trt.py (a TensorRT engine); their device memory: gpu.py."""
+(ort-cpu; ort_cuda.py: ort-cuda), each a list of graph passes (edgekv/graph/) plus a session, its
+calls plain.py's (the graph as written) or fused.py's (the fused graph); trt.py (a TensorRT
+engine); their device memory: gpu.py."""
 from __future__ import annotations
 
 import os

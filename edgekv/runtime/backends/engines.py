@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from edgekv.format.bundle import LOCAL_MASK, MANIFEST, Bundle
+from edgekv.format.files import make_folders, replace_dir, temp_dir, write_bytes, write_text
 from edgekv.format.trt_graph import block_size, stage_weights
 
 DECODE, PREFILL = 0, 1
@@ -104,6 +105,17 @@ def find_engine(bundle: Bundle, gpu: str, trt_version: str, ctx: int) -> tuple[P
         if info["ctx"] >= ctx and (best is None or info["ctx"] < best[1]["ctx"]):
             best = (folder, info)
     return best
+
+
+def write_engine(folder: Path, plan: bytes, meta: dict) -> None:
+    """Put a built engine at `folder`: its plan and META written to a temporary folder beside it
+    (a killed build's leftovers removed first, the free space checked for the plan: a full disk is
+    one line naming the folder and the bytes), then renamed in place of the old one (ours: deleted)."""
+    make_folders(folder.parent)
+    with temp_dir(folder, len(plan) + 4096) as tmp:
+        write_bytes(tmp / PLAN, plan)
+        write_text(tmp / META, json.dumps(meta, indent=1))
+        replace_dir(tmp, folder)
 
 
 # -- the graph as TensorRT gets it ---------------------------------------------------------------

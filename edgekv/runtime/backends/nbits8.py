@@ -27,8 +27,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from edgekv.runtime.backends.forms import HANDED, Handed, handed_tensor
-from edgekv.runtime.backends.fused import MS
+from edgekv.graph.forms import HANDED, Handed, handed_tensor
+from edgekv.graph.index import GraphIndex
+from edgekv.graph.passes.fused_match import MS
 from edgekv.runtime.backends.versions import dotted, ort_version
 
 # the first onnxruntime whose graph optimizer rewrites an 8-bit block DequantizeLinear -> MatMul
@@ -50,6 +51,10 @@ class Nbits8Report:
     kernel: bool | None = None  # the 8-bit MatMulNBits kernel ran in the load's probe (None: not probed)
     accuracy: int = 4
     names: list = field(default_factory=list, repr=False)  # the products left as written
+
+    @property
+    def changed(self) -> bool:
+        return self.rewritten > 0
 
     @property
     def fused_by_ort(self) -> bool:
@@ -78,9 +83,8 @@ def eight_bit_products(g) -> list[tuple]:
     axis 0 of 2-D codes (an initializer, a handed placeholder, or a weight form's value_info)."""
     from onnx import TensorProto as T
 
-    inits = {t.name: t for t in g.initializer}
-    infos = {v.name: v for v in g.value_info}
-    producer = {o: n for n in g.node for o in n.output if o}
+    ix = GraphIndex(g)
+    inits, infos, producer = ix.inits, ix.infos, ix.producer
     found = []
     for n in g.node:
         if n.op_type != "MatMul" or n.domain not in ("", "ai.onnx") or len(n.input) != 2:
@@ -166,67 +170,83 @@ def fuse_8bit(graph: bytes, base_dir: str, handed: Handed, ort, accuracy: int,
     report = Nbits8Report(ort.__version__, accuracy=int(accuracy))
     if device != "cpu" or report.fused_by_ort or b"block_size" not in graph:
         return graph, handed, report
-    import onnx
-    from onnx import helper, numpy_helper
-
-    model = onnx.load_from_string(graph)
-    g = model.graph
-    found = eight_bit_products(g)
-    report.found = len(found)
-    if not found:
-        return graph, handed, report
-    report.kernel = kernel_runs(ort, accuracy)
-    if not report.kernel:
-        report.names = [n.name for n, _ in found]
-        return graph, handed, report
-    inits = {t.name: t for t in g.initializer}
-    producer = {o: n for n in g.node for o in n.output if o}
-    given = dict(handed.buffers)
-
-    def value(name: str) -> np.ndarray | None:
-        if name in given:
-            return given[name]
-        t = inits.get(name)
-        if t is not None:
-            if t.data_location == onnx.TensorProto.EXTERNAL and any(e.key == "location" and e.value == HANDED
-                                                                      for e in t.external_data):
-                return None
-            return numpy_helper.to_array(t, base_dir)
-        n = producer.get(name)
-        if n is not None and n.op_type == "Cast" and (x := value(n.input[0])) is not None:
-            return x.astype(helper.tensor_dtype_to_np_dtype(_attrs(n)["to"]))
-        return None
-
-    new: list = []
-    for mm, dq in found:
-        codes = value(dq.input[0])
-        scale = value(dq.input[1])
-        zp = value(dq.input[2]) if len(dq.input) > 2 and dq.input[2] else None
-        block = _attrs(dq)["block_size"]
-        if (codes is None or scale is None or (len(dq.input) > 2 and dq.input[2] and zp is None)
-                or codes.ndim != 2 or scale.shape != (-(-codes.shape[0] // block), codes.shape[1])
-                or block < 16 or block & (block - 1)):
-            report.names.append(mm.name)
-            continue
-        b, s, z = _matmulnbits(codes, scale, zp, block)
-        base = f"{dq.input[0]}/nbits8"
-        ins = [mm.input[0], f"{base}/b", f"{base}/scales"] + ([f"{base}/zero_points"] if z is not None else [])
-        arrays = [(f"{base}/b", b), (f"{base}/scales", s)] + ([(f"{base}/zero_points", z)] if z is not None else [])
-        node = helper.make_node("MatMulNBits", ins, list(mm.output), name=mm.name or base, domain=MS,
-                                K=codes.shape[0], N=codes.shape[1], bits=8, block_size=block,
-                                accuracy_level=int(accuracy))
-        mm.CopyFrom(node)
-        g.initializer.extend(handed_tensor(nm, a) for nm, a in arrays)
-        new += arrays
-        report.rewritten += 1
+    index = GraphIndex.from_bytes(graph, base_dir)
+    index.handed = dict(handed.buffers)
+    report = Nbits8(ort, accuracy, device).apply(index)
     if not report.rewritten:
         return graph, handed, report
-    _drop_unread(g)
-    if not any(o.domain == MS for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid(MS, 1))
-    kept = {t.name for t in g.initializer}
-    return (model.SerializeToString(),
-            Handed([(nm, a) for nm, a in handed.buffers if nm in kept] + new), report)
+    return index.serialize(), Handed([(nm, a) for nm, a in index.handed.items() if nm in index.inits]), report
+
+
+class Nbits8:
+    """The pass (nbits8): the graph's 8-bit block weight products as MatMulNBits (fuse_8bit), the
+    new weights into index.handed; its report (`report`): the load log's line where they stay."""
+    name = "nbits8"
+
+    def __init__(self, ort, accuracy: int, device: str = "cpu"):
+        self.ort, self.accuracy, self.device = ort, int(accuracy), device
+        self.report = Nbits8Report(ort.__version__, accuracy=self.accuracy)
+
+    def apply(self, index: GraphIndex) -> Nbits8Report:
+        import onnx
+        from onnx import helper, numpy_helper
+
+        report = self.report
+        if self.device != "cpu" or report.fused_by_ort:
+            return report
+        model, g = index.model, index.g
+        found = eight_bit_products(g)
+        report.found = len(found)
+        if not found:
+            return report
+        report.kernel = kernel_runs(self.ort, self.accuracy)
+        if not report.kernel:
+            report.names = [n.name for n, _ in found]
+            return report
+        inits, producer, given, base_dir = index.inits, index.producer, index.handed, index.base_dir
+
+        def value(name: str) -> np.ndarray | None:
+            if name in given:
+                return given[name]
+            t = inits.get(name)
+            if t is not None:
+                if t.data_location == onnx.TensorProto.EXTERNAL and any(e.key == "location" and e.value == HANDED
+                                                                          for e in t.external_data):
+                    return None
+                return numpy_helper.to_array(t, base_dir)
+            n = producer.get(name)
+            if n is not None and n.op_type == "Cast" and (x := value(n.input[0])) is not None:
+                return x.astype(helper.tensor_dtype_to_np_dtype(_attrs(n)["to"]))
+            return None
+
+        for mm, dq in found:
+            codes = value(dq.input[0])
+            scale = value(dq.input[1])
+            zp = value(dq.input[2]) if len(dq.input) > 2 and dq.input[2] else None
+            block = _attrs(dq)["block_size"]
+            if (codes is None or scale is None or (len(dq.input) > 2 and dq.input[2] and zp is None)
+                    or codes.ndim != 2 or scale.shape != (-(-codes.shape[0] // block), codes.shape[1])
+                    or block < 16 or block & (block - 1)):
+                report.names.append(mm.name)
+                continue
+            b, s, z = _matmulnbits(codes, scale, zp, block)
+            base = f"{dq.input[0]}/nbits8"
+            ins = [mm.input[0], f"{base}/b", f"{base}/scales"] + ([f"{base}/zero_points"] if z is not None else [])
+            arrays = [(f"{base}/b", b), (f"{base}/scales", s)] + ([(f"{base}/zero_points", z)] if z is not None else [])
+            node = helper.make_node("MatMulNBits", ins, list(mm.output), name=mm.name or base, domain=MS,
+                                    K=codes.shape[0], N=codes.shape[1], bits=8, block_size=block,
+                                    accuracy_level=self.accuracy)
+            mm.CopyFrom(node)
+            g.initializer.extend(handed_tensor(nm, a) for nm, a in arrays)
+            given.update(arrays)
+            report.rewritten += 1
+        if not report.rewritten:
+            return report
+        _drop_unread(g)
+        if not any(o.domain == MS for o in model.opset_import):
+            model.opset_import.append(helper.make_opsetid(MS, 1))
+        index.reindex()  # (the handed placeholders no longer read: not initializers any more)
+        return report
 
 
 def _drop_unread(g) -> None:

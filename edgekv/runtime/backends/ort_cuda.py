@@ -6,8 +6,10 @@ import numpy as np
 
 from edgekv.errors import BackendUnavailable, EdgeKVError
 from edgekv.format.bundle import Bundle
-from edgekv.runtime.backends.fused import SEQLENS, TOTAL, prune_unneeded
-from edgekv.runtime.backends.ort import ATTENTION_ENV, FUSED_SPARE, OrtBackend
+from edgekv.graph.index import prune_unneeded
+from edgekv.graph.passes import Changed
+from edgekv.runtime.backends.fused import ATTENTION_ENV, FUSED_SPARE, SEQLENS, TOTAL, FusedCalls
+from edgekv.runtime.backends.ort import OrtBackend
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.memory import KVMemory
 
@@ -62,6 +64,15 @@ def without_bias(model) -> None:
     model.graph.input.extend(inputs)
 
 
+class WithoutBias:
+    """without-bias: the fused graph's GroupQueryAttentions without attention_bias (CUDA_NO_BIAS)."""
+    name = "without-bias"
+
+    def apply(self, index) -> Changed:
+        without_bias(index.model)
+        return Changed(True)
+
+
 def op_rule_call(past: int, write: int, position_ids: np.ndarray, key_mask: np.ndarray | None) -> bool:
     """A call the op's own rule describes: its tokens appended at the end of the past (write ==
     past), at positions past + i (so whether CUDA's kernel rotates by position_ids or by the
@@ -72,6 +83,45 @@ def op_rule_call(past: int, write: int, position_ids: np.ndarray, key_mask: np.n
     if key_mask is None:
         return True
     return bool(key_mask[0, :, :past].all()) and np.array_equal(key_mask[0, :, past:], np.tri(s, dtype=np.bool_))
+
+
+class CudaFusedCalls(FusedCalls):
+    """The fused graph's calls in device memory; without attention_bias only a stream's appends."""
+
+    def move_slots(self, cache: KVCache, src: int, dst: int, n: int) -> None:
+        for buf in cache.buffers.values():  # on the device: nothing crosses to the host
+            cache.memory.copy_slots(buf, src, dst, n)
+
+    def call(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
+             key_mask: np.ndarray | None, logits_index: np.ndarray,
+             local_key_mask: np.ndarray | None = None) -> np.ndarray:
+        """FusedCalls' call; without attention_bias only where the op's own rule is the
+        call's mask (op_rule_call), the new tokens written at `past` by the op itself, and any
+        other call (a pool's masked or moved cells) one line, never a wrong attention."""
+        be = self.be
+        if not be.single_stream:
+            return super().call(cache, past, write, input_ids, position_ids, key_mask, logits_index, local_key_mask)
+        s = input_ids.shape[1]
+        if not op_rule_call(past, write, position_ids, key_mask):
+            raise EdgeKVError(f"{be.name} (fused attention) runs only a sequence appending at its end ({CUDA_NO_BIAS}); "
+                              f"this call writes {s} tokens at cell {write} after a past of {past} under a mask: "
+                              f"{ATTENTION_ENV}=plain runs it")
+        be.binding.feeds({"input_ids": np.ascontiguousarray(input_ids, np.int64),
+                          "position_ids": np.ascontiguousarray(position_ids, np.int64),
+                          "logits_index": np.ascontiguousarray(logits_index, np.int64),
+                          SEQLENS: np.array([past + s - 1], np.int32), TOTAL: np.array(past + s, np.int32)})
+        be.binding.whole_cache(cache)
+        logits = be.binding.logits_for(1, logits_index.shape[1])
+        be.binding.run(be.session)
+        return logits
+
+    def slot_memory(self, slots: int) -> KVMemory:
+        if self.be.single_stream:
+            raise BackendUnavailable(f"ort-cuda runs no fused slots here ({CUDA_NO_BIAS}: an older kernel, "
+                                     f"which reads no query_seqlens either)")
+        super().slot_memory(slots)  # the CPU's conditions: the fused graph, query_seqlens
+        from edgekv.runtime.backends.gpu import OrtValueSlotMemory
+        return OrtValueSlotMemory(self.be.ort, self.be.device, slots)
 
 
 class OrtCudaBackend(OrtBackend):
@@ -89,6 +139,7 @@ class OrtCudaBackend(OrtBackend):
     runs_slots = True  # serve's fused slots, in device memory (gpu.OrtValueSlotMemory); not without the bias
     fold_minimums = False  # the graph as written (CUDA's MatMulNBits with zero points is not tested)
     single_stream = False  # the fused graph without attention_bias: calls the op's own rule masks (op_rule_call)
+    fused_calls = CudaFusedCalls
 
     def check_available(self, ort) -> None:
         have = ort.get_available_providers()
@@ -135,46 +186,11 @@ class OrtCudaBackend(OrtBackend):
                     f"bench), not chat's or serve's masked calls; {ATTENTION_ENV}=fused runs it")
         return None
 
-    def adapt_fused(self, fused) -> None:
+    def adapt_fused(self, fused) -> list:
         if self.takes_bias()[0]:
-            return
-        without_bias(fused.model)
+            return []
         self.single_stream = True
         self.runs_slots = False  # an idle slot's cells need query_seqlens, which that older kernel does not read
         self.fused_inputs = (SEQLENS, TOTAL)
         self.attention += f"; without attention_bias: single streams only ({CUDA_NO_BIAS})"
-
-    def move_slots(self, cache: KVCache, src: int, dst: int, n: int) -> None:
-        for buf in cache.buffers.values():  # on the device: nothing crosses to the host
-            cache.memory.copy_slots(buf, src, dst, n)
-
-    def _run_fused(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
-                   key_mask: np.ndarray | None, logits_index: np.ndarray,
-                   local_key_mask: np.ndarray | None = None) -> np.ndarray:
-        """OrtBackend's fused call; without attention_bias only where the op's own rule is the
-        call's mask (op_rule_call), the new tokens written at `past` by the op itself, and any
-        other call (a pool's masked or moved cells) one line, never a wrong attention."""
-        if not self.single_stream:
-            return super()._run_fused(cache, past, write, input_ids, position_ids, key_mask, logits_index,
-                                      local_key_mask)
-        s = input_ids.shape[1]
-        if not op_rule_call(past, write, position_ids, key_mask):
-            raise EdgeKVError(f"{self.name} (fused attention) runs only a sequence appending at its end ({CUDA_NO_BIAS}); "
-                              f"this call writes {s} tokens at cell {write} after a past of {past} under a mask: "
-                              f"{ATTENTION_ENV}=plain runs it")
-        self.binding.feeds({"input_ids": np.ascontiguousarray(input_ids, np.int64),
-                            "position_ids": np.ascontiguousarray(position_ids, np.int64),
-                            "logits_index": np.ascontiguousarray(logits_index, np.int64),
-                            SEQLENS: np.array([past + s - 1], np.int32), TOTAL: np.array(past + s, np.int32)})
-        self.binding.whole_cache(cache)
-        logits = self.binding.logits_for(1, logits_index.shape[1])
-        self.binding.run(self.session)
-        return logits
-
-    def slot_memory(self, slots: int) -> KVMemory:
-        if self.single_stream:
-            raise BackendUnavailable(f"ort-cuda runs no fused slots here ({CUDA_NO_BIAS}: an older kernel, "
-                                     f"which reads no query_seqlens either)")
-        super().slot_memory(slots)  # the CPU's conditions: the fused graph, query_seqlens
-        from edgekv.runtime.backends.gpu import OrtValueSlotMemory
-        return OrtValueSlotMemory(self.ort, self.device, slots)
+        return [WithoutBias()]

@@ -27,6 +27,9 @@ from functools import lru_cache
 
 import numpy as np
 
+from edgekv.graph.index import GraphIndex
+from edgekv.graph.passes import Changed
+
 # the row counts and offsets the probe compares: tiles of 1, 2, 4, 8 and 16 rows and their remainders
 PROBE_ROWS = (2, 3, 4, 5, 7, 8, 9, 16, 17)
 PROBE_OFFSETS = (0, 3)
@@ -96,10 +99,9 @@ def _kind_of(node, inits: dict, producer: dict) -> tuple[Kind, int] | None:
 
 def weight_products(model) -> list[tuple]:
     """Every MatMul of the graph by a constant weight: (node, its Kind, its N)."""
-    g = model.graph
-    inits = {t.name: t for t in g.initializer}
-    producer = {o: n for n in g.node for o in n.output if o}
-    return [(n, *kn) for n in g.node
+    ix = GraphIndex(model)
+    inits, producer = ix.inits, ix.producer
+    return [(n, *kn) for n in ix.g.node
             if n.op_type in ("MatMul", "MatMulNBits") and (kn := _kind_of(n, inits, producer)) is not None]
 
 
@@ -143,7 +145,7 @@ def probe(kind: Kind, threads: int, accuracy: int) -> tuple[bool, bool]:
     (through the same 8-bit pass as the bundle: the kernel it will run)."""
     import onnxruntime as ort
 
-    from edgekv.runtime.backends.forms import Handed
+    from edgekv.graph.forms import Handed
     from edgekv.runtime.backends.nbits8 import fuse_8bit
 
     opts = ort.SessionOptions()
@@ -208,13 +210,16 @@ def pad_single_rows(model, kinds: set) -> int:
     return len(chosen)
 
 
-def exact_rows(graph: bytes, threads: int, accuracy: int) -> tuple[bytes, RowPlan]:
-    """The serialized graph with the single-row calls this CPU needs padded, and the plan."""
-    import onnx
+class RowPadding:
+    """The pass (row-padding): the plan for this CPU (`plan`), single-row calls padded where it says."""
+    name = "row-padding"
 
-    model = onnx.load_from_string(graph)
-    plan = plan_rows(model, threads, accuracy)
-    if not plan.padded:
-        return graph, plan
-    pad_single_rows(model, plan.padded)
-    return model.SerializeToString(), plan
+    def __init__(self, threads: int, accuracy: int):
+        self.threads, self.accuracy = threads, accuracy
+        self.plan = RowPlan()
+
+    def apply(self, index: GraphIndex) -> Changed:
+        self.plan = plan_rows(index.model, self.threads, self.accuracy)
+        if not self.plan.padded:
+            return Changed(False)
+        return Changed(True, pad_single_rows(index.model, self.plan.padded))

@@ -1,5 +1,5 @@
-"""A GGUF minimum folded into onnxruntime's MatMulNBits zero points at load (docs/weights.md, "The
-minimum in the kernel").
+"""minimum-fold: a GGUF minimum folded into onnxruntime's MatMulNBits zero points at load
+(docs/weights.md, "The minimum in the kernel").
 
 The bundle carries a Q4_1/Q4_K (or Q5_1/Q5_K) matrix as W = s*(c + shift) + m per block of B along
 K: a block-wise DequantizeLinear of the codes c -> MatMul, plus a "minimum term"
@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgekv.runtime.backends.forms import Handed, handed_tensor
-from edgekv.runtime.backends.fused import _Graph, prune_unneeded
+from edgekv.graph.forms import Handed, handed_tensor
+from edgekv.graph.index import GraphIndex, prune_unneeded
 
 # the remainders are handed to onnxruntime as OrtValues over our own arrays (forms.Handed)
 
@@ -65,23 +65,26 @@ class FoldReport:
         """Give the session options the remainders; returns the OrtValues, to be kept as long as the session."""
         return Handed(self.buffers).hand_to(ort, opts)
 
+    @property
+    def changed(self) -> bool:
+        return self.folded > 0
+
     def line(self) -> str:
         kept = f"; {len(self.kept)} kept as written ({next(iter(self.kept.values()))})" if self.kept else ""
         return (f"minimums: {self.folded} matrices as MatMulNBits zero points "
                 f"({self.folded - self.exact_zero} with a remainder term){kept}")
 
 
-def _scalar(g: _Graph, name: str) -> float | None:
+def _scalar(g: GraphIndex, name: str) -> float | None:
     v = g.const(name)
     return float(v) if v is not None and v.size == 1 else None
 
 
-def _only_reader(g: _Graph, name: str, node) -> bool:
-    readers = g.consumers.get(name, [])
-    return len(readers) == 1 and readers[0] is node and name not in {o.name for o in g.g.output}
+def _only_reader(g: GraphIndex, name: str, node) -> bool:
+    return g.only_reader(name, node)
 
 
-def _blocksum(g: _Graph, xs: str, x: str, block: int) -> bool:
+def _blocksum(g: GraphIndex, xs: str, x: str, block: int) -> bool:
     """xs = ReduceSum(Reshape(x, [0, 0, K/B, B]), [-1], keepdims=0)."""
     rs = g.op(xs, "ReduceSum")
     sh = rs and g.op(rs.input[0], "Reshape")
@@ -91,7 +94,7 @@ def _blocksum(g: _Graph, xs: str, x: str, block: int) -> bool:
     return axes is not None and list(axes.reshape(-1)) == [-1] and dims is not None and int(dims.reshape(-1)[-1]) == block
 
 
-def _match(g: _Graph, add) -> MinTerm | None:
+def _match(g: GraphIndex, add) -> MinTerm | None:
     """add = MatMul(x, DQ(codes, scale)) + minimum term (either written form), else None."""
     for a, b in (add.input, add.input[::-1]):
         mm, mt = g.op(a, "MatMul"), g.op(b, "MatMul")
@@ -124,7 +127,7 @@ def _match(g: _Graph, add) -> MinTerm | None:
     return None
 
 
-def find_min_terms(g: _Graph) -> list[MinTerm]:
+def find_min_terms(g: GraphIndex) -> list[MinTerm]:
     return [t for n in list(g.g.node) if n.op_type == "Add" and (t := _match(g, n)) is not None]
 
 
@@ -202,8 +205,15 @@ def fold_minimums(model, base_dir: str) -> FoldReport:
     minimum's integer part as the DequantizeLinear's zero point (onnxruntime fuses it into
     MatMulNBits' zero points) and keeps only the remainder's MatMul (on x's blocksum by one shared
     MatMul, _Blocksums), or none where r is all 0."""
-    g = _Graph(model, base_dir)
+    return fold(GraphIndex(model, base_dir))
+
+
+def fold(g: GraphIndex) -> FoldReport:
+    """fold_minimums over an index (its maps as they are; the caller reindexes after a fold)."""
+    model = g.model
     report = FoldReport()
+    if not any(n.op_type == "DequantizeLinear" and g.attr(n, "block_size", 0) for n in g.g.node):
+        return report  # no block-wise DequantizeLinear, nothing to fold
     TP, helper = g.onnx.TensorProto, g.onnx.helper
     sums = _Blocksums(model, helper, g.nh)
     for t in find_min_terms(g):
@@ -238,12 +248,14 @@ def fold_minimums(model, base_dir: str) -> FoldReport:
     return report
 
 
-def fold_graph(graph: bytes, base_dir: str) -> tuple[bytes, FoldReport]:
-    """The serialized graph with its minimums folded (as given when there is none)."""
-    import onnx
+class MinimumFold:
+    """The pass: its report (FoldReport, `report`) and the remainders into index.handed."""
+    name = "minimum-fold"
 
-    if b"block_size" not in graph:  # no block-wise DequantizeLinear, nothing to fold: not parsed
-        return graph, FoldReport()
-    model = onnx.load_from_string(graph)
-    report = fold_minimums(model, base_dir)
-    return (model.SerializeToString() if report.folded else graph), report
+    def __init__(self):
+        self.report = FoldReport()
+
+    def apply(self, index: GraphIndex) -> FoldReport:
+        self.report = fold(index)
+        index.handed.update(self.report.buffers)
+        return self.report
