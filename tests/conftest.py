@@ -405,13 +405,17 @@ REAL_NAME = "smollm2-135m-instruct-int8"
 TEST_CACHE = ROOT / "models" / "bundles" / ".test-cache"
 
 
-def made_by_this_exporter(path: Path, key: str) -> bool:
-    """`path` is a loadable bundle whose manifest records the exporter source key `key`."""
+def made_by_this_exporter(path: Path, key: str, kv: str) -> bool:
+    """`path` is a loadable bundle whose manifest records the exporter source key `key` and a KV
+    scheme that `--kv kv` exports (auto: either of its choices)."""
     from edgekv.errors import BundleError
     from edgekv.format.bundle import load_bundle
 
     try:
-        return load_bundle(path).manifest["exporter"].get("source_key") == key
+        from export.kv_gate import AUTO, AUTO_CHOICES
+
+        m = load_bundle(path).manifest
+        return m["exporter"].get("source_key") == key and m["kv"]["scheme"] in (AUTO_CHOICES if kv == AUTO else (kv,))
     except (BundleError, KeyError, AttributeError):
         return False
 
@@ -423,8 +427,8 @@ INT4_NAME = "smollm2-135m-instruct-int8-wint4"  # what models/quickstart.sh expo
 REAL_PARITY_STEPS = 8
 
 
-def real_export(tmp_path_factory, name: str, weights: str) -> Path:
-    """The default recipe with the int8 KV scheme and `weights`, by the exporter under test, once
+def real_export(tmp_path_factory, name: str, weights: str, kv: str) -> Path:
+    """The default recipe with KV scheme `kv` and `weights`, by the exporter under test, once
     per run: in CI always exported afresh (into the run's folder); elsewhere reused only if the
     exporter's sources are the ones that made it (export/bundle.py's exporter_source_key):
     models/bundles/NAME, or one kept under models/bundles/.test-cache/<key>/. A file lock makes
@@ -432,7 +436,7 @@ def real_export(tmp_path_factory, name: str, weights: str) -> Path:
     from export.bundle import export_bundle, exporter_source_key
 
     def export(path: Path) -> None:
-        export_bundle(None, kv="int8", weights=weights, out=str(path), steps=REAL_PARITY_STEPS)
+        export_bundle(None, kv=kv, weights=weights, out=str(path), steps=REAL_PARITY_STEPS)
 
     if os.environ.get("CI"):  # a clean run: always export
         return made_once(run_dir(tmp_path_factory) / name, export)
@@ -443,7 +447,7 @@ def real_export(tmp_path_factory, name: str, weights: str) -> Path:
     TEST_CACHE.mkdir(parents=True, exist_ok=True)
     with FileLock(str(TEST_CACHE / f"{key}-{name}.lock")):
         for candidate in (ROOT / "models" / "bundles" / name, kept):
-            if made_by_this_exporter(candidate, key):
+            if made_by_this_exporter(candidate, key, kv):
                 return candidate
         for old in TEST_CACHE.iterdir():  # bundles of other exporter sources are stale: make room
             if old.is_dir() and old.name != key:  # (their lock files are left: a few bytes each)
@@ -455,13 +459,14 @@ def real_export(tmp_path_factory, name: str, weights: str) -> Path:
 @pytest.fixture(scope="session")
 def real_bundle(tmp_path_factory) -> Path:
     """The default model, float weights, int8 KV (`edgekv export --kv int8 --weights float`)."""
-    return real_export(tmp_path_factory, REAL_NAME, "float")
+    return real_export(tmp_path_factory, REAL_NAME, "float", "int8")
 
 
 @pytest.fixture(scope="session")
 def real_bundle_int4(tmp_path_factory) -> Path:
-    """The quickstart's bundle: the default model with its GGUF's own 4-bit blocks, int8 KV."""
-    return real_export(tmp_path_factory, INT4_NAME, "int4")
+    """The quickstart's bundle as it makes it: the default model with its GGUF's own 4-bit blocks
+    and export's default KV scheme (--kv auto: int8-static where its held-out check holds)."""
+    return real_export(tmp_path_factory, INT4_NAME, "int4", "auto")
 
 
 @pytest.fixture(scope="module")

@@ -379,7 +379,8 @@ class Soak:
             return ("ok", "") if "message_stop" in types else ("unexpected:stream_cut_silently", str(types[-5:]))
         if k == "responses":
             types = [e.get("type") for e in events]
-            return ("ok", "") if "response.completed" in types else ("unexpected:stream_cut_silently", str(types[-5:]))
+            ended = {"response.completed", "response.incomplete"} & set(types)  # incomplete: max_output_tokens
+            return ("ok", "") if ended else ("unexpected:stream_cut_silently", str(types[-5:]))
         fin, text, calls, lps, usage = None, "", {}, [], None
         for ev in events:
             usage = ev.get("usage") or usage
@@ -631,7 +632,7 @@ class Soak:
                            timeout=300)
         errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
         left = [p.name for p in self.mount.iterdir()]
-        ok = (r.returncode == 0 and len(errors) == 1 and "No space left" in errors[0] and str(name) in errors[0]
+        ok = (r.returncode == 0 and len(errors) == 1 and "no space left" in errors[0].lower() and str(name) in errors[0]
               and "Traceback" not in r.stderr and not left)
         self.tally.event("chat_save_full_disk", "ok" if ok else "unexpected:chat_save_full_disk",
                          f"rc={r.returncode} left={left} {r.stderr[-1500:]}")

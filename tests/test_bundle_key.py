@@ -10,9 +10,11 @@ from tests.conftest import ROOT, made_by_this_exporter
 def test_bundles_record_the_key_of_the_exporter_that_made_them(tiny_bundle_int8):
     key = exporter_source_key()
     assert load_bundle(tiny_bundle_int8).manifest["exporter"]["source_key"] == key
-    assert made_by_this_exporter(tiny_bundle_int8, key)
-    assert not made_by_this_exporter(tiny_bundle_int8, "0" * 16)
-    assert not made_by_this_exporter(ROOT / "no-such-bundle", key)
+    assert made_by_this_exporter(tiny_bundle_int8, key, "int8")
+    assert not made_by_this_exporter(tiny_bundle_int8, "0" * 16, "int8")
+    assert not made_by_this_exporter(tiny_bundle_int8, key, "int8-static")  # another scheme
+    assert made_by_this_exporter(tiny_bundle_int8, key, "auto")  # auto's fallback
+    assert not made_by_this_exporter(ROOT / "no-such-bundle", key, "int8")
 
 
 def test_the_key_follows_the_exporter_sources(tmp_path):
