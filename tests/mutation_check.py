@@ -86,6 +86,15 @@ FUSED_SERVE = ("tests/test_fused_serve.py",)
 FUSED_CUDA = ("tests/test_fused_cuda.py",)
 
 MUTATIONS = [
+    # -- export --kv auto (issue 42 item 2)
+    M("kv auto: a failed held-out check keeps int8-static", "export", "export/bundle.py",
+      'if opts.kv == AUTO and not check["passed"]:', "if False:", ("tests/test_kv_gate.py", "-k", "falls_back")),
+    M("kv auto: the held-out check passes anything", "export", "export/kv_gate.py",
+      '"passed": bool(delta <= BAR)}', '"passed": True}', ("tests/test_kv_gate.py", "-k", "falls_back or missed")),
+    M("kv auto: the check scores the static model against itself", "export", "export/kv_gate.py",
+      "ppl_float, ppl = math.exp(mean_nll(reference, ids, window)), math.exp(mean_nll(model, ids, window))",
+      "ppl_float, ppl = math.exp(mean_nll(model, ids, window)), math.exp(mean_nll(model, ids, window))",
+      ("tests/test_kv_gate.py", "-k", "keeps_static")),
     # -- this stop: 8-bit blocks, trt serving, AWQ
     M("trt: writes inside the past not staged", "trt", "edgekv/runtime/backends/trt.py",
       "stage = self._staging(cache) if write < past else None", "stage = None", TRT_FAKE),

@@ -7,6 +7,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 from typing import NamedTuple
 
+import pytest
+
 from edgekv.runtime.batching import Request
 from edgekv.serve.app import Server
 from edgekv.serve.server import BackgroundServer, build
@@ -116,3 +118,20 @@ def with_template(bundle, folder, template: str):
     man = json.loads((folder / "edgekv.json").read_text())
     (folder / "edgekv.json").write_text(json.dumps({**man, "chat_template": template}))
     return folder
+
+
+@pytest.fixture(scope="module")
+def url(rt_int8):
+    """A server of the tiny int8 bundle, per module (tests/test_api_*.py)."""
+    with serving(rt_int8) as s:
+        yield s.url
+
+
+@pytest.fixture(scope="module")
+def tools_url(tiny_bundle_int8, tmp_path_factory):
+    """The tiny bundle with a template that takes tools in a few tokens (TOOLS_TEMPLATE)."""
+    from edgekv.runtime.assemble import open_runtime
+
+    folder = with_template(tiny_bundle_int8, tmp_path_factory.mktemp("tools") / "b", TOOLS_TEMPLATE)
+    with open_runtime(folder, ctx=256, backend="ort-cpu", threads=1) as r, serving(r) as s:
+        yield s.url

@@ -14,8 +14,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("llguidance")
 import httpx  # noqa: E402
 
-from edgekv.runtime.assemble import open_runtime  # noqa: E402
-from tests.serving import TOOLS_TEMPLATE, serving, with_template  # noqa: E402
+from tests.serving import serving, tools_url, url  # noqa: E402, F401  (url, tools_url: fixtures)
 from tests.test_reasoning import SCRIPT, oracle, thinking_rt  # noqa: E402, F401  (the scripted thinking model)
 
 SYSTEM = "The capital of France is Paris."
@@ -27,18 +26,6 @@ CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}, "d
         "required": ["city", "days"], "additionalProperties": False}
 
 
-@pytest.fixture(scope="module")
-def url(rt_int8):
-    with serving(rt_int8) as s:
-        yield s.url
-
-
-@pytest.fixture(scope="module")
-def tools_url(tiny_bundle_int8, tmp_path_factory):
-    """The tiny bundle with a template that takes tools in a few tokens (tests/serving.py)."""
-    folder = with_template(tiny_bundle_int8, tmp_path_factory.mktemp("tools") / "b", TOOLS_TEMPLATE)
-    with open_runtime(folder, ctx=256, backend="ort-cpu", threads=1) as r, serving(r) as s:
-        yield s.url
 
 
 def claude(url, key="none"):

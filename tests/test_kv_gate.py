@@ -28,6 +28,15 @@ def test_auto_keeps_static_int8_where_the_check_holds(tiny_llama, tmp_path, capf
     assert check["passed"] and check["delta_ppl"] <= kv_gate.BAR and check["window"] == 256
     assert check["text"] == "pydoc_data.topics" and check["tokens"] == kv_gate.HELD_OUT_TOKENS
     assert "int8-static kept" in capfd.readouterr().err
+    # its reference is a float cache with the same weights, scored here afresh
+    from export.model import Transformer
+    from export.recipes import load_source
+
+    src = load_source(tiny_llama)
+    ids, _ = kv_gate.held_out_ids(src.tokenizer_json)
+    ref = Transformer.loaded(src.config.for_context(256), src.state_dict).eval()
+    assert abs(math.exp(kv_gate.mean_nll(ref, ids, 256)) / check["ppl_float_cache"] - 1) < 1e-5
+    assert check["ppl"] != check["ppl_float_cache"]  # the int8 cache was scored, not the float one
 
 
 def test_auto_falls_back_to_per_token_int8_in_one_line(tiny_llama, tmp_path, capfd, monkeypatch):
