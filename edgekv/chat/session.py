@@ -19,7 +19,7 @@ from edgekv.chat.conversation import Conversation, common_prefix
 from edgekv.chat.policies import CONTEXT_POLICIES, POLICIES
 from edgekv.errors import EdgeKVError
 from edgekv.runtime.batching import Batcher, Request, Token
-from edgekv.runtime.generate import Stats
+from edgekv.runtime.generate import Stats, stats_of
 from edgekv.runtime.sampling import SamplingParams
 from edgekv.runtime.text import StreamDecoder
 
@@ -250,11 +250,3 @@ class ChatSession:
     def _set_loaded_state(self, state: tuple) -> None:
         (self.conv.system, self.conv.messages, self.conv.dropped_turns, self.last, self.loaded_from,
          self.conversation_id, self.last_prompt_ids) = state
-
-
-def stats_of(req: Request, t0: float) -> Stats:
-    """A finished turn's stats, as generate prints them; t0: when the user's message came in."""
-    first = req.t_submit + (req.ttft_s or 0.0)  # the first token sampled
-    return Stats(prompt_tokens=len(req.prompt), new_tokens=len(req.out), ttft_s=first - t0, prefill_s=first - t0,
-                 decode_s=max(0.0, req.t_last - first) if req.decode_steps else 0.0,
-                 decode_steps=req.decode_steps, stop_reason=req.finish_reason or "")

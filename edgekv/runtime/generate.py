@@ -18,7 +18,7 @@ from edgekv.runtime.sampling import SamplingParams, sample
 from edgekv.runtime.sequence import Sequence
 
 if TYPE_CHECKING:
-    from edgekv.runtime.batching import PoolSequence
+    from edgekv.runtime.batching import PoolSequence, Request
 
 
 @dataclass
@@ -38,6 +38,14 @@ class Stats:
     @property
     def decode_tps(self) -> float:
         return self.decode_steps / self.decode_s if self.decode_s > 0 else 0.0
+
+
+def stats_of(req: "Request", t0: float) -> Stats:
+    """A finished turn's stats, as generate prints them; t0: when the user's message came in."""
+    first = req.t_submit + (req.ttft_s or 0.0)  # the first token sampled
+    return Stats(prompt_tokens=len(req.prompt), new_tokens=len(req.out), ttft_s=first - t0, prefill_s=first - t0,
+                 decode_s=max(0.0, req.t_last - first) if req.decode_steps else 0.0,
+                 decode_steps=req.decode_steps, stop_reason=req.finish_reason or "")
 
 
 def kv_line(cache: KVCache, seq: "Sequence | PoolSequence") -> str:

@@ -7,7 +7,9 @@ import sys
 
 from edgekv.errors import ContextOverflow, EdgeKVError
 from edgekv.runtime.assemble import open_runtime
-from edgekv.runtime.generate import Stats, stats_line, stats_record
+from edgekv.runtime.batching import Request, Token
+from edgekv.runtime.batching.request import now
+from edgekv.runtime.generate import Stats, stats_line, stats_of, stats_record
 from edgekv.runtime.grammar import grammar_from_args
 from edgekv.runtime.sampling import sampling_from
 from edgekv.runtime.text import StreamDecoder, system_turn
@@ -22,13 +24,16 @@ def cmd_generate(args) -> int:
 
 
 def generate(args, rt, grammar=None) -> int:
-    codec, gen = rt.codec, rt.generator()
+    """One prompt as a one-request run of the batcher (as chat's turns and serve's requests are)."""
+    codec = rt.codec
+    batcher = rt.batcher(windowed=True, parallel=1)  # one stream: a windowed model's local layers keep a ring
+    seq = batcher.hold()  # held: the stats line reads what it holds at the end
     if args.raw:
         ids = codec.encode(args.prompt)
     else:
         ids = codec.chat_ids(system_turn(args.system) + [{"role": "user", "content": args.prompt}])
-    if len(ids) >= gen.cache.capacity:
-        raise ContextOverflow(f"prompt is {len(ids)} tokens, the cache holds {gen.cache.capacity}",
+    if len(ids) >= batcher.cache.capacity:
+        raise ContextOverflow(f"prompt is {len(ids)} tokens, the cache holds {batcher.cache.capacity}",
                               setting="capacity", fix=f"raise {{}}, up to {rt.bundle.max_context}")
     constraint, stop_ids = None, codec.stop_ids
     if grammar is not None:
@@ -37,27 +42,33 @@ def generate(args, rt, grammar=None) -> int:
         tok = tokenizer_for(rt.bundle)
         constraint = compile_grammar(tok, grammar)
         stop_ids = stop_ids | set(tok.stop_ids)  # every end the grammar may choose ends the reply
-    st = Stats()
     dec = StreamDecoder(codec)
     pieces = []
     out = sys.stdout
+
+    def emit(event) -> None:
+        if isinstance(event, Token):
+            text = dec.push(event.id)
+            pieces.append(text)
+            if not args.json and text:
+                out.write(text)
+                out.flush()
+
     params = sampling_from(args, rt.bundle.manifest)  # unset flags: the model's defaults, as serve's
-    for tok_id in gen.generate(ids, args.max_new_tokens, params, stop_ids, st, constraint):
-        text = dec.push(tok_id)
-        pieces.append(text)
-        if not args.json and text:
-            out.write(text)
-            out.flush()
+    req = Request(ids, args.max_new_tokens, params, stop_ids, emit=emit, seq=seq, constraint=constraint)
+    t0 = now()
+    batcher.run(req)
+    st = stats_of(req, t0)
     tail = dec.flush()
     pieces.append(tail)
     record = constraint_record(grammar, constraint, st)
     if args.json:
-        print(json.dumps({"text": "".join(pieces), "tokens": dec.ids, **stats_record(st, gen.cache, gen.seq),
+        print(json.dumps({"text": "".join(pieces), "tokens": dec.ids, **stats_record(st, batcher.cache, seq),
                           **({"constraint": record} if record else {})}))
     else:
         out.write(tail + "\n")
         out.flush()
-        print(stats_line(st, gen.cache, gen.seq), file=sys.stderr)
+        print(stats_line(st, batcher.cache, seq), file=sys.stderr)
     if record and not record["complete"]:
         raise EdgeKVError(f"the reply ended by {st.stop_reason} before the {grammar.kind.replace('_', ' ')} "
                           "was complete: it is cut short (raise --max-new-tokens or --ctx)")
