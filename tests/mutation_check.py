@@ -86,6 +86,11 @@ FUSED_SERVE = ("tests/test_fused_serve.py",)
 FUSED_CUDA = ("tests/test_fused_cuda.py",)
 
 MUTATIONS = [
+    M("json integers left unbounded", "grammar", "edgekv/runtime/grammar_build.py",
+      'if "integer" in kinds:', "if False:", ("tests/test_grammar_limits.py", "-k", "integer")),
+    M("json integer bounds not reaching into anyOf", "grammar", "edgekv/runtime/grammar_build.py",
+      'SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")', 'SCHEMA_LISTS = ("allOf", "oneOf", "prefixItems")',
+      ("tests/test_grammar_limits.py", "-k", "integer")),
     # -- export --kv auto (issue 42 item 2)
     M("kv auto: a failed held-out check keeps int8-static", "export", "export/bundle.py",
       'if opts.kv == AUTO and not check["passed"]:', "if False:", ("tests/test_kv_gate.py", "-k", "falls_back")),

@@ -148,3 +148,42 @@ def test_a_schemas_own_x_guidance_cannot_unbound_whitespace(tok, own):
 def test_freed_grammar_memory_goes_back_to_the_system():
     import platform
     assert g.give_memory_back() == (platform.libc_ver()[0] == "glibc")
+
+
+def _accepts(tok, grammar, text: str) -> bool:
+    """The grammar takes `text` whole and may end there."""
+    c = g.compile_grammar(tok, grammar)
+    for t in tok.ll.tokenize_str(text):
+        if not c.allowed()[t]:
+            return False
+        c.accept(t)
+    return c.is_done() or bool(c.allowed()[tok.stop_ids[0]])
+
+
+@pytest.mark.parametrize("schema", [{"type": "integer"}, {"type": ["integer", "null"]},
+                                    {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]},
+                                    {"type": "array", "items": {"anyOf": [{"type": "integer"}]}}])
+def test_an_unbounded_integer_is_held_to_json_safe_digits(tok, schema):
+    """The openai client's parse() of a pydantic int ran 300 tokens of digits (issue 43): an integer
+    without bounds of its own is held to +-(2**53 - 1), what every JSON parser keeps exactly."""
+    def wrap(n: str) -> str:
+        return {"integer": n, "object": '{"n": ' + n + "}", "array": "[" + n + "]"}.get(
+            schema["type"] if isinstance(schema["type"], str) else "integer")
+    for grammar in (g.json_schema(schema), g.lark("start: " + g.lark_json(schema)) if "properties" in schema else None):
+        if grammar is None:
+            continue
+        assert _accepts(tok, grammar, wrap(str(2 ** 53 - 1))) and _accepts(tok, grammar, wrap(str(-(2 ** 53 - 1))))
+        assert not _accepts(tok, grammar, wrap(str(2 ** 53))) and not _accepts(tok, grammar, wrap("1" * 40))
+
+
+def test_a_schemas_own_integer_bounds_and_its_data_are_kept():
+    from edgekv.runtime.grammar_build import SAFE_INTEGER, bounded_integers
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0},
+                                               "b": {"type": "integer", "exclusiveMaximum": 10 ** 20}},
+              "const": {"type": "integer"}, "default": {"type": "integer"}}
+    out = bounded_integers(schema)
+    assert out["properties"]["a"] == {"type": "integer", "minimum": 0, "maximum": SAFE_INTEGER}
+    assert out["properties"]["b"] == {"type": "integer", "exclusiveMaximum": 10 ** 20, "minimum": -SAFE_INTEGER}
+    assert out["const"] == out["default"] == {"type": "integer"}  # data, not a schema
+    assert schema["properties"]["a"] == {"type": "integer", "minimum": 0}  # the caller's schema untouched

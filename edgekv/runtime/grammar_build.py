@@ -36,6 +36,40 @@ JSON_OVERRIDES = {"lenient": False, "coerce_one_of": False, "whitespace_pattern"
                   "item_separator": ",", "key_separator": ":"}
 
 
+# an integer without a bound of its own is held to the range every JSON parser keeps exactly
+# (I-JSON, RFC 7493: +-(2**53 - 1), 16 digits, as llama.cpp's JSON grammar caps an integral part):
+# unbounded, a small model sampling digits can run to max_tokens inside one number (issue 43)
+SAFE_INTEGER = 2 ** 53 - 1
+# the keywords whose values are subschemas (a dict of them, a list of them, or one); const, enum,
+# default and examples hold data and are never rewritten
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+SCHEMA_ONES = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames")
+
+
+def bounded_integers(schema):
+    """`schema` with every integer that has no lower (upper) bound given SAFE_INTEGER's."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    kinds = out.get("type") if isinstance(out.get("type"), list) else [out.get("type")]
+    if "integer" in kinds:
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -SAFE_INTEGER
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = SAFE_INTEGER
+    for k in SCHEMA_MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: bounded_integers(v) for name, v in out[k].items()}
+    for k in SCHEMA_LISTS:
+        if isinstance(out.get(k), list):
+            out[k] = [bounded_integers(v) for v in out[k]]
+    for k in SCHEMA_ONES:
+        if k in out:
+            out[k] = bounded_integers(out[k])
+    return out
+
+
 def check_size(what: str, text: str) -> None:
     if len(text) > MAX_GRAMMAR_CHARS:
         raise GrammarError(f"{what} is {len(text)} characters, more than the {MAX_GRAMMAR_CHARS} allowed")
@@ -78,10 +112,10 @@ def check_regex(what: str, pattern: str) -> None:
 
 def json_schema(schema) -> Grammar:
     """A reply that validates against `schema` (a JSON Schema: an object, or true/false)."""
-    text = check_schema(schema)
+    check_schema(schema)
     llg = llguidance()
     try:
-        g = llg.LLMatcher.grammar_from_json_schema(text, overrides=JSON_OVERRIDES)
+        g = llg.LLMatcher.grammar_from_json_schema(json.dumps(bounded_integers(schema)), overrides=JSON_OVERRIDES)
     except ValueError as e:
         raise GrammarError(f"JSON schema: {first_line(e)}") from None
     return Grammar("json_schema", g, counted_patterns(schema), checks.schema_min_chars(schema))
@@ -122,5 +156,5 @@ def lark_json(schema: dict, what: str = "the JSON schema") -> str:
     if not isinstance(schema, dict):
         raise GrammarError(f"{what} must be an object")
     own = schema.get("x-guidance") if isinstance(schema.get("x-guidance"), dict) else {}
-    return "%json " + json.dumps({**schema, "x-guidance": {**own, **JSON_OVERRIDES}})
+    return "%json " + json.dumps({**bounded_integers(schema), "x-guidance": {**own, **JSON_OVERRIDES}})
 
