@@ -89,7 +89,7 @@ class Tegrastats:
 def greedy_run(rt: Runtime, prompt: list[int], steps: int, feed: list[int] | None = None):
     """Logits of the prefill and `steps` decode steps; fed `feed` tokens if given (so two backends
     see the same inputs), else its own greedy tokens."""
-    g = rt.generator()
+    g = rt.stream()
     logits = [g.prefill(prompt).copy()]
     tokens = []
     for i in range(steps):
@@ -178,7 +178,7 @@ def fused_check(bundle, ctx: int, workdir: Path, steps: int = 32, backend_cls=Or
         return {"status": "fail", "why": str(e)}, False  # ort-cuda runs, its fused graph does not
     try:
         with Runtime(bundle, be, ctx) as rt:
-            g = rt.generator()
+            g = rt.stream()
             g.decode_step(int(np.argmax(g.prefill(prompt))))
             placed = gqa_placement(json.loads(Path(be.session.end_profiling()).read_text()))
         with Runtime(bundle, backend_cls(bundle, attention="plain"), ctx) as rt:

@@ -12,6 +12,7 @@ from edgekv.runtime.backends.fused import ort_refusal
 from edgekv.runtime.cache import KVCache, default_capacity
 from edgekv.runtime.batching import Batcher
 from edgekv.runtime.batching.layouts import MAX_PREFIXES
+from edgekv.runtime.batching.stream import Stream
 from edgekv.runtime.generate import Generator
 from edgekv.runtime.text import TextCodec
 
@@ -78,6 +79,12 @@ class Runtime:
     def generator(self, capacity: int | None = None, prefill_chunk: int = PREFILL_CHUNK, cache: KVCache | None = None) -> Generator:
         """A generator over a new sequence: in `cache`, or in a new windowed cache of `capacity` slots."""
         return Generator(self.backend, cache or self.cache(capacity, windowed=True), prefill_chunk=prefill_chunk)
+
+    def stream(self, capacity: int | None = None, prefill_chunk: int = PREFILL_CHUNK) -> Stream:
+        """One sequence through a batcher of its own over `capacity` cells (a windowed model's
+        local layers keep a ring of their window): eval, bench, the parity check, the self-test."""
+        cache = pool_cache(self.bundle, self.backend, capacity or self.capacity, True, 1, margin=0)  # never truncated
+        return Stream(Batcher(self.backend, cache, parallel=1, max_queue=1, max_prefixes=0, prefill_chunk=prefill_chunk))
 
     def batcher(self, capacity: int | None = None, windowed: bool = False, **kw) -> Batcher:
         """A batcher over a new pool of `capacity` cells (kw: Batcher's parallel, max_queue,

@@ -22,7 +22,7 @@ from edgekv.format.bundle import load_bundle
 from edgekv.runtime.assemble import Runtime, open_runtime
 from edgekv.runtime.backends.base import default_threads
 from edgekv.runtime.backends.ort import ATTENTION_ENV, ATTENTIONS
-from edgekv.runtime.generate import Generator
+from edgekv.runtime.batching.stream import Stream
 from edgekv.runtime.cpu import cpu_field, describe, llama_cpp_cmake_args
 from edgekv.tools.progress import stage
 
@@ -62,7 +62,7 @@ def sample_tokens(n: int, vocab: int) -> list[int]:
     return [int(x) for x in np.random.default_rng(0).integers(100, min(vocab, 30000), n)]
 
 
-def time_once(g: Generator, prompt: list[int], decode_tokens: int) -> tuple[float, float]:
+def time_once(g: Stream, prompt: list[int], decode_tokens: int) -> tuple[float, float]:
     """(time to first token s, decode tokens/s) of one prompt + decode run."""
     g.reset()
     t0 = time.perf_counter()
@@ -77,8 +77,8 @@ def time_once(g: Generator, prompt: list[int], decode_tokens: int) -> tuple[floa
 def measure(rt: Runtime, configs: list[tuple[int, int]], decode_tokens: int, repeat: int) -> dict:
     """Time every (capacity, prompt length) configuration; one backend (one session) serves all.
     A line after each round (a round of the default bench takes about a minute here)."""
-    caches = {C: rt.cache(C, windowed=True) for C in sorted({c for c, _ in configs})}  # as generate's
-    gens = {key: rt.generator(cache=caches[key[0]]) for key in configs}
+    streams = {C: rt.stream(C) for C in sorted({c for c, _ in configs})}  # as generate's; reset before each run
+    gens = {key: streams[key[0]] for key in configs}
     t0 = time.perf_counter()
 
     def done(r: int) -> None:
@@ -110,7 +110,7 @@ def measure_runs(gens: dict, vocab: int, decode_tokens: int, repeat: int, round_
 
 
 def rss_over_decode(rt: Runtime, n_tokens: int):
-    g = rt.generator(min(rt.bundle.max_context, n_tokens + 80))
+    g = rt.stream(min(rt.bundle.max_context, n_tokens + 80))
     n_tokens = min(n_tokens, g.cache.capacity - 65)  # 64 prompt tokens, then decode to the brim at most
     tok = int(np.argmax(g.prefill(sample_tokens(64, rt.bundle.model["vocab_size"]))))
     for _ in range(16):  # let ORT settle its arenas first

@@ -27,7 +27,7 @@ from edgekv.format.files import write_json
 from edgekv.format.bundle import load_bundle
 from edgekv.runtime.assemble import open_runtime
 from edgekv.runtime.batching import Batcher, Request
-from edgekv.runtime.generate import Generator
+from edgekv.runtime.batching.stream import Stream
 from edgekv.runtime.sampling import SamplingParams
 from edgekv.runtime.text import TextCodec, system_turn
 from edgekv.tools.evaluate import log_softmax
@@ -69,7 +69,7 @@ def span_of(codec: TextCodec, ids: list[int], before: list[dict], reply: str) ->
     return start, start + len(r)
 
 
-def score(gen: Generator, ids: list[int], spans: list[tuple[int, int]]) -> list[np.ndarray]:
+def score(gen: Stream, ids: list[int], spans: list[tuple[int, int]]) -> list[np.ndarray]:
     """Feed ids through gen in one pass, teacher-forced; return the log-probs of the rows that
     predict each span's tokens."""
     out, pos = [], 0
@@ -133,14 +133,14 @@ def compare_policies(rt, ctx: int, turns: int, reply_tokens: int, system: str | 
 
     # 2. full context (oracle), ring, drop-turns
     del sess, batcher  # its cache: the oracle's takes the same memory
-    full_gen = rt.generator(big)
+    full_gen = rt.stream(big)
     ref = score(full_gen, full_ids, spans)
     k = sink_count(codec, system) if sinks is None else sinks
     ring = score_ring(rt.batcher(ctx, parallel=1, max_queue=1, max_prefixes=0, windowed=True), k, full_ids, spans)
     # a ring prefills only the new message and template glue: from the last reply's end to this one's start
     ring_prefill = [s - prev_e for prev_e, (s, _) in zip([0] + [e for _, e in spans[:-1]], spans)]
 
-    drop_gen = rt.generator(ctx)
+    drop_gen = rt.stream(ctx)
     policy, conv = DropTurns(), Conversation(codec, system)
     drop, drop_prefill, prev = [], [], []
     for t, _ in turn_spans:

@@ -28,7 +28,7 @@ from edgekv.format.bundle import Bundle, load_bundle
 from edgekv.format.kvschemes import float16_bytes_per_token
 from edgekv.runtime.assemble import open_runtime
 from edgekv.runtime.backends.base import PREFILL_CHUNK, default_threads
-from edgekv.runtime.generate import Generator
+from edgekv.runtime.batching.stream import Stream
 from edgekv.tools.corpus import default_text
 from edgekv.runtime.text import TextCodec
 from edgekv.tools.bench import llama_cpp_gguf, peer_failure
@@ -95,7 +95,7 @@ def check_llama_cpp_runs(gguf: Path, ctx: int, threads: int | None, vocab: int) 
         raise EdgeKVError(f"--llama-cpp: {peer_failure(p)}")
 
 
-def run_window(gen: Generator, ids: list[int], first_scored: int) -> np.ndarray:
+def run_window(gen: Stream, ids: list[int], first_scored: int) -> np.ndarray:
     """Log-probs [n_scored, V] for predicting ids[first_scored+1:] from the window's prefix."""
     gen.reset()
     # through the cache in chunks; the lm_head runs only on the scored rows
@@ -130,7 +130,7 @@ def evaluate(paths: list[str], text: str | None = None, ctx: int = 1024, chunks:
                                   setting="capacity", fix="use a smaller {}")
             rt = open_runtime(b, ctx, "auto", threads, max_logits_rows=prefill_chunk, log=None)
             runtimes.append(rt)
-            gen = rt.generator(prefill_chunk=prefill_chunk)
+            gen = rt.stream(prefill_chunk=prefill_chunk)
             runners.append(functools.partial(run_window, gen))
             # a windowed cache (Gemma 3's local layers keep their window): what it holds per token at ctx
             per_token = b.kv_bytes_per_token() if gen.cache.local_ring is None else round(gen.cache.nbytes / ctx)
