@@ -192,7 +192,8 @@ def test_x_api_key_is_a_key(rt_int8):
 
 def test_thinking_templates_answer_in_thinking_and_text_blocks(thinking_rt):
     want_reasoning, want_text = oracle(SCRIPT)
-    body = {"model": "t", "max_tokens": 120, "messages": [{"role": "user", "content": "Hi!"}], **GREEDY}
+    body = {"model": "t", "max_tokens": 120, "messages": [{"role": "user", "content": "Hi!"}], **GREEDY,
+            "thinking": {"type": "enabled", "budget_tokens": 1024}}
     with serving(thinking_rt) as s:
         m = claude(s.url).messages.create(**body)
         assert [b.type for b in m.content] == ["thinking", "text"]
@@ -204,10 +205,14 @@ def test_thinking_templates_answer_in_thinking_and_text_blocks(thinking_rt):
         assert (final.content[0].thinking, final.content[1].text) == (want_reasoning, want_text)
         deltas = [e.delta.type for e in events if e.type == "content_block_delta"]
         assert deltas.count("thinking_delta") > 1  # streamed in pieces, not at the end
-        # thinking disabled: the template's empty <think></think> pre-filled, a longer prompt
-        off = claude(s.url).messages.create(**body, thinking={"type": "disabled"})
-        assert off.usage.input_tokens + off.usage.cache_read_input_tokens == len(
-            thinking_rt.codec.chat_ids(body["messages"], enable_thinking=False))
+        # thinking disabled, or not asked for (Anthropic's default): the template's empty <think></think>
+        # pre-filled, a longer prompt, and no thinking block
+        unasked = {k: v for k, v in body.items() if k != "thinking"}
+        for off in (claude(s.url).messages.create(**unasked, thinking={"type": "disabled"}),
+                    claude(s.url).messages.create(**unasked)):
+            assert off.usage.input_tokens + off.usage.cache_read_input_tokens == len(
+                thinking_rt.codec.chat_ids(body["messages"], enable_thinking=False))
+            assert "thinking" not in [b.type for b in off.content]
 
 
 def test_the_loading_gate_answers_messages_in_anthropics_shape():
@@ -229,3 +234,51 @@ def test_the_loading_gate_answers_messages_in_anthropics_shape():
     assert status == 503 and body["type"] == "error" and body["error"]["type"] == "overloaded_error"
     status, body = call("/v1/chat/completions")
     assert status == 503 and body["error"]["code"] == "loading"
+
+
+def test_a_final_assistant_turn_is_continued(url, rt_int8):
+    """Anthropic's prefill: a conversation that ends in an assistant turn goes on from it. At
+    temperature 0 the reply is what /v1/completions gives for the template's prompt with the
+    prefill appended (the same tokens through the same engine)."""
+    msgs = [{"role": "user", "content": USER}]
+    prefill = "Robots and trains"
+    r = httpx.post(url + "/v1/completions", json={"prompt": rt_int8.codec.render(msgs) + prefill, "max_tokens": 12,
+                                                  "temperature": 0}, timeout=120)
+    assert r.status_code == 200, r.text
+    want = r.json()["choices"][0]
+    m = claude(url).messages.create(model="tiny", max_tokens=12, **GREEDY,
+                                    messages=msgs + [{"role": "assistant", "content": prefill}])
+    got = m.content[0].text if m.content else ""
+    assert got == want["text"][: len(got)] and (m.stop_reason != "max_tokens" or got == want["text"])
+    # a prefill under a grammar, or after tool_use, cannot be continued: one 400 naming it
+    for last in ({"role": "assistant", "content": "{"},
+                 {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "weather", "input": {}}]}):
+        body = {"max_tokens": 8, "messages": msgs + [last],
+                "output_config": {"format": {"type": "json_schema", "schema": CITY}}}
+        r = httpx.post(url + "/v1/messages", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["type"] == "error", r.text
+
+
+def test_structured_outputs_hold_the_reply_to_the_schema(url):
+    """output_config.format (and the beta's output_format) json_schema: the reply is JSON that
+    validates, as response_format holds a chat reply."""
+    jsonschema = pytest.importorskip("jsonschema")
+    for field in ({"output_config": {"format": {"type": "json_schema", "schema": CITY}}},
+                  {"output_format": {"type": "json_schema", "schema": CITY}}):
+        r = httpx.post(url + "/v1/messages", json={"max_tokens": 64, "temperature": 0, **field,
+                                                   "messages": [{"role": "user", "content": "A city?"}]}, timeout=120)
+        assert r.status_code == 200, r.text
+        m = r.json()
+        assert m["stop_reason"] == "end_turn", m
+        jsonschema.validate(json.loads(m["content"][0]["text"]), CITY)
+    r = httpx.post(url + "/v1/messages", json={"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
+                                               "output_config": {"format": {"type": "text"}}}, timeout=60)
+    assert r.status_code == 400 and "output_config" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("field", ["container", "mcp_servers"])
+def test_fields_that_would_change_the_answer_are_refused_by_name(url, field):
+    r = httpx.post(url + "/v1/messages", json={"max_tokens": 8, "messages": [{"role": "user", "content": "hi"}],
+                                               field: {"id": "x"} if field == "container" else [{"name": "x"}]},
+                   timeout=60)
+    assert r.status_code == 400 and f"'{field}' is not supported" in r.json()["error"]["message"], r.text

@@ -62,6 +62,13 @@ def test_max_output_tokens_ends_incomplete(url):
     r = client(url).responses.create(model="tiny", input=USER, max_output_tokens=2, temperature=0)
     assert r.usage.output_tokens == 2
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output[-1].status == "incomplete" and r.max_output_tokens == 2  # the item it cut; the limit
+    with client(url).responses.stream(model="tiny", input=USER, max_output_tokens=2, temperature=0) as st:
+        events = list(st)
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert done[-1].status == "incomplete" and events[-1].type == "response.incomplete"
+    # no max_output_tokens: the response says the limit it ran under (edgekv's default, docs/serve.md)
+    assert client(url).responses.create(model="tiny", input=USER, temperature=0).max_output_tokens == 256
 
 
 def test_the_stream_is_the_responses_event_sequence_and_the_whole_response(url):
@@ -160,4 +167,8 @@ def test_thinking_templates_answer_with_a_reasoning_item(thinking_rt):
         assert [o.type for o in final.output] == ["reasoning", "message"]
         pieces = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
         assert len(pieces) > 1 and "".join(pieces) == want_reasoning
+        # the reasoning text is a content part of its item, opened and closed as a message's is
+        parts = [(e.type, e.part.type) for e in events if e.type.startswith("response.content_part.")]
+        assert parts == [("response.content_part.added", "reasoning_text"), ("response.content_part.done", "reasoning_text"),
+                         ("response.content_part.added", "output_text"), ("response.content_part.done", "output_text")]
         assert final.output_text == want_text

@@ -71,6 +71,7 @@ class ChatAsk:
     thinking: bool | None = None  # enable_thinking for the template (None: the template's default)
     param: str = "messages"
     echo: dict = field(default_factory=dict)  # request fields a response format repeats back
+    prefill: str = ""  # a final assistant turn the reply continues (Anthropic's prefill)
 
 
 @dataclass

@@ -230,7 +230,10 @@ class Server:
                                 if asked else (None, tools.tools_of(c.structured)))
         except structured.BadRequest as e:
             raise ApiError(400, str(e), param=RENAMED.get(api, {}).get(e.param, e.param), code=e.code) from None
-        text = self.render(c, plan)
+        if c.prefill and constraint is not None:
+            raise ApiError(400, "a final assistant turn (a prefill) cannot be continued under tools or a JSON "
+                                "format: the grammar starts the reply itself", param=c.param)
+        text = self.render(c, plan) + c.prefill  # a prefill: the reply goes on from it
         # a reply held to a response_format starts with its JSON, whatever the prompt left open
         shaped = constraint is not None and plan is None
         return ApiAsk(encode_unlocked(self.codec, text), c.max_tokens, c.params, c.stops, c.stream, api,

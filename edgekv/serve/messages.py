@@ -13,11 +13,13 @@ import uuid
 from edgekv.runtime.sampling import SamplingDefaults
 from edgekv.serve import structured, tools
 from edgekv.serve.api import Api, ApiError, ChatAsk
-from edgekv.serve.fields import flag, number, sampling_of, stops_of, text
+from edgekv.serve.fields import absent_or, flag, number, refuse_unsupported, sampling_of, stops_of, text
 from edgekv.serve.reply import Delta, Outcome, Reply
 
 MAX_STOP_SEQUENCES = 16
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # Anthropic's -> the chat API's
+# fields that would change the answer and are not implemented: refused by name, never ignored
+UNSUPPORTED = {"container": (absent_or(), "null"), "mcp_servers": (absent_or(), "null")}
 
 
 def _bad(message: str, param: str = "messages") -> ApiError:
@@ -131,14 +133,42 @@ def tools_of(body: dict) -> dict:
     return out
 
 
-def thinking_of(body: dict) -> bool | None:
+def thinking_of(body: dict) -> bool:
+    """Anthropic's thinking is off unless asked for: a thinking template then answers without it."""
     t = body.get("thinking")
     if t is None:
-        return None
+        return False
     if not isinstance(t, dict) or t.get("type") not in ("enabled", "disabled", "adaptive"):
         raise _bad("'thinking' must be {\"type\": \"enabled\", \"budget_tokens\": N} or {\"type\": \"disabled\"}",
                    "thinking")
     return t["type"] != "disabled"
+
+
+def prefill_of(body: dict) -> tuple[dict, str]:
+    """(the body without its final assistant turn, that turn's text): Anthropic continues a
+    conversation that ends in an assistant turn from where it stops (a "prefill")."""
+    msgs = body.get("messages")
+    if not isinstance(msgs, list) or len(msgs) < 2 or not isinstance(msgs[-1], dict) \
+            or msgs[-1].get("role") != "assistant":
+        return body, ""
+    last = _assistant(msgs[-1], len(msgs) - 1)
+    if last.get("tool_calls"):
+        raise _bad("a final assistant turn with tool_use blocks cannot be continued: send its tool_result")
+    return {**body, "messages": msgs[:-1]}, last["content"] or ""
+
+
+def output_format_of(body: dict) -> dict:
+    """Structured outputs (`output_config.format`, or the beta's `output_format`) as the chat
+    API's response_format."""
+    config = body.get("output_config")
+    if config is not None and (not isinstance(config, dict) or set(config) - {"format"}):
+        raise _bad("'output_config' takes only 'format' here", "output_config")
+    fmt = (config or {}).get("format", body.get("output_format"))
+    if fmt is None:
+        return {}
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise _bad("'output_config.format' must be {\"type\": \"json_schema\", \"schema\": {...}}", "output_config")
+    return {"response_format": {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}}
 
 
 def messages_request(body: dict, unset: SamplingDefaults, counting: bool = False) -> ChatAsk:
@@ -146,9 +176,12 @@ def messages_request(body: dict, unset: SamplingDefaults, counting: bool = False
     max_tokens = number(body, "max_tokens", None, 1, 1 << 20, integer=True)
     if max_tokens is None and not counting:
         raise _bad("'max_tokens' is required", "max_tokens")
-    ask = ChatAsk(chat_messages_of(body), max_tokens or 1, sampling_of(body, unset),
-                  stops_of(body, "stop_sequences", MAX_STOP_SEQUENCES), flag(body, "stream"), structured=tools_of(body))
-    ask.thinking = thinking_of(body)
+    refuse_unsupported(body, UNSUPPORTED)
+    rest, prefill = prefill_of(body)
+    ask = ChatAsk(chat_messages_of(rest), max_tokens or 1, sampling_of(body, unset),
+                  stops_of(body, "stop_sequences", MAX_STOP_SEQUENCES), flag(body, "stream"),
+                  structured=tools_of(body) | output_format_of(body))
+    ask.thinking, ask.prefill = thinking_of(body), prefill
     return ask
 
 
@@ -188,7 +221,8 @@ class MessagesFormat:
 
     def message(self, content: list, stop: str | None, usage: dict) -> dict:
         return {"id": self.id, "type": "message", "role": "assistant", "model": self.reply.model, "content": content,
-                "stop_reason": stop, "stop_sequence": self.reply.stop_sequence if stop else None, "usage": usage}
+                "stop_reason": stop, "stop_sequence": self.reply.stop_sequence if stop == "stop_sequence" else None,
+                "usage": usage}
 
     def whole(self, out: Outcome) -> dict:
         content = []
@@ -249,7 +283,8 @@ class MessagesFormat:
             for piece in self.close():
                 yield piece
             stop = stop_reason(r)
-            yield self.event("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": r.stop_sequence},
+            said = r.stop_sequence if stop == "stop_sequence" else None
+            yield self.event("message_delta", {"delta": {"stop_reason": stop, "stop_sequence": said},
                                                "usage": self.usage()})
             yield self.event("message_stop", {})
         except ApiError as e:

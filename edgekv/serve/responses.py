@@ -34,13 +34,13 @@ def _bad(message: str, param: str = "input") -> ApiError:
     return ApiError(400, message, param=param)
 
 
-def _content(c, where: str) -> str:
+def _content(c, where: str, param: str = "input") -> str:
     if isinstance(c, str):
-        return text(c, "input")
+        return text(c, param)
     if isinstance(c, list) and all(isinstance(p, dict) and p.get("type") in PART_TYPES
                                    and isinstance(p.get("text"), str) for p in c):
-        return text("".join(p["text"] for p in c), "input")
-    raise _bad(f"{where} must be a string or a list of input_text parts (images and files are not supported)")
+        return text("".join(p["text"] for p in c), param)
+    raise _bad(f"{where} must be a string or a list of input_text parts (images and files are not supported)", param)
 
 
 def chat_messages_of(body: dict) -> list[dict]:
@@ -48,7 +48,7 @@ def chat_messages_of(body: dict) -> list[dict]:
     assistant message before it (parallel calls are one assistant turn)."""
     out: list[dict] = []
     if body.get("instructions") is not None:
-        out.append({"role": "system", "content": _content(body["instructions"], "'instructions'")})
+        out.append({"role": "system", "content": _content(body["instructions"], "'instructions'", "instructions")})
     items = body.get("input")
     if isinstance(items, str):
         items = [{"role": "user", "content": items}]
@@ -124,7 +124,8 @@ def responses_request(body: dict, unset: SamplingDefaults) -> ChatAsk:
     ask = ChatAsk(chat_messages_of(body), number(body, "max_output_tokens", 256, 1, 1 << 20, integer=True),
                   sampling_of(body, unset), [], flag(body, "stream"), structured=structured_of(body), param="input")
     ask.thinking = thinking_of(body)
-    ask.echo = {k: body.get(k) for k in ECHO} | {"text": body.get("text") or {"format": {"type": "text"}},
+    ask.echo = {k: body.get(k) for k in ECHO} | {"max_output_tokens": ask.max_tokens,  # the limit it ran under
+                                                  "text": body.get("text") or {"format": {"type": "text"}},
                                                   "temperature": ask.params.temperature, "top_p": ask.params.top_p}
     return ask
 
@@ -179,6 +180,8 @@ class ResponsesFormat:
         if out.content or not out.calls:
             items.append(self.message_item(out.content))
         items += [self.call_item(c["id"], c["name"], c["arguments"]) for c in out.calls]
+        if self.status() == "incomplete":  # the item the limit cut
+            items[-1]["status"] = "incomplete"
         return self.response(self.status(), items, self.usage())
 
     def event(self, kind: str, data: dict) -> str:
@@ -192,18 +195,20 @@ class ResponsesFormat:
         idx = len(self.items)
         shown = {**item, "content": []} if item["type"] in ("message", "reasoning") else {**item, "arguments": ""}
         out.append(self.event("response.output_item.added", {"output_index": idx, "item": shown}))
-        if item["type"] == "message":
+        if item["type"] in ("message", "reasoning"):
+            part = ({"type": "output_text", "text": "", "annotations": [], "logprobs": []} if item["type"] == "message"
+                    else {"type": "reasoning_text", "text": ""})
             out.append(self.event("response.content_part.added", {
-                "item_id": item["id"], "output_index": idx, "content_index": 0,
-                "part": {"type": "output_text", "text": "", "annotations": [], "logprobs": []}}))
+                "item_id": item["id"], "output_index": idx, "content_index": 0, "part": part}))
         return out
 
-    def finish_item(self) -> list[str]:
+    def finish_item(self, last: bool = False) -> list[str]:
+        """Close the open item; `last`: the reply's end (a reply the limit cut leaves it incomplete)."""
         item, self.open = self.open, None
         if item is None:
             return []
         idx, at = len(self.items), {"item_id": item["id"], "output_index": len(self.items)}
-        item["status"] = "completed"
+        item["status"] = "incomplete" if last and self.status() == "incomplete" else "completed"
         self.items.append(item)
         if item["type"] == "message":
             part = item["content"][0]
@@ -211,8 +216,9 @@ class ResponsesFormat:
                                                              "logprobs": []}),
                    self.event("response.content_part.done", {**at, "content_index": 0, "part": part})]
         elif item["type"] == "reasoning":
-            out = [self.event("response.reasoning_text.done", {**at, "content_index": 0,
-                                                                "text": item["content"][0]["text"]})]
+            part = item["content"][0]
+            out = [self.event("response.reasoning_text.done", {**at, "content_index": 0, "text": part["text"]}),
+                   self.event("response.content_part.done", {**at, "content_index": 0, "part": part})]
         else:
             out = [self.event("response.function_call_arguments.done", {**at, "name": item["name"],
                                                                          "arguments": item["arguments"]})]
@@ -241,7 +247,7 @@ class ResponsesFormat:
             async for d in self.reply.deltas():
                 for piece in self.pieces(d):
                     yield piece
-            for piece in self.finish_item():
+            for piece in self.finish_item(last=True):
                 yield piece
             if all(i["type"] == "reasoning" for i in self.items):  # no answer: one empty message, as whole
                 for piece in self.start(self.message_item("")) + self.finish_item():
@@ -250,3 +256,5 @@ class ResponsesFormat:
             yield self.event(f"response.{status}", {"response": self.response(status, self.items, self.usage())})
         except ApiError as e:
             yield self.event("error", {"code": e.code or e.kind, "message": str(e), "param": e.param})
+            failed = {**self.response("failed", self.items, None), "error": {"code": e.code or e.kind, "message": str(e)}}
+            yield self.event("response.failed", {"response": failed})
