@@ -75,9 +75,12 @@ def test_edgekv_exact_0_runs_the_graph_as_written(tiny_bundle_int8, monkeypatch)
 
 @pytest.fixture(scope="module")
 def rt4(real_bundle_int4):
-    """The quickstart's bundle (the default model, its GGUF's own 4-bit blocks, int8 KV), exported
-    once per run when this exporter did not make the one there (conftest's real_export)."""
-    rt = open_runtime(real_bundle_int4, ctx=512, backend="ort-cpu")
+    """The quickstart's bundle (the default model, its GGUF's own 4-bit blocks, --kv auto's int8
+    cache), exported once per run when this exporter did not make the one there (conftest's
+    real_export), on the graph as written: the shared cell pool's graph (serve --slots 0), whose
+    sums ExactAttention makes exact. (Serve's default for a static int8 bundle, fused slots, is
+    batched = alone by its own construction: the last test here.)"""
+    rt = open_runtime(real_bundle_int4, ctx=512, backend="ort-cpu", attention="plain")
     assert rt.bundle.weights == "int4"
     yield rt
     rt.close()
@@ -146,3 +149,33 @@ def test_int4_cached_prefix_equals_a_fresh_prefill(rt4, alone4):
         run_until_done(engine, [r])
         assert r.reused >= shared - 1, f"{q!r}: the system prompt was not reused"
         assert_same(r.out, r.logits, *alone4(p), repr(q))
+
+
+@pytest.mark.slow
+def test_int4_fused_slots_batched_equals_alone(real_bundle_int4):
+    """What serve runs the quickstart's bundle on by default (fused slots: one GroupQueryAttention
+    call per layer over the slots in use): four chat prompts joining two steps apart give, bit for
+    bit, what each gives alone in the same layout."""
+    from edgekv.runtime.batching import Batcher
+    from edgekv.runtime.cache import KVCache
+
+    with open_runtime(real_bundle_int4, ctx=512, backend="ort-cpu", attention="fused") as rt:
+        assert rt.bundle.scheme.name == "int8-static"
+
+        def slots():
+            return Batcher(rt.backend, KVCache(rt.bundle, 512, memory=rt.backend.slot_memory(4)), parallel=4,
+                           prefill_chunk=16)
+
+        prompts = chat_prompts(rt, QUESTIONS)
+        engine = slots()
+        reqs = [Request(p, STEPS, record_logits=True) for p in prompts]
+        for r in reqs:
+            engine.submit(r)
+            engine.step(), engine.step()
+        run_until_done(engine, reqs)
+        for r, q in zip(reqs, QUESTIONS):
+            lone = Request(r.prompt, STEPS, record_logits=True)
+            one = slots()
+            one.submit(lone)
+            run_until_done(one, [lone])
+            assert_same(r.out, r.logits, lone.out, lone.logits, repr(q))
