@@ -135,3 +135,12 @@ def tools_url(tiny_bundle_int8, tmp_path_factory):
     folder = with_template(tiny_bundle_int8, tmp_path_factory.mktemp("tools") / "b", TOOLS_TEMPLATE)
     with open_runtime(folder, ctx=256, backend="ort-cpu", threads=1) as r, serving(r) as s:
         yield s.url
+
+
+def greedy_chat(url: str, body: dict) -> dict:
+    """A chat completion at temperature 0 through HTTP (the oracle the other APIs are held to)."""
+    import httpx
+
+    r = httpx.post(url + "/v1/chat/completions", json={"temperature": 0, **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()

@@ -14,7 +14,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("llguidance")
 import httpx  # noqa: E402
 
-from tests.serving import serving, tools_url, url  # noqa: E402, F401  (url, tools_url: fixtures)
+from tests.serving import greedy_chat, serving, tools_url, url  # noqa: E402, F401  (url, tools_url: fixtures)
 from tests.test_reasoning import SCRIPT, oracle, thinking_rt  # noqa: E402, F401  (the scripted thinking model)
 
 SYSTEM = "The capital of France is Paris."
@@ -32,14 +32,8 @@ def claude(url, key="none"):
     return anthropic.Anthropic(base_url=url, api_key=key, max_retries=0, timeout=60)
 
 
-def chat(url, body):
-    r = httpx.post(url + "/v1/chat/completions", json={"temperature": 0, **body}, timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def test_messages_give_the_chat_apis_greedy_tokens(url):
-    want = chat(url, {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}],
+    want = greedy_chat(url, {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}],
                       "max_tokens": 24})
     m = claude(url).messages.create(model="tiny", max_tokens=24, **GREEDY, system=SYSTEM,
                                     messages=[{"role": "user", "content": USER}])
@@ -107,7 +101,7 @@ def test_a_tool_round_trip_is_the_chat_apis(tools_url):
     assert use.name == "weather" and use.input["city"] in ("Paris", "Rome") and isinstance(use.input["days"], bool)
     assert use.id.startswith("toolu_")
     # the chat API, asked the same, calls the same
-    want = chat(tools_url, {"messages": msgs, "tools": OPENAI_TOOLS, "max_tokens": 160,
+    want = greedy_chat(tools_url, {"messages": msgs, "tools": OPENAI_TOOLS, "max_tokens": 160,
                             "tool_choice": {"type": "function", "function": {"name": "weather"}}})
     call = want["choices"][0]["message"]["tool_calls"][0]["function"]
     assert json.loads(call["arguments"]) == use.input and want["usage"]["prompt_tokens"] == (
@@ -125,7 +119,7 @@ def test_a_tool_round_trip_is_the_chat_apis(tools_url):
     oai = msgs + [{"role": "assistant", "content": None, "tool_calls": [
         {"id": use.id, "type": "function", "function": {"name": "weather", "arguments": json.dumps(use.input)}}]},
         {"role": "tool", "tool_call_id": use.id, "content": "sunny"}]
-    again = chat(tools_url, {"messages": oai, "tools": OPENAI_TOOLS, "max_tokens": 12})
+    again = greedy_chat(tools_url, {"messages": oai, "tools": OPENAI_TOOLS, "max_tokens": 12})
     assert r.usage.input_tokens + r.usage.cache_read_input_tokens == again["usage"]["prompt_tokens"]
     assert r.usage.output_tokens == again["usage"]["completion_tokens"]
     text = "".join(b.text for b in r.content if b.type == "text")

@@ -15,7 +15,7 @@ pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 import httpx  # noqa: E402
 
-from tests.serving import serving, tools_url, url  # noqa: E402, F401  (url, tools_url: fixtures)
+from tests.serving import greedy_chat, serving, tools_url, url  # noqa: E402, F401  (url, tools_url: fixtures)
 from tests.test_reasoning import SCRIPT, oracle, thinking_rt  # noqa: E402, F401  (the scripted thinking model)
 
 SYSTEM = "The capital of France is Paris."
@@ -33,14 +33,8 @@ def client(url):
     return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=60)
 
 
-def chat(url, body):
-    r = httpx.post(url + "/v1/chat/completions", json={"temperature": 0, **body}, timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()
-
-
 def test_responses_give_the_chat_apis_greedy_tokens(url):
-    want = chat(url, {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}],
+    want = greedy_chat(url, {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}],
                       "max_tokens": 24})
     r = client(url).responses.create(model="tiny", instructions=SYSTEM, input=USER, max_output_tokens=24,
                                      temperature=0)
@@ -100,7 +94,7 @@ def test_a_function_call_round_trip_is_the_chat_apis(tools_url):
     call = r.output[0]
     args = json.loads(call.arguments)
     jsonschema.validate(args, CITY)
-    want = chat(tools_url, {"messages": [{"role": "user", "content": USER}], "tools": OPENAI_TOOLS,
+    want = greedy_chat(tools_url, {"messages": [{"role": "user", "content": USER}], "tools": OPENAI_TOOLS,
                             "tool_choice": "required", "parallel_tool_calls": False, "max_tokens": 160})
     assert json.loads(want["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]) == args
     # streamed: the arguments' deltas are the same call
@@ -115,7 +109,7 @@ def test_a_function_call_round_trip_is_the_chat_apis(tools_url):
         {"role": "user", "content": USER},
         {"type": "function_call", "call_id": call.call_id, "name": "weather", "arguments": call.arguments},
         {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}])
-    again = chat(tools_url, {"tools": OPENAI_TOOLS, "max_tokens": 12, "messages": [
+    again = greedy_chat(tools_url, {"tools": OPENAI_TOOLS, "max_tokens": 12, "messages": [
         {"role": "user", "content": USER},
         {"role": "assistant", "content": None, "tool_calls": [
             {"id": call.call_id, "type": "function", "function": {"name": "weather", "arguments": call.arguments}}]},
