@@ -178,6 +178,32 @@ def test_bench_measure_medians_without_the_warmup_round(tiny_bundle_float, clock
 
 def test_read_bandwidth_is_bytes_over_seconds(monkeypatch):
     ticks = iter([0.0, 0.004, 1.0, 1.002, 2.0, 2.008])  # three reads: 4, 2 and 8 ms
-    monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
+    from edgekv.tools import host
+
+    monkeypatch.setattr(host, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks)))
     nbytes = 1 << 20
-    assert bench.read_bandwidth(2, nbytes, repeat=3) == pytest.approx(nbytes / 0.002)  # the best read
+    assert host.read_bandwidth(2, nbytes, repeat=3) == pytest.approx(nbytes / 0.002)  # the best read
+
+
+@pytest.mark.parametrize("kind", ["steady", "bursty"])
+def test_a_neighbour_runs_for_the_block_and_is_gone_after(kind):
+    """--neighbour's processes (one; bursty: one a core) use the CPU while the bench runs and are
+    killed and reaped when it ends."""
+    import os
+    import time
+
+    from edgekv.tools.host import neighbour
+
+    with neighbour(kind) as procs:
+        time.sleep(1.0)
+        assert len(procs) == (1 if kind == "steady" else os.cpu_count())
+        for p in procs:
+            assert p.poll() is None
+            with open(f"/proc/{p.pid}/stat") as f:
+                busy = sum(int(x) for x in f.read().rsplit(")", 1)[1].split()[11:13])  # utime + stime, ticks
+            assert busy > 0
+    assert all(p.returncode is not None for p in procs)  # reaped
+    for p in procs:
+        assert not os.path.exists(f"/proc/{p.pid}") or "Z" not in open(f"/proc/{p.pid}/stat").read().split()[2]
+    with neighbour("none") as nothing:
+        assert nothing == []

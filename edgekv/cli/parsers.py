@@ -10,6 +10,7 @@ from edgekv.cli.args import (CTX, THREADS, TOKENS, Formatter, Parser, add_runtim
 from edgekv.format.bundle import DTYPES, WEIGHT_FORMATS
 from edgekv.format.kvschemes import SCHEMES
 from edgekv.runtime.backends import BACKENDS
+from edgekv.tools.host import NEIGHBOURS
 from edgekv.runtime.cpu import llama_cpp_cmake_args
 
 
@@ -196,6 +197,9 @@ def _bench_parser(sub) -> None:
                    help="time each of these ort-cpu attentions (auto, fused, plain: EDGEKV_ATTENTION) in its own process, "
                         "taking turns with llama.cpp for --repeat rounds; ratios are medians of per-round ratios")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON here")
+    p.add_argument("--neighbour", choices=NEIGHBOURS, default="none",
+                   help="time beside another process, as a Jetson's other pipelines run beside the model: steady "
+                        "(one core kept busy) or bursty (every core busy 0.2 s in each 0.5 s); llama.cpp beside the same")
     p.add_argument("--transformers", default=None, metavar="MODEL",
                    help="also time HF transformers (eager, same weights, same threads) on MODEL (a recipe, folder or "
                         ".gguf; workstation only: runs `python -m export.bench_transformers` in a subprocess)")

@@ -10,7 +10,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -24,37 +23,8 @@ from edgekv.runtime.backends.base import default_threads
 from edgekv.runtime.backends.ort import ATTENTION_ENV, ATTENTIONS
 from edgekv.runtime.batching.stream import Stream
 from edgekv.runtime.cpu import cpu_field, describe, llama_cpp_cmake_args
+from edgekv.tools.host import SAID, neighbour, read_bandwidth, rss_bytes
 from edgekv.tools.progress import stage
-
-
-def rss_bytes() -> tuple[int, int]:
-    """(current RSS, peak RSS) of this process, from /proc (no psutil needed on the device)."""
-    cur = peak = 0
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                cur = int(line.split()[1]) * 1024
-            elif line.startswith("VmHWM:"):
-                peak = int(line.split()[1]) * 1024
-    return cur, peak
-
-
-def read_bandwidth(threads: int, nbytes: int = 1 << 30, repeat: int = 5) -> float:
-    """Bytes/s for a streaming read of a buffer far larger than cache, split over `threads`
-    threads (numpy's reductions release the GIL). The yardstick for bandwidth-bound decode."""
-    a = np.ones(nbytes // 4, np.float32)
-    parts = np.array_split(a, threads)
-    best = 0.0
-    for _ in range(repeat):
-        ths = [threading.Thread(target=np.add.reduce, args=(p,)) for p in parts]
-        t0 = time.perf_counter()
-        for t in ths:
-            t.start()
-        for t in ths:
-            t.join()
-        best = max(best, a.nbytes / (time.perf_counter() - t0))
-    del a, parts
-    return best
 
 
 def sample_tokens(n: int, vocab: int) -> list[int]:
@@ -224,6 +194,13 @@ def print_llama_cpp(lc: dict, ratios: dict, peak_mib: float) -> None:
 
 
 def cmd_bench(args) -> int:
+    with neighbour(args.neighbour):  # beside edgekv's timing and llama.cpp's alike
+        if args.neighbour != "none":
+            note(f"edgekv bench: beside a {args.neighbour} neighbour ({SAID[args.neighbour]})")
+        return run_bench(args)
+
+
+def run_bench(args) -> int:
     bundles = [load_bundle(b) for b in args.bundle]  # every one refused before any timing
     for a in args.attention or []:
         if a not in ATTENTIONS:
@@ -239,7 +216,8 @@ def cmd_bench(args) -> int:
     caps, lens, fills = args.capacities, args.prompt_lengths, args.fill  # lists (cli.int_list)
     big = max(caps)
     res = {"bundle": str(bundle.path), "kv_scheme": bundle.scheme.name, "weights": bundle.weights, "threads": threads,
-           "cpu": cpu_field(threads), "kv_bytes_per_token": bundle.kv_bytes_per_token(), "runs": []}
+           "cpu": cpu_field(threads), "kv_bytes_per_token": bundle.kv_bytes_per_token(), "runs": [],
+           "neighbour": args.neighbour}
     if bundle.windowed:  # Gemma 3: the windowed cache's bytes (global layers per token, the local ring per sequence)
         res["kv_windowed"] = dict(zip(("global_bytes_per_token", "local_bytes"), bundle.windowed_kv_bytes()))
     note(f"edgekv bench: {bundle.path.name} (kv {bundle.scheme.name}, weights {bundle.weights}, {threads} threads, "
@@ -275,7 +253,8 @@ def compare(args, bundles: list, gguf: Path | None) -> int:
     lens = sorted(set(args.prompt_lengths) | set(args.fill))
     per = [[] for _ in entries]  # each entry's result per round
     theirs, failed = [], None
-    res = {"threads": threads, "cpu": cpu_field(threads), "rounds": rounds, "load_average_start": list(os.getloadavg())}
+    res = {"threads": threads, "cpu": cpu_field(threads), "rounds": rounds, "neighbour": args.neighbour,
+           "load_average_start": list(os.getloadavg())}
     # each run's --json: a killed comparison's folder is removed by the next (files.temp_dir)
     with temp_dir(Path(tempfile.gettempdir()) / "edgekv-bench") as tmp:
         for r in range(rounds):

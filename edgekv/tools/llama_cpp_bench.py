@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 
 from edgekv.errors import EdgeKVError
-from edgekv.tools.bench import measure_runs, rss_bytes, sample_tokens
+from edgekv.tools.bench import measure_runs, sample_tokens
+from edgekv.tools.host import rss_bytes
 from edgekv.runtime.cpu import cpu_field
 
 
