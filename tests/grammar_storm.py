@@ -27,6 +27,8 @@ from pathlib import Path
 
 import httpx
 
+from edgekv.runtime.memory import kib_field
+
 ROOT = Path(__file__).resolve().parent.parent
 BUNDLE = ROOT / "models" / "bundles" / "smollm2-135m-instruct-int8-wint4"
 HOSTILE = [r"^(a{1000}){1000}$", r"^([a-z]{1,500}){1,500}$", r"^(.{0,900}x){1,200}$",
@@ -50,10 +52,8 @@ def schema_body(pattern: str, seed: int, max_tokens: int) -> dict:
 
 
 def rss_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
+    rss = kib_field(f"/proc/{pid}/status", "VmRSS")
+    return float("nan") if rss is None else rss / 2**20
 
 
 async def health_poll(client: httpx.AsyncClient, url: str, stop: asyncio.Event) -> float:

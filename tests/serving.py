@@ -11,7 +11,8 @@ import pytest
 
 from edgekv.runtime.batching import Request
 from edgekv.serve.app import Server
-from edgekv.serve.server import BackgroundServer, build
+from edgekv.serve.listen import BackgroundServer
+from edgekv.serve.server import build
 
 
 class Served(NamedTuple):

@@ -41,6 +41,8 @@ from pathlib import Path
 
 import httpx
 
+from edgekv.runtime.memory import kib_field
+
 ROOT = Path(__file__).resolve().parent.parent
 HOST = "127.0.0.1"
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 16}, "age": {"type": "integer"},
@@ -56,14 +58,8 @@ TOPICS = ["the sea", "a red bicycle", "prime numbers", "a lighthouse keeper", "b
 
 
 def rss_mib(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) / 1024
-    except OSError:
-        return None
-    return None
+    rss = kib_field(f"/proc/{pid}/status", "VmRSS")  # None once the process is gone
+    return None if rss is None else rss / 2**20
 
 
 def free_port() -> int:

@@ -15,7 +15,7 @@ from starlette.routing import Route  # noqa: E402
 
 from edgekv.errors import EdgeKVError  # noqa: E402
 from edgekv.serve.bench import level  # noqa: E402
-from edgekv.serve.server import BackgroundServer  # noqa: E402
+from edgekv.serve.listen import BackgroundServer  # noqa: E402
 
 
 def app(break_when):

@@ -386,7 +386,7 @@ READ_TIMEOUT = 0.3
 
 @pytest.fixture
 def slow_server():
-    from edgekv.serve.server import BackgroundServer
+    from edgekv.serve.listen import BackgroundServer
 
     srv = BackgroundServer(tiny_app, read_timeout=READ_TIMEOUT)
     yield srv

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from edgekv.serve.server import Signals, Stop
+from edgekv.serve.signals import Signals, Stop
 
 
 def test_a_signal_while_starting_waits_for_a_check():

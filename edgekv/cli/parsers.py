@@ -10,8 +10,8 @@ from edgekv.cli.args import (CTX, THREADS, TOKENS, Formatter, Parser, add_runtim
 from edgekv.format.bundle import DTYPES, WEIGHT_FORMATS
 from edgekv.format.kvschemes import SCHEMES
 from edgekv.runtime.backends import BACKENDS
-from edgekv.tools.host import NEIGHBOURS
 from edgekv.runtime.cpu import llama_cpp_cmake_args
+from edgekv.tools.host import NEIGHBOURS
 
 
 # the help texts several commands share

@@ -75,8 +75,8 @@ def check_size(what: str, text: str) -> None:
         raise GrammarError(f"{what} is {len(text)} characters, more than the {MAX_GRAMMAR_CHARS} allowed")
 
 
-def check_schema(schema, what: str = "the JSON schema") -> str:
-    """The schema's JSON text, if it is a schema within the limits (GrammarError if not)."""
+def check_schema(schema, what: str = "the JSON schema") -> None:
+    """GrammarError unless `schema` is a schema within the limits (its size counted as its author wrote it)."""
     if not isinstance(schema, (dict, bool)):
         raise GrammarError(f"{what} must be an object")
     levels = checks.schema_levels(schema)
@@ -86,15 +86,13 @@ def check_schema(schema, what: str = "the JSON schema") -> str:
     if checks.json_depth(schema, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
         raise GrammarError(f"{what} nests deeper than {MAX_JSON_DEPTH} levels of JSON arrays and objects (a const, "
                            f"enum or default value counts): the grammar engine reads no deeper")
-    text = json.dumps(schema)
-    check_size(what, text)
+    check_size(what, json.dumps(schema))
     cycle = checks.ref_cycle(schema)
     if cycle:
         raise GrammarError(f"{what}: recursive $ref {' -> '.join(cycle)} is not supported: it refers back to itself "
                            "before describing any value (recursion through a property or an item is)")
     for pattern in checks.patterns(schema):
         check_regex(f"{what}: the pattern", pattern)
-    return text
 
 
 def check_regex(what: str, pattern: str) -> None:

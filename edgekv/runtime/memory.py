@@ -93,7 +93,7 @@ def _text(path: str) -> str | None:
         return None
 
 
-def _kib_field(path: str, key: str) -> int | None:
+def kib_field(path: str, key: str) -> int | None:
     """`key:  N kB` of a /proc file, in bytes."""
     for line in (_text(path) or "").splitlines():
         if line.startswith(key + ":"):
@@ -168,7 +168,7 @@ def memory_limits() -> list[tuple[int, str]]:
     as free: the kernel reclaims that first), and RLIMIT_AS / RLIMIT_DATA less the address space /
     data this process already maps. Those that are unknown or unlimited are left out."""
     limits = []
-    avail = _kib_field(MEMINFO, "MemAvailable")
+    avail = kib_field(MEMINFO, "MemAvailable")
     if avail is not None:
         limits.append((avail, f"MemAvailable {_gib(avail)}"))
     seen = set()
@@ -190,7 +190,7 @@ def memory_limits() -> list[tuple[int, str]]:
         soft = resource.getrlimit(rlimit)[0]
         if soft == resource.RLIM_INFINITY or soft < 0:
             continue
-        mapped = _kib_field(PROC_STATUS, used)
+        mapped = kib_field(PROC_STATUS, used)
         if mapped is None:
             continue
         limits.append((max(0, soft - mapped), f"{name} {_gib(soft)}, {_gib(mapped)} of it mapped"))

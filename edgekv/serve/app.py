@@ -40,11 +40,10 @@ from edgekv.serve.messages import MessagesFormat, messages_request
 from edgekv.serve.metrics import Metrics
 from edgekv.serve.reply import Reply
 from edgekv.serve.responses import ResponsesFormat, responses_request
-from edgekv.serve.stops import StopText, StopWatch  # noqa: F401  (tests import them from here)
 
 log = logging.getLogger("edgekv.serve")
 
-__all__ = ["Server", "STATES", "StopText", "StopWatch", "encode_unlocked", "max_token_chars", "tenant_of"]
+__all__ = ["Server", "STATES", "encode_unlocked", "max_token_chars", "tenant_of"]
 
 STATES = ("loading", "ready", "draining")
 RETRY_AFTER_S = 1  # a full queue drains in about one request's time

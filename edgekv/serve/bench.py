@@ -261,7 +261,8 @@ def api_levels(url: str, levels: list[int], tokens: int, apis: list[str], rounds
 
 
 def cmd_bench_serve(args) -> int:
-    from edgekv.serve.server import BackgroundServer, build, open_serve_runtime, serve_layout
+    from edgekv.serve.listen import BackgroundServer
+    from edgekv.serve.server import build, open_serve_runtime, serve_layout
 
     schema = None
     if args.json_schema:  # read and checked before the model loads, as generate's flag

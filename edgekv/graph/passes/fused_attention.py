@@ -44,7 +44,7 @@ class FusedAttention:
 
 
 def _emit_attention(g: GraphIndex, layers: list[Layer], m: dict, kind: str, dtype: str) -> None:
-    onnx, helper, nh = g.onnx, g.onnx.helper, g.nh
+    helper, nh = g.onnx.helper, g.nh
     H, Hkv, D = m["n_heads"], m["n_kv_heads"], m["head_dim"]
     # the global layers' bias, and the sliding-window layers' where there are any
     bias = {local: _bias_as(g, BIAS_LOCAL if local else BIAS, dtype) for local in {False} | {L.local for L in layers}}
