@@ -11,6 +11,7 @@ import torch
 from edgekv.errors import note
 from edgekv.format.bundle import PARITY_LOGITS, io_names
 from edgekv.format.kvschemes import unpack_int4
+from edgekv.runtime.cache import KVCache
 from export.loaders import Source
 from export.model import Transformer, causal_mask, kv_load
 
@@ -62,7 +63,7 @@ def verify_parity(model: Transformer, bundle_dir: Path, prompt: list[int], steps
     # float activations in the fused low-bit MatMul (accuracy level 0): ONNX = torch on the same weights
     with open_runtime(bundle_dir, min(max_context, len(prompt) + steps + 1), "ort-cpu", threads,
                       matmul_accuracy=0) as rt:
-        return parity_rows(model, rt.bundle, rt.generator(), prompt, steps, max_context)
+        return parity_rows(model, rt.bundle, rt.stream(), prompt, steps, max_context)
 
 
 def float_twin(model: Transformer, fp16: bool) -> Transformer | None:
@@ -100,10 +101,10 @@ class SideBySide:
     ref_past: list | None
 
 
-def run_side_by_side(model: Transformer, ref: Transformer | None, gen, prompt: list[int], steps: int) -> SideBySide:
+def run_side_by_side(model: Transformer, ref: Transformer | None, stream, prompt: list[int], steps: int) -> SideBySide:
     dtype = next(model.parameters()).dtype
     t_logits, past = torch_step(model, prompt, None, 0, dtype)
-    run = SideBySide([t_logits], [gen.prefill(prompt).copy()], [], [], [], past, None)
+    run = SideBySide([t_logits], [stream.prefill(prompt).copy()], [], [], [], past, None)
     if ref is not None:
         r_logits, run.ref_past = torch_step(ref, prompt, None, 0, dtype)
         run.ref_logits.append(r_logits)
@@ -117,7 +118,7 @@ def run_side_by_side(model: Transformer, ref: Transformer | None, gen, prompt: l
             r_logits, run.ref_past = torch_step(ref, [t_tok], run.ref_past, pos, dtype)
             run.ref_logits.append(r_logits)
         run.torch_logits.append(t_logits)
-        run.ort_logits.append(gen.decode_step(t_tok).copy())
+        run.ort_logits.append(stream.decode_step(t_tok).copy())
     return run
 
 
@@ -146,13 +147,13 @@ def rms_ratio(a: np.ndarray, ref: np.ndarray) -> float:
     return float(np.sqrt(((a - ref) ** 2).mean()) / max(np.sqrt((ref ** 2).mean()), 1e-12))
 
 
-def add_cache_rows(par: Parity, model: Transformer, ref: Transformer | None, run: SideBySide, gen, fp16: bool) -> None:
+def add_cache_rows(par: Parity, model: Transformer, ref: Transformer | None, run: SideBySide, stream, fp16: bool) -> None:
     """The cache the runtime filled (present.* written in place) against torch's presents."""
     quantized = model.scheme.name != "float"
     worst_rms, worst_l0, noise_rms = 0.0, 0.0, 0.0
     for i in range(model.cfg.n_layers):
         for j, kv in enumerate(("key", "value")):
-            rms, noise, l0 = layer_cache_diff(model, ref, run, gen, i, j, kv)
+            rms, noise, l0 = layer_cache_diff(model, ref, run, stream, i, j, kv)
             worst_rms, noise_rms, worst_l0 = max(worst_rms, rms), max(noise_rms, noise), max(worst_l0, l0)
     par.add("present.* (cache, RMS ratio)", worst_rms,
             max(0.05, 2 * noise_rms) if quantized else (1e-2 if fp16 else 1e-4),
@@ -161,14 +162,14 @@ def add_cache_rows(par: Parity, model: Transformer, ref: Transformer | None, run
         par.add("present.0.* (int steps)", worst_l0, 1.0, "layer 0, before any flip can cascade")
 
 
-def layer_cache_diff(model: Transformer, ref: Transformer | None, run: SideBySide, gen, i: int, j: int,
+def layer_cache_diff(model: Transformer, ref: Transformer | None, run: SideBySide, stream, i: int, j: int,
                      kv: str) -> tuple[float, float, float]:
     """Layer i's key (j = 0) or value cache: the runtime's against torch's (dequantized, RMS ratio),
     torch's against the float twin's (the noise yardstick), and layer 0's largest integer step."""
     names = io_names(model.cfg.n_layers, model.scheme)["past"]
     n = len(model.scheme.tensors)
     lo = names.index(f"past.{i}.{kv}")
-    t_t, o_t = run.past[lo: lo + n], [runtime_rows(gen, nm) for nm in names[lo: lo + n]]
+    t_t, o_t = run.past[lo: lo + n], [runtime_rows(stream, nm) for nm in names[lo: lo + n]]
     if o_t[0].shape[0] < t_t[0].shape[0]:  # a windowed cache's local layer: its last tokens
         t_t = [t[t.shape[0] - o_t[0].shape[0]:] for t in t_t]
     sc = model.layers[i].attn.scales()[j]
@@ -191,28 +192,45 @@ def layer_cache_diff(model: Transformer, ref: Transformer | None, run: SideBySid
     return rms_ratio(o, t), noise, l0
 
 
-def runtime_rows(gen, name: str) -> torch.Tensor:
-    """The K/V rows the runtime holds in buffer `name`, in the order they were fed: every filled
-    slot, or a windowed cache's local ring's kept tokens (the i-th fed in slot i mod ring)."""
-    cache, n = gen.cache, gen.seq.n
-    whole = cache.memory.read(cache.buffers[name], cache.slots_of(name, n))
+def runtime_rows(stream, name: str) -> torch.Tensor:
+    """The K/V rows the runtime holds in buffer `name`, in the order they were fed: the
+    sequence's cells, or a windowed pool's local layer's window ring's kept tokens (position p in
+    the ring's slot p mod its length)."""
+    cache, seq = stream.cache, stream.seq
     if name in cache.local_names:
-        whole = whole[np.arange(n - len(whole), n) % cache.local_ring]
-    return torch.from_numpy(whole)
+        held = seq.window_positions()
+        kept = np.sort(held[held >= 0])
+        rows = cache.read_ring(seq.window_ring)[name][kept % cache.local_ring]
+    else:
+        rows = cache.read_cells(seq.cells)[name]
+    return torch.from_numpy(rows)
 
 
-def parity_rows(model: Transformer, bundle, gen, prompt: list[int], steps: int, max_context: int) -> tuple[Parity, dict]:
-    """verify_parity's comparisons, on the runtime's generator `gen` of `bundle`."""
+def far_logits(stream, bundle, ids: list[int], start: int) -> np.ndarray:
+    """The last row's logits of one graph call of `ids` at positions start.. on an empty cache of
+    their own (RoPE at the end of the verified context, which a pool sequence, always fed from
+    position 0, does not reach without filling it)."""
+    backend, s = stream.batcher.backend, len(ids)
+    cache, window = KVCache(bundle, s, memory=backend.memory), bundle.window
+    d = np.arange(s)[:, None] - np.arange(s)[None, :]
+    causal = (d >= 0)[None]
+    local = (causal & (d < window)) if window else None
+    logits = backend.run_cells(cache, 0, 0, np.asarray([ids], np.int64), np.arange(start, start + s)[None],
+                               causal, np.array([[s - 1]], np.int64), local)
+    return logits[0, -1].copy()
+
+
+def parity_rows(model: Transformer, bundle, stream, prompt: list[int], steps: int, max_context: int) -> tuple[Parity, dict]:
+    """verify_parity's comparisons, on a stream of the runtime's batcher over `bundle`."""
     par = Parity()
     fp16 = bundle.dtype == "float16"
     ref = float_twin(model, fp16)
-    run = run_side_by_side(model, ref, gen, prompt, steps)
+    run = run_side_by_side(model, ref, stream, prompt, steps)
     tol, noise = add_logits_rows(par, run, model, fp16, steps)
-    add_cache_rows(par, model, ref, run, gen, fp16)
+    add_cache_rows(par, model, ref, run, stream, fp16)
     # far positions: RoPE at the end of the verified context
     k = min(16, len(prompt))
-    gen.reset(pos=max_context - k)
-    o = gen.prefill(prompt[:k]).copy()
+    o = far_logits(stream, bundle, prompt[:k], max_context - k)
     t, _ = torch_step(model, prompt[:k], None, max_context - k, next(model.parameters()).dtype)
     par.add(f"logits (positions to {max_context})", np.abs(t - o).max(), tol)
     return par, {"prompt_tokens": len(prompt), "decode_steps": steps, "greedy_tokens": run.torch_tokens,

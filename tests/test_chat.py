@@ -10,7 +10,7 @@ from edgekv.runtime.backends import OrtBackend
 from edgekv.runtime.cache import KVCache
 from edgekv.chat.session import ChatSession
 from edgekv.errors import EdgeKVError
-from edgekv.runtime.generate import Generator
+from tests.stream_reference import Generator
 from edgekv.runtime.sampling import SamplingParams
 from edgekv.format.bundle import load_bundle
 from edgekv.runtime.text import TextCodec

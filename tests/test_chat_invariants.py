@@ -23,7 +23,7 @@ from edgekv.errors import EdgeKVError
 from edgekv.format.bundle import load_bundle
 from edgekv.runtime.backends import OrtBackend
 from edgekv.runtime.cache import KVCache
-from edgekv.runtime.generate import Generator
+from tests.stream_reference import Generator
 from tests.conftest import chat_engine
 from edgekv.runtime.sampling import SamplingParams
 from edgekv.runtime.text import TextCodec, system_turn

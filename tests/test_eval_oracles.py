@@ -15,7 +15,7 @@ import torch
 
 from edgekv.runtime.backends import OrtBackend
 from edgekv.runtime.cache import KVCache
-from edgekv.runtime.generate import Generator
+from tests.stream_reference import Generator
 from edgekv.format.bundle import load_bundle
 
 CTX, STRIDE, WINDOWS = 64, 48, 3  # overlapping windows: the stride is honoured, not ctx + 1

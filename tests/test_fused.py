@@ -19,6 +19,7 @@ from edgekv.runtime.backends.fused import MIN_ORT, NotFusable, fuse_bundle, ort_
 from edgekv.errors import BackendUnavailable, EdgeKVError  # noqa: E402
 from edgekv.runtime.backends.ort import ATTENTION_ENV, OrtBackend  # noqa: E402
 from edgekv.runtime.cache import KVCache  # noqa: E402
+from tests.stream_reference import new_sequence, run_stream
 
 needs_gqa = pytest.mark.skipif(
     not ort_version_ok(ort.__version__),
@@ -48,15 +49,15 @@ def qwen_static(tiny_qwen_bundle_int8_static):
 
 class Stream:
     """One linear sequence over a KVCache of the backend's own memory (slot-major for the graph
-    as written, head-major for the fused one), as generate runs it."""
+    as written, head-major for the fused one), as the reference stream runs it (tests/stream_reference.py)."""
 
     def __init__(self, bundle, attention, capacity=CAPACITY, rows=32):
         self.backend = OrtBackend(bundle, threads=1, max_logits_rows=rows, attention=attention)
         self.cache = KVCache(bundle, capacity, memory=self.backend.memory)
-        self.seq = self.cache.new_sequence()
+        self.seq = new_sequence(self.cache)
 
     def run(self, ids, rows):
-        logits = self.backend.run(self.cache, self.seq, ids, rows).copy()
+        logits = run_stream(self.backend, self.cache, self.seq, ids, rows).copy()
         self.seq.advance(ids[0])
         return logits
 
@@ -194,11 +195,11 @@ def greedy_both(b, plain_b, fused_b, prompt, steps):
     fresh cache of each backend: ((layer, key|value) -> (plain codes, fused codes) [n, Hkv, D],
     the plain and the fused greedy tokens, every step's logits within LOGITS_ATOL)."""
     caches = [KVCache(b, CAPACITY, memory=be.memory) for be in (plain_b, fused_b)]
-    seqs = [c.new_sequence() for c in caches]
+    seqs = [new_sequence(c) for c in caches]
     ids, tokens, logits_ok = prompt, ([], []), True
     for _ in range(steps):
         row = np.array([[ids.shape[1] - 1]])
-        want, got = (be.run(c, q, ids, row).copy() for be, c, q in zip((plain_b, fused_b), caches, seqs))
+        want, got = (run_stream(be, c, q, ids, row).copy() for be, c, q in zip((plain_b, fused_b), caches, seqs))
         for q in seqs:
             q.advance(ids[0])
         logits_ok &= bool(np.abs(got - want).max() <= LOGITS_ATOL)
@@ -412,7 +413,7 @@ def test_a_plain_backend_refuses_a_head_major_cache(llama_static):
     for be, other in ((plain_b, fused_b), (fused_b, plain_b)):
         cache = KVCache(b, CAPACITY, memory=other.memory)
         with pytest.raises(EdgeKVError, match="memory=backend.memory"):
-            be.run(cache, cache.new_sequence(), np.zeros((1, 2), np.int64), np.array([[1]]))
+            run_stream(be, cache, new_sequence(cache), np.zeros((1, 2), np.int64), np.array([[1]]))
 
 
 @needs_gqa

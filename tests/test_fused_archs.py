@@ -24,6 +24,7 @@ from edgekv.runtime.backends.ort import ATTENTION_ENV, OrtBackend  # noqa: E402
 from edgekv.runtime.cache import KVCache  # noqa: E402
 from test_fused import (CALLS, CAPACITY, Stream, float_kv_matches, needs_gqa, optimized_graph,  # noqa: E402
                         random_cells_call, run_cells_match, static_int8_clean_prompts)
+from tests.stream_reference import new_sequence, run_stream  # noqa: E402
 
 pytestmark = needs_gqa
 
@@ -206,10 +207,10 @@ def test_float16_graph_fuses_int8_static(bundles, tmp_path):
     assert [n.op_type for n in optimized_graph(fused_b, b, tmp_path).node].count("GroupQueryAttention") == b.model["n_layers"]
     for seed in range(4):
         plain, fused = (KVCache(b, CAPACITY, memory=be.memory) for be in (plain_b, fused_b))
-        seqs = plain.new_sequence(), fused.new_sequence()
+        seqs = new_sequence(plain), new_sequence(fused)
         ids = np.random.default_rng(seed).integers(0, b.model["vocab_size"], (1, 6))
         for be, c, q in ((plain_b, plain, seqs[0]), (fused_b, fused, seqs[1])):
-            be.run(c, q, ids, np.array([[5]]))
+            run_stream(be, c, q, ids, np.array([[5]]))
             q.advance(ids[0])
         a, f = plain.read(6), fused.read(6)
         for kv in ("key", "value"):

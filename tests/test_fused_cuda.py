@@ -20,6 +20,7 @@ from edgekv.runtime.backends.ort import ATTENTION_ENV, OrtBackend  # noqa: E402
 from edgekv.runtime.cache import KVCache  # noqa: E402
 from tests.fake_gpu import cuda_on_cpu  # noqa: E402
 from test_fused import CALLS, CAPACITY, needs_gqa, random_cells_call  # noqa: E402
+from tests.stream_reference import new_sequence, run_stream
 
 pytestmark = needs_gqa
 
@@ -43,10 +44,10 @@ def fp16(arch_bundles):
 class Stream:
     def __init__(self, backend, bundle):
         self.backend, self.cache = backend, KVCache(bundle, CAPACITY, memory=backend.memory)
-        self.seq = self.cache.new_sequence()
+        self.seq = new_sequence(self.cache)
 
     def run(self, ids, rows):
-        logits = self.backend.run(self.cache, self.seq, ids, rows).copy()
+        logits = run_stream(self.backend, self.cache, self.seq, ids, rows).copy()
         self.seq.advance(ids[0])
         return logits
 

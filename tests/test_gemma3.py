@@ -19,7 +19,7 @@ from edgekv.runtime.assemble import open_runtime
 from edgekv.runtime.backends import OrtBackend
 from edgekv.runtime.batching import Request
 from edgekv.runtime.cache import KVCache
-from edgekv.runtime.generate import Generator
+from tests.stream_reference import Generator, new_sequence, reference
 from tests.archs import GEMMA_PARITY_STEPS
 from tests.conftest import chat_engine
 from tests.ring_reference import RingGenerator, RingSequence
@@ -106,7 +106,7 @@ def test_generate_follows_transformers_greedy_past_the_window(bundles, hf):
     prompt = ids(12, 1)
     want, want_rows = hf_greedy(hf, prompt, 40)
     with open_runtime(bundles("float"), CONTEXT, "ort-cpu", threads=1) as rt:
-        got, rows = greedy(rt.generator(), prompt, 40)
+        got, rows = greedy(reference(rt), prompt, 40)
     assert got == want
     np.testing.assert_allclose(rows, want_rows, atol=1e-4, rtol=1e-4)
 
@@ -118,7 +118,7 @@ def test_int8_bundle_follows_transformers_greedy_past_the_window(bundles, hf):
     prompt = ids(12, 2)
     want, scores = hf_greedy(hf, prompt, 32)
     with open_runtime(b.path, CONTEXT, "ort-cpu", threads=1) as rt:
-        got, _ = greedy(rt.generator(), prompt, 32)
+        got, _ = greedy(reference(rt), prompt, 32)
     for i, (a, c) in enumerate(zip(want, got)):
         if a != c:
             assert scores[i][a] - scores[i][c] <= b.logits_tolerance(), (i, want, got)
@@ -153,7 +153,7 @@ def test_a_serving_batch_of_two_equals_each_alone(bundles):
         while not (a.finish_reason and c.finish_reason):
             engine.step()
         for req in (a, c):
-            toks, rows = greedy(rt.generator(capacity=CONTEXT), req.prompt, len(req.out))
+            toks, rows = greedy(reference(rt, capacity=CONTEXT), req.prompt, len(req.out))
             assert req.out == toks
             np.testing.assert_allclose(np.stack(req.logits), rows, atol=1e-4, rtol=1e-4)
 
@@ -228,7 +228,7 @@ def test_a_windowed_cache_equals_the_full_cache_past_the_window(bundles, kv, chu
 def test_the_windowed_cache_reports_its_bytes(bundles):
     """The cache's bytes = the manifest's: the global layer's per token plus the local layers'
     fixed ring; the stats line says the local layers keep their last 7 and counts those bytes."""
-    from edgekv.runtime.generate import kv_line
+    from edgekv.runtime.stats import kv_line
 
     b = load_bundle(bundles("int8"))
     kv = b.manifest["kv"]
@@ -240,14 +240,14 @@ def test_the_windowed_cache_reports_its_bytes(bundles):
     assert win.nbytes == CONTEXT * kv["global_bytes_per_token"] + kv["local_bytes"] < full.nbytes
     # the tiny model: 2 of its 3 layers local, so at CONTEXT the windowed cache is about a third of the full one
     assert win.nbytes / full.nbytes < 0.4
-    seq = win.new_sequence()
+    seq = new_sequence(win)
     seq.advance(ids(3))
     assert win.used_bytes(3) == 3 * kv["global_bytes_per_token"] + 3 * kv["local_bytes"] // (WINDOW - 1)
     seq.advance(ids(20))
     assert win.used_bytes(23) == 23 * kv["global_bytes_per_token"] + kv["local_bytes"]
     line = kv_line(win, seq)
     assert line.startswith(f"KV 23/{CONTEXT} slots (local layers: last {WINDOW - 1}), ") and "MiB" in line
-    assert "local layers" not in kv_line(full, full.new_sequence())
+    assert "local layers" not in kv_line(full, new_sequence(full))
 
 
 def test_eval_reports_the_bytes_of_the_windowed_cache_it_ran(bundles):
@@ -266,10 +266,10 @@ def test_the_runtime_runs_generate_windowed_and_a_batcher_full(bundles):
     """Which paths take the windowed cache: one stream on ort-cpu's graph as written; the batcher
     (chat, serve) and the fused graph keep every position for the local layers."""
     with open_runtime(bundles("int8"), CONTEXT, "ort-cpu", threads=1, attention="plain") as rt:
-        assert rt.generator().cache.local_ring == WINDOW - 1
+        assert reference(rt).cache.local_ring == WINDOW - 1
         assert rt.batcher(capacity=CONTEXT).kv.cache.local_ring is None
     with open_runtime(bundles("float"), CONTEXT, "ort-cpu", threads=1, attention="fused") as rt:
-        assert rt.generator().cache.local_ring is None
+        assert reference(rt).cache.local_ring is None
 
 
 def test_a_windowed_sequence_truncates_only_what_its_ring_still_holds(bundles):
@@ -307,7 +307,7 @@ def test_an_older_bundle_keeps_every_position_for_its_local_layers(bundles, tmp_
     b = load_bundle(dst)
     assert not b.windowed and b.windowed_kv_bytes() == (b.kv_bytes_per_token(), 0)
     with open_runtime(b, CONTEXT, "ort-cpu", threads=1) as rt:
-        g = rt.generator()
+        g = reference(rt)
         assert g.cache.local_ring is None and g.cache.local_names == []
         want, _ = run_both(load_bundle(bundles("float")), ids(12, 23), 12, 8, windowed=True)[0]
         assert greedy(g, ids(12, 23), 12)[0] == want

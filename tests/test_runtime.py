@@ -5,8 +5,8 @@ import pytest
 from edgekv.runtime.backends import OrtBackend
 from edgekv.runtime.cache import KVCache
 from edgekv.errors import ContextOverflow, EdgeKVError
-from edgekv.runtime.generate import Generator
-from edgekv.runtime.sequence import Sequence
+from tests.stream_reference import Generator
+from tests.stream_reference import Sequence
 from tests.ring_reference import RingGenerator, RingSequence
 from edgekv.format.bundle import load_bundle
 
@@ -148,25 +148,30 @@ def test_ring_prefill_crosses_the_wrap_and_refuses_undo(tiny_bundle_int8):
         linear.restore(snap, g.seq.ids)
 
 
-def test_an_interrupted_prefill_leaves_the_sequence_at_its_last_completed_call(tiny_bundle_int8):
-    """Ctrl-C inside a graph call: the sequence records only the calls that completed, so
-    feeding the rest afterwards gives the logits of an uninterrupted prefill."""
+def test_an_interrupted_prefill_is_undone_whole(tiny_bundle_int8):
+    """Ctrl-C inside a graph call of a stream (the batcher's one-request run): the run is undone
+    whole, so the sequence holds what it held before and feeding the prompt again gives the
+    logits of an uninterrupted prefill."""
+    from edgekv.runtime.assemble import open_runtime
+
     seq = ids(30, seed=8)
-    g = runtime(tiny_bundle_int8, chunk=8)
-    run, calls = g.backend.run, []
+    with open_runtime(tiny_bundle_int8, 128, "ort-cpu", 1, max_logits_rows=64, log=None) as rt:
+        s = rt.stream(prefill_chunk=8)
+        s.prefill(seq[:3])
+        run, calls = rt.backend.run_cells, []
 
-    def interrupt_second_call(*a):
-        calls.append(1)
-        if len(calls) == 2:
-            raise KeyboardInterrupt
-        return run(*a)
+        def interrupt_second_call(*a):
+            calls.append(1)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+            return run(*a)
 
-    g.backend.run = interrupt_second_call
-    with pytest.raises(KeyboardInterrupt):
-        g.prefill(seq)
-    assert (g.seq.n, g.seq.pos, g.seq.ids) == (8, 8, seq[:8])
-    g.backend.run = run
-    resumed = g.prefill(seq[8:]).copy()
+        rt.backend.run_cells = interrupt_second_call
+        with pytest.raises(KeyboardInterrupt):
+            s.prefill(seq[3:])
+        assert (s.seq.n, s.seq.pos, s.seq.ids) == (3, 3, seq[:3]) and len(calls) == 2
+        rt.backend.run_cells = run
+        resumed = s.prefill(seq[3:]).copy()
     np.testing.assert_allclose(resumed, runtime(tiny_bundle_int8, chunk=8).prefill(seq), atol=1e-5)
 
 

@@ -172,14 +172,12 @@ def edited(bundle_copy):
 
 
 def sampled_with(monkeypatch) -> list:
-    """Every SamplingParams the runtime samples a token with (generate's loop and the batcher's)."""
+    """Every SamplingParams the runtime samples a token with (the batcher's post-processing, every command's)."""
     import edgekv.runtime.batching.postprocess as post
-    import edgekv.runtime.generate as gen
 
     seen = []
-    for mod in (gen, post):
-        real = mod.sample
-        monkeypatch.setattr(mod, "sample", lambda logits, p, *a, _real=real: (seen.append(p), _real(logits, p, *a))[1])
+    real = post.sample
+    monkeypatch.setattr(post, "sample", lambda logits, p, *a: (seen.append(p), real(logits, p, *a))[1])
     return seen
 
 

@@ -8,6 +8,7 @@ from edgekv.errors import ContextOverflow, EdgeKVError, QueueFull
 from edgekv.runtime.assemble import open_runtime
 from edgekv.runtime.batching import Batcher, Request
 from tests.serving import run_until_done, staggered
+from tests.stream_reference import reference
 
 
 def ids(n, seed=0, vocab=300):
@@ -16,7 +17,7 @@ def ids(n, seed=0, vocab=300):
 
 def alone(rt, prompt, n):
     """Greedy tokens and the logits they were taken from, one sequence in its own cache."""
-    g = rt.generator(capacity=128)
+    g = reference(rt, capacity=128)
     logits = g.prefill(prompt).copy()
     toks, rows = [], []
     for _ in range(n):
@@ -165,11 +166,8 @@ def test_prefix_cache_gives_way_when_cells_are_needed(rt_float):
 
 
 def test_a_backend_without_run_cells_is_refused_in_one_line(rt_float):
-    class OneSequenceBackend:  # every member of Backend, no run_cells
+    class OneSequenceBackend:  # every member of Backend but run_cells
         name, device, memory, max_tokens_per_call, past_bucket = "trt", "cuda", None, 64, 1
-
-        def run(self, cache, seq, input_ids, logits_index):
-            raise AssertionError("not called")
 
         def close(self):
             pass
@@ -339,7 +337,7 @@ def test_teacher_forced_rows_equal_the_generators(rt_float):
     (over several chunks, beside another request, and on a kept sequence): the oracle is the
     Generator's prefill with all_logits."""
     prompt = ids(40, 34)
-    g = rt_float.generator(capacity=128, prefill_chunk=8)
+    g = reference(rt_float, capacity=128, prefill_chunk=8)
     want = g.prefill(prompt, all_logits=True, logits_from=13)
     engine = rt_float.batcher(capacity=256, parallel=4, prefill_chunk=8)
     other = engine.submit(Request(ids(9, 35), 5))

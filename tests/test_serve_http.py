@@ -19,6 +19,7 @@ openai = pytest.importorskip("openai")
 
 from tests.conftest import ROOT, run_edgekv  # noqa: E402
 from tests.serving import built  # noqa: E402
+from tests.stream_reference import reference
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +46,7 @@ def client(url, key="none"):
 def alone_text(rt, messages, n):
     """Greedy reply decoded by the runtime alone (Generator), up to a stop token or n tokens."""
     codec = rt.codec
-    g = rt.generator(capacity=256)
+    g = reference(rt, capacity=256)
     logits = g.prefill(codec.chat_ids(messages))
     out = []
     for _ in range(n):
@@ -80,7 +81,7 @@ def test_openai_client_whole_and_streamed_equal_the_runtime_alone(rt, served):
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0
     # completions: the raw prompt, no template
     prompt = "The capital of France"
-    g = rt.generator(capacity=64)
+    g = reference(rt, capacity=64)
     first = int(np.argmax(g.prefill(rt.codec.encode(prompt))))
     rc = c.completions.create(model="tiny", prompt=prompt, max_tokens=1, temperature=0)
     assert rc.usage.completion_tokens == 1 and rc.choices[0].text == rt.codec.decode([first])

@@ -19,6 +19,7 @@ import pydantic  # noqa: E402
 
 from edgekv.runtime.assemble import open_runtime  # noqa: E402
 from tests.serving import built, serving  # noqa: E402
+from tests.stream_reference import reference
 
 
 MSGS = [{"role": "user", "content": "Tell me about robots and trains."}]
@@ -179,7 +180,7 @@ def test_logprobs_are_the_log_softmax_of_the_plain_generators_logits(rt, url):
     r = post(url, {"messages": MSGS, "logprobs": True, "top_logprobs": 3, "temperature": 0, "max_tokens": n})
     assert r.status_code == 200, r.text
     content = r.json()["choices"][0]["logprobs"]["content"]
-    g = rt.generator(capacity=256)
+    g = reference(rt, capacity=256)
     logits = g.prefill(rt.codec.chat_ids(MSGS))
     for entry in content:
         lp = log_softmax(logits)
@@ -248,7 +249,7 @@ def test_constrained_logprobs_are_of_the_masked_distribution(rt, url):
     r = post(url, {"messages": MSGS, "response_format": {"type": "json_object"}, "logprobs": True,
                    "top_logprobs": 5, "temperature": 0, "max_tokens": 3})
     first = r.json()["choices"][0]["logprobs"]["content"][0]
-    g = rt.generator(capacity=256)
+    g = reference(rt, capacity=256)
     lp = log_softmax(g.prefill(rt.codec.chat_ids(MSGS)))
     from edgekv.runtime import grammar
     ll = grammar.tokenizer_for(rt.bundle).ll

@@ -20,7 +20,7 @@ from edgekv.runtime.assemble import SERVE_MARGIN, open_runtime, serve_pool
 from edgekv.runtime.backends import OrtBackend
 from edgekv.runtime.batching import Batcher, Request
 from edgekv.runtime.cache import KVCache
-from edgekv.runtime.generate import Generator
+from tests.stream_reference import Generator
 from edgekv.serve.server import WINDOW_AUTO, kv_summary, make_batcher, serve_layout
 from tests.archs import GEMMA_PARITY_STEPS
 from tests.conftest import cli

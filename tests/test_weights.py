@@ -21,6 +21,7 @@ from edgekv.format.trt_graph import widen_half_scales
 from edgekv.graph.passes.trt_staging import fold_forms
 from edgekv.format.trt_rules import check_model
 from tests.conftest import make_hf_folder, optimized_graph
+from tests.stream_reference import reference
 
 CASES = [("llama", "int8"), ("llama", "int4"), ("qwen2", "int8"), ("qwen2", "int4")]
 
@@ -141,7 +142,7 @@ def hf_logits(folder, weights: dict[str, np.ndarray], ids: list[int]) -> np.ndar
 def ort_logits(bundle, ids: list[int], accuracy: int = 0) -> np.ndarray:
     with open_runtime(bundle, 64, "ort-cpu", threads=1, max_logits_rows=len(ids), log=None,
                       matmul_accuracy=accuracy) as rt:
-        gen = rt.generator(prefill_chunk=len(ids))
+        gen = reference(rt, prefill_chunk=len(ids))
         return np.stack([gen.prefill(ids[: i + 1]).copy() if i == 0 else _step(gen, t) for i, t in enumerate(ids)])
 
 
@@ -324,7 +325,7 @@ def greedy_logits(bundle, attention: str, accuracy: int = 0, steps: int = 6) -> 
     ids = [5, 17, 99, 3, 250, 42, 7, 300]
     with open_runtime(bundle, 64, "ort-cpu", threads=1, max_logits_rows=len(ids), log=None,
                       matmul_accuracy=accuracy, attention=attention) as rt:
-        gen = rt.generator(prefill_chunk=len(ids))
+        gen = reference(rt, prefill_chunk=len(ids))
         rows = [np.atleast_2d(gen.prefill(ids, all_logits=True).copy())]
         tokens = [int(rows[0][-1].argmax())]
         for _ in range(steps):
@@ -392,7 +393,7 @@ def test_real_model_own_4bit_weights_answers_paris(real_bundle_int4):
     b = load_bundle(real_bundle_int4)
     assert {"gguf Q4_1"} <= set(b.manifest["weights"]["stored"])
     with open_runtime(b, 256, "ort-cpu", log=None) as rt:
-        codec, gen = rt.codec, rt.generator()
+        codec, gen = rt.codec, reference(rt)
         ids = codec.chat_ids([{"role": "user", "content": "What is the capital of France? Answer in one sentence."}])
         out = [int(np.argmax(gen.prefill(ids)))]
         for _ in range(12):
@@ -428,7 +429,7 @@ def test_int4_weights_with_int8_cache_load_and_match_torch(tiny_sources, tmp_pat
                                   steps=2, weights="int4"))
     assert b.weights == "int4" and b.manifest["parity"]["passed"]
     with open_runtime(b, 64, "ort-cpu", log=None) as rt:
-        logits = rt.generator().prefill(list(range(1, 9)))
+        logits = reference(rt).prefill(list(range(1, 9)))
     assert np.isfinite(logits).all()
 
 
@@ -440,7 +441,7 @@ def test_engine_build_parses_the_per_channel_graph(gguf_bundle, monkeypatch, tmp
 
     from edgekv.runtime.backends import OrtBackend, make_backend
     from edgekv.runtime.cache import KVCache
-    from edgekv.runtime.generate import Generator
+    from tests.stream_reference import Generator
     from tests import fake_gpu
 
     trt, _ = fake_gpu.install(monkeypatch)

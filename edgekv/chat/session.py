@@ -19,7 +19,7 @@ from edgekv.chat.conversation import Conversation, common_prefix
 from edgekv.chat.policies import CONTEXT_POLICIES, POLICIES
 from edgekv.errors import EdgeKVError
 from edgekv.runtime.batching import Batcher, Request, Token
-from edgekv.runtime.generate import Stats, stats_of
+from edgekv.runtime.stats import Stats, stats_of
 from edgekv.runtime.sampling import SamplingParams
 from edgekv.runtime.text import StreamDecoder
 

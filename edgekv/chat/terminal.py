@@ -9,7 +9,7 @@ from statistics import median
 from edgekv.chat.session import ChatSession
 from edgekv.errors import EdgeKVError
 from edgekv.runtime.assemble import open_runtime
-from edgekv.runtime.generate import kv_line, ring_note, stats_line, stats_record
+from edgekv.runtime.stats import kv_line, ring_note, stats_line, stats_record
 from edgekv.runtime.grammar import compile_grammar, grammar_from_args, tokenizer_for
 from edgekv.runtime.reasoning import CLOSE, OPEN, ReasoningSplitter, split_reply
 from edgekv.runtime.sampling import defaults_of, sampling_from

@@ -1,4 +1,4 @@
-"""The one place a bundle, a backend, caches, batchers and generators are put together."""
+"""The one place a bundle, a backend, caches and batchers are put together."""
 from __future__ import annotations
 
 import os
@@ -13,7 +13,6 @@ from edgekv.runtime.cache import KVCache, default_capacity
 from edgekv.runtime.batching import Batcher
 from edgekv.runtime.batching.layouts import MAX_PREFIXES
 from edgekv.runtime.batching.stream import Stream
-from edgekv.runtime.generate import Generator
 from edgekv.runtime.text import TextCodec
 
 
@@ -75,10 +74,6 @@ class Runtime:
         local layers keep only their window where the bundle and the backend allow it."""
         windowed = windowed and getattr(self.backend, "windows_cache", False)
         return KVCache(self.bundle, capacity or self.capacity, memory=self.backend.memory, windowed=windowed)
-
-    def generator(self, capacity: int | None = None, prefill_chunk: int = PREFILL_CHUNK, cache: KVCache | None = None) -> Generator:
-        """A generator over a new sequence: in `cache`, or in a new windowed cache of `capacity` slots."""
-        return Generator(self.backend, cache or self.cache(capacity, windowed=True), prefill_chunk=prefill_chunk)
 
     def stream(self, capacity: int | None = None, prefill_chunk: int = PREFILL_CHUNK) -> Stream:
         """One sequence through a batcher of its own over `capacity` cells (a windowed model's

@@ -25,7 +25,6 @@ import numpy as np
 from edgekv.errors import EdgeKVError
 from edgekv.format.bundle import Bundle, io_names, layer_of, local_slots
 from edgekv.runtime.memory import HostMemory, KVMemory, MovesRows, RowMemory, runs
-from edgekv.runtime.sequence import Sequence
 
 NP_DTYPES = {"int8": np.int8, "uint8": np.uint8, "float16": np.float16, "float32": np.float32}
 DEFAULT_CAPACITY = 2048  # slots, when no --ctx is given (capped at the bundle's verified context)
@@ -103,10 +102,6 @@ class KVCache:
                 else f"the allocation failed on {self.memory.device}")
         return EdgeKVError(f"a KV cache of {capacity} slots needs {need / 2**20:.1f} MiB ({need} bytes), {left}",
                            setting="capacity", fix="use a smaller {}")
-
-    def new_sequence(self) -> Sequence:
-        """A sequence over this cache's slots."""
-        return Sequence(self.capacity, self.max_positions, self.window, self.local_ring)
 
     def slots_of(self, name: str, count: int) -> int:
         """Of `count` slots, those buffer `name` has (a local layer's ring holds at most its own)."""

@@ -9,7 +9,7 @@ from edgekv.errors import ContextOverflow, EdgeKVError
 from edgekv.runtime.assemble import open_runtime
 from edgekv.runtime.batching import Request, Token
 from edgekv.runtime.batching.request import now
-from edgekv.runtime.generate import Stats, stats_line, stats_of, stats_record
+from edgekv.runtime.stats import Stats, stats_line, stats_of, stats_record
 from edgekv.runtime.grammar import grammar_from_args
 from edgekv.runtime.sampling import sampling_from
 from edgekv.runtime.text import StreamDecoder, system_turn

@@ -1,11 +1,11 @@
 """The Backend protocol: what every backend (ort-cpu, ort-cuda, trt) promises.
 
-One `run` is one graph call: the S new tokens of a sequence against the cache slots it has
-filled. The backend binds the past as the sequence's filled slots `buf[:n]` (ort: rounded up to
-a bucket, the tail masked) and `present.*` into the buffers after them, `buf[n:n+S]`, by
-address (cache.ptr; ort-cpu stages a one-token call's present and copies it there), takes position_ids and key_mask (`seq.key_mask(s, past)`; a model with sliding-window
-layers also local_key_mask, `seq.local_key_mask(s, past)`) from the sequence, and
-returns only the logits rows asked for. It does not change the sequence: the caller records the call (Generator._call).
+One `run_cells` is one graph call, the batcher's (runtime/batching/runner.py): S new tokens
+against cells [0, past) of a cache, their K/V written to cells [write, write + S), positions and
+the per-token key mask given whole. The backend binds the past by address (ort: the same
+bindings until `past` changes; ort-cpu stages a one-token call's present and copies it to its
+cell), and returns only the logits rows asked for. Which cells a sequence holds, and so what
+`past`, `write` and the mask are, is the batcher's alone (its KV manager and step runner).
 
 | backend | runs on | KV buffers | needs |
 |---|---|---|---|
@@ -22,7 +22,6 @@ import numpy as np
 
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.memory import KVMemory
-from edgekv.runtime.sequence import Sequence
 
 UNLIMITED = 1 << 30  # tokens per call for a backend without a limit of its own
 # prompt tokens per graph call: a call's attention scratch grows with its tokens x the past, and
@@ -44,27 +43,20 @@ class Backend(Protocol):
     max_tokens_per_call: int  # the most tokens one run takes (a TensorRT engine's prefill profile)
     past_bucket: int  # the past is bound rounded up to this many slots (1: exactly the filled ones)
 
-    def run(self, cache: KVCache, seq: Sequence, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
-        """input_ids [1, S], logits_index [1, K] -> logits [1, K, V]: a host view into a buffer the
-        backend owns (copy it to keep it). The new tokens' K/V are written after the filled slots (seq.n)."""
+    def run_cells(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
+                  key_mask: np.ndarray, logits_index: np.ndarray,
+                  local_key_mask: np.ndarray | None = None, ring: tuple | None = None) -> np.ndarray:
+        """input_ids [1, S] (serve's fused slots: [B, S], run_slots), past = cells [0, past),
+        present written at cells [write, write + S), position_ids [1, S] and the per-token mask
+        [1, S, past + S] given whole (local_key_mask, the same shape: the sliding-window layers'
+        mask, for a graph that has them) -> logits [1, K, V] of logits_index [1, K]: a host view
+        into a buffer the backend owns (copy it to keep it). `ring`: a windowed pool's ring reads
+        and writes for the local layers (runtime/batching/runner.py), given only to a backend
+        whose `windows_cache` is true."""
 
     def close(self) -> None:
         """Free what the backend allocated (device buffers, streams). Caches allocated from its
         memory are invalid afterwards."""
-
-
-@runtime_checkable
-class BatchBackend(Backend, Protocol):
-    """A backend that also runs a pool of cells shared by several sequences (runtime/batching/)."""
-
-    def run_cells(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
-                  key_mask: np.ndarray, logits_index: np.ndarray,
-                  local_key_mask: np.ndarray | None = None, ring: tuple | None = None) -> np.ndarray:
-        """past = cells [0, past), present written at cells [write, write + S), position_ids [1, S]
-        and the per-token mask [1, S, past + S] given whole (local_key_mask, the same shape: the
-        sliding-window layers' mask, for a graph that has them); returns logits like `run`. `ring`:
-        a windowed pool's ring reads and writes for the local layers (runtime/batching/runner.py),
-        given only to a backend whose `windows_cache` is true."""
 
 
 def default_threads() -> int:

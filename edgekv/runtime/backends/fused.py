@@ -216,12 +216,6 @@ class FusedCalls:
         return ((expected - {"key_mask", LOCAL_MASK}) | set(self.be.fused_inputs) | local
                 | ({QUERY_LENGTHS} if self.be.query_lengths else set()))
 
-    def run(self, cache: KVCache, seq, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
-        """A single stream appends: the op's own causal rule over the filled slots."""
-        s = input_ids.shape[1]
-        local = seq.local_key_mask(s, seq.n) if self.be.local_bias else None  # the window: never the op's rule
-        return self.call(cache, seq.n, seq.n, input_ids, seq.positions(s), None, logits_index, local)
-
     def run_cells(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
                   key_mask: np.ndarray, logits_index: np.ndarray,
                   local_key_mask: np.ndarray | None = None, ring: tuple | None = None) -> np.ndarray:

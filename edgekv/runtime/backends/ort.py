@@ -38,7 +38,6 @@ from edgekv.runtime.backends.rows import RowPadding, RowPlan
 from edgekv.runtime.backends.versions import too_old
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.memory import HeadMajorMemory, HostMemory, KVMemory, SlotMemory
-from edgekv.runtime.sequence import Sequence
 
 PAST_BUCKET = 16  # slots: the past is bound at a multiple of this (1: exactly the filled slots; docs/runtime.md)
 
@@ -256,18 +255,11 @@ class OrtBackend:
         layer's cache) and device memory keep the full capacity."""
         return self.calls.windows_cache
 
-    def past_slots(self, cache: KVCache, seq: Sequence) -> int:
-        return self.calls.past_slots(cache, seq)
-
     def _check_cache(self, cache: KVCache) -> None:
         if cache.memory.device != self.device or cache.layout != getattr(self.memory, "layout", "slots"):
             raise EdgeKVError(f"{self.name} needs its KV cache in its own ({self.device}, "
                               f"{getattr(self.memory, 'layout', 'slots')}-major) "
                               f"memory (build it with memory=backend.memory)")
-
-    def run(self, cache: KVCache, seq: Sequence, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
-        self._check_cache(cache)
-        return self.calls.run(cache, seq, input_ids, logits_index)
 
     def run_cells(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
                   key_mask: np.ndarray, logits_index: np.ndarray,

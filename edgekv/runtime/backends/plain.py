@@ -9,9 +9,7 @@ import numpy as np
 
 from edgekv.errors import BackendUnavailable, EdgeKVError
 from edgekv.format.bundle import LOCAL_MASK, Bundle
-from edgekv.runtime.backends.base import bound_past
 from edgekv.runtime.cache import KVCache
-from edgekv.runtime.sequence import Sequence
 
 
 class PlainCalls:
@@ -29,29 +27,6 @@ class PlainCalls:
 
     def expected_inputs(self, bundle: Bundle) -> set[str]:
         return set(bundle.manifest["io"]["inputs"]) | set(bundle.manifest["io"]["past"])
-
-    def past_slots(self, cache: KVCache, seq: Sequence) -> int:
-        """Slots bound as the past: the filled ones rounded up to the bucket (capped at the
-        capacity), so the binding changes once per bucket; the sequence's key mask hides the rest."""
-        return bound_past(seq.n, self.past_bucket, cache.capacity)
-
-    def run(self, cache: KVCache, seq: Sequence, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
-        s = input_ids.shape[1]
-        past = self.past_slots(cache, seq)
-        if cache.local_ring is not None:  # the local layers' ring, bound at its own bucket
-            return self.call(cache, past, seq.n, input_ids, seq.positions(s), seq.key_mask(s, past), logits_index,
-                             *self._ring_call(cache, seq, s))
-        local = seq.local_key_mask(s, past) if self.be.local_mask else None
-        return self.call(cache, past, seq.n, input_ids, seq.positions(s), seq.key_mask(s, past), logits_index, local)
-
-    def _ring_call(self, cache: KVCache, seq: Sequence, s: int) -> tuple:
-        """A windowed cache's local layers: (their mask, the slots bound as their past, where the
-        call's kept tokens go: the first kept and their ring slots)."""
-        if cache.local_ring != seq.local_ring:
-            raise EdgeKVError(f"{self.be.name}: a windowed cache runs its own sequences (cache.new_sequence())")
-        local_past = bound_past(seq.local_filled(), self.past_bucket, cache.local_ring)
-        first, slots = seq.local_slots(s)
-        return seq.local_key_mask(s, local_past), local_past, (np.arange(first, s), slots)
 
     def run_cells(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
                   key_mask: np.ndarray, logits_index: np.ndarray,

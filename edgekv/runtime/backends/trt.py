@@ -21,7 +21,6 @@ from edgekv.format.bundle import LOCAL_MASK, Bundle
 from edgekv.runtime.backends.engines import DECODE, PREFILL, find_engine
 from edgekv.runtime.backends.gpu import CudaMemory, check
 from edgekv.runtime.cache import KVCache
-from edgekv.runtime.sequence import Sequence
 
 
 def import_tensorrt():
@@ -97,11 +96,6 @@ class TrtBackend:
         arr = np.ascontiguousarray(arr, buf.dtype)
         check(self.cudart.cudaMemcpyAsync(buf.ptr, arr.ctypes.data, arr.nbytes,
                                       self.cudart.cudaMemcpyKind.cudaMemcpyHostToDevice, self.stream))
-
-    def run(self, cache: KVCache, seq: Sequence, input_ids: np.ndarray, logits_index: np.ndarray) -> np.ndarray:
-        s = input_ids.shape[1]
-        local = seq.local_key_mask(s) if self.d_local is not None else None
-        return self.run_cells(cache, seq.n, seq.n, input_ids, seq.positions(s), seq.key_mask(s), logits_index, local)
 
     def run_cells(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
                   key_mask: np.ndarray, logits_index: np.ndarray,

@@ -16,7 +16,7 @@ from dataclasses import asdict
 import numpy as np
 
 from edgekv.errors import ContextOverflow, EdgeKVError, note
-from edgekv.runtime.backends.base import PREFILL_CHUNK, BatchBackend
+from edgekv.runtime.backends.base import PREFILL_CHUNK, Backend
 from edgekv.runtime.batching import snapshot
 from edgekv.runtime.batching.layouts import KV_LAYOUTS, MAX_PREFIXES, cell_pool
 from edgekv.runtime.batching.poolseq import PoolSequence
@@ -30,9 +30,9 @@ from edgekv.runtime.cache import KVCache
 class Batcher:
     def __init__(self, backend, cache: KVCache, parallel: int = 4, max_queue: int = 64,
                  prefill_chunk: int = PREFILL_CHUNK, max_prefixes: int = MAX_PREFIXES):
-        if not isinstance(backend, BatchBackend):
-            raise EdgeKVError(f"the batcher (serve, chat) needs a backend that runs a pool of cells (run_cells); "
-                              f"{backend.name} here runs one sequence per call")
+        if not isinstance(backend, Backend):
+            raise EdgeKVError(f"the batcher needs a backend that runs a pool of cells (run_cells); "
+                              f"{getattr(backend, 'name', type(backend).__name__)} has no run_cells")
         self.backend, self.cache = backend, cache
         per_call = backend.max_tokens_per_call
         self.kv, self.runner = KV_LAYOUTS.get(cache.layout, cell_pool)(backend, cache, max_prefixes)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from edgekv.errors import EdgeKVError
-from edgekv.runtime.backends.base import BatchBackend
+from edgekv.runtime.backends.base import Backend
 from edgekv.runtime.batching.plan import Call, SlotCall
 from edgekv.runtime.cache import KVCache
 
@@ -23,7 +23,7 @@ if TYPE_CHECKING:
 
 
 class StepRunner:
-    def __init__(self, backend: BatchBackend, cache: KVCache, window_rings: "WindowRings | NoWindowRings | None" = None):
+    def __init__(self, backend: Backend, cache: KVCache, window_rings: "WindowRings | NoWindowRings | None" = None):
         self.backend, self.cache = backend, cache
         self.window_rings = window_rings  # a windowed pool's: where a call's kept local K/V go (`writes`)
         self.calls = 0
