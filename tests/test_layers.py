@@ -23,6 +23,9 @@ LAYERS = [  # (module prefix, layer): the longest matching prefix decides
     # inside serve, downwards: what each API shares, its requests and replies, the app, the process
     ("edgekv.serve.api", 3.1), ("edgekv.serve.listen", 3.1), ("edgekv.serve.signals", 3.1),
     ("edgekv.serve.fields", 3.2), ("edgekv.serve.stops", 3.2), ("edgekv.serve.front", 3.2),
+    # structured output and tools: request checks whose 400s are api's bad_request
+    ("edgekv.serve.structured", 3.2), ("edgekv.serve.tools", 3.2), ("edgekv.serve.tool_plan", 3.2),
+    ("edgekv.serve.tool_grammar", 3.2), ("edgekv.serve.tool_stream", 3.2), ("edgekv.serve.tool_constraint", 3.2),
     ("edgekv.serve.reply", 3.3),
     ("edgekv.serve.chat", 3.4), ("edgekv.serve.messages", 3.4), ("edgekv.serve.responses", 3.4),
     ("edgekv.serve.app", 3.5),

@@ -11,7 +11,8 @@ pytest.importorskip("llguidance", reason="structured output needs llguidance (th
 
 from edgekv.format.bundle import load_bundle  # noqa: E402
 from edgekv.runtime import grammar as g  # noqa: E402
-from edgekv.serve.structured import BadRequest, compile_for_request, response_format_grammar  # noqa: E402
+from edgekv.serve.api import ApiError  # noqa: E402
+from edgekv.serve.structured import compile_for_request, response_format_grammar  # noqa: E402
 
 
 
@@ -91,7 +92,7 @@ def test_the_openai_clients_pydantic_schema(tok):
     ({"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA, "strict": "yes"}}, "strict must be"),
 ])
 def test_malformed_formats_are_400s(rf, said):
-    with pytest.raises(BadRequest, match=said) as e:
+    with pytest.raises(ApiError, match=said) as e:
         response_format_grammar(rf)
     assert e.value.param == "response_format"
 
@@ -103,14 +104,14 @@ def test_malformed_formats_are_400s(rf, said):
 ])
 def test_unenforceable_schemas_are_400s_naming_the_feature(tok, schema, said):
     gr = response_format_grammar({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}})
-    with pytest.raises(BadRequest, match=said) as e:
+    with pytest.raises(ApiError, match=said) as e:
         compile_for_request(tok, gr, "response_format")
     assert e.value.param == "response_format"
 
 
 def test_an_oversized_schema_is_a_400():
     big = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}}
-    with pytest.raises(BadRequest, match="more than") as e:
+    with pytest.raises(ApiError, match="more than") as e:
         response_format_grammar({"type": "json_schema", "json_schema": {"name": "big", "schema": big}})
     assert e.value.param == "response_format"
 
@@ -128,7 +129,7 @@ def test_logprobs_asked():
                               ({"logprobs": True, "top_logprobs": 21}, True, "top_logprobs"),
                               ({"logprobs": True, "top_logprobs": True}, True, "top_logprobs"),
                               ({"logprobs": 6}, False, "logprobs"), ({"logprobs": True}, False, "logprobs")):
-        with pytest.raises(BadRequest) as e:
+        with pytest.raises(ApiError) as e:
             logprobs_asked(body, chat)
         assert e.value.param == param
 

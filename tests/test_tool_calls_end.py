@@ -14,7 +14,7 @@ pytest.importorskip("jsonschema", reason="tests.test_tools needs jsonschema (the
 from edgekv.format.bundle import load_bundle  # noqa: E402
 from edgekv.runtime import grammar as g  # noqa: E402
 from edgekv.serve import tools as T  # noqa: E402
-from edgekv.serve.structured import BadRequest  # noqa: E402
+from edgekv.serve.api import ApiError  # noqa: E402
 from tests.test_tools import TOOLS, assert_streams_as_parsed, call, ids  # noqa: E402
 
 PARIS = call("get_weather", {"city": "Paris", "unit": "C"})
@@ -99,19 +99,19 @@ def test_a_cut_call_that_began_like_an_earlier_one_is_shown_as_far_as_it_came():
 def test_a_reply_that_cannot_close_within_max_tokens_is_a_400(tok):
     long_const = {"type": "object", "properties": {"k": {"const": "x" * 2000}}, "required": ["k"]}
     rf = {"type": "json_schema", "json_schema": {"name": "k", "schema": long_const}}
-    with pytest.raises(BadRequest, match="could not close; raise max_tokens") as e:
+    with pytest.raises(ApiError, match="could not close; raise max_tokens") as e:
         T.request_constraint({"response_format": rf, "max_tokens": 10}, tok)
     assert e.value.param == "max_tokens"
     assert T.request_constraint({"response_format": rf, "max_tokens": 2000}, tok)[0] is not None
     # the same through max_completion_tokens, and for tools, whose call is the shortest reply
     tool = {"type": "function", "function": {"name": "f", "parameters": long_const}}
-    with pytest.raises(BadRequest, match="could not close"):
+    with pytest.raises(ApiError, match="could not close"):
         T.request_constraint({"tools": [tool], "tool_choice": "required", "max_completion_tokens": 10}, tok)
     # auto may answer in text: nothing to refuse
     assert T.request_constraint({"tools": [tool], "max_tokens": 10}, tok)[0] is not None
     endless = {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}
     rf = {"type": "json_schema", "json_schema": {"name": "e", "schema": endless}}
-    with pytest.raises(BadRequest, match="no reply can ever close"):
+    with pytest.raises(ApiError, match="no reply can ever close"):
         T.request_constraint({"response_format": rf, "max_tokens": 100}, tok)
 
 

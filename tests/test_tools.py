@@ -20,8 +20,8 @@ from edgekv.runtime import grammar as g  # noqa: E402
 from edgekv.runtime.sampling import SamplingParams  # noqa: E402
 from edgekv.runtime.text import TextCodec, bounded_sandbox  # noqa: E402
 from edgekv.serve import tools as T  # noqa: E402
-from edgekv.serve.structured import BadRequest  # noqa: E402
-from tests.stream_reference import reference
+from edgekv.serve.api import ApiError  # noqa: E402
+from tests.stream_reference import reference  # noqa: E402
 
 
 WEATHER = {"type": "function", "function": {
@@ -95,7 +95,7 @@ def test_tools_and_tool_choice():
     ({"tools": [WEATHER] * 200}, "tools"),
 ])
 def test_malformed_tool_fields_are_400s(body, param):
-    with pytest.raises(BadRequest) as e:
+    with pytest.raises(ApiError) as e:
         T.tools_of(body)
     assert e.value.param == param
 
@@ -246,7 +246,7 @@ def test_messages_checked():
                 [CONVERSATION[0], {"role": "assistant", "content": None, "tool_calls": [
                     {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{not json"}}]}],
                 [{"role": "wizard", "content": "x"}]):
-        with pytest.raises(BadRequest) as e:
+        with pytest.raises(ApiError) as e:
             T.chat_messages(bad)
         assert e.value.param == "messages"
 
@@ -335,6 +335,6 @@ def test_request_constraint(tok):
     c, p = T.request_constraint(body, tok)
     assert p.choice == "none" and c is not None  # the tools are described, the reply is JSON
     assert T.request_constraint({}, tok) == (None, None)
-    with pytest.raises(BadRequest) as e:
+    with pytest.raises(ApiError) as e:
         T.request_constraint({"tools": TOOLS, "response_format": {"type": "json_object"}}, tok)
     assert e.value.param == "response_format" and e.value.code == "unsupported_parameter"

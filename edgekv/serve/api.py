@@ -1,8 +1,8 @@
 """What every API of the server shares: which API a request came through (`Api`: it picks the
 error shape and the response format), the error every handler raises (`ApiError`, rendered in
-the caller's API's shape), and the two requests of the one engine underneath: `ChatAsk` (any
-chat-like API's request, translated: checked messages and OpenAI-shaped tool / format fields)
-and `ApiAsk` (rendered and tokenized, ready to submit)."""
+the caller's API's shape; `bad_request` makes its 400s), and the two requests of the one engine
+underneath: `ChatAsk` (any chat-like API's request, translated: checked messages and OpenAI-shaped
+tool / format fields) and `ApiAsk` (rendered and tokenized, ready to submit)."""
 from __future__ import annotations
 
 import enum
@@ -30,6 +30,10 @@ ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 40
 
 
 class ApiError(Exception):
+    """An HTTP error for this request: its status, OpenAI's error type (`kind`), the request field
+    it is about (`param`), a machine-readable `code` and extra response headers. A 400 (a field that
+    cannot be served as asked) is made by bad_request."""
+
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
                  code: str | None = None, headers: dict | None = None):
         super().__init__(message)
@@ -48,6 +52,11 @@ class ApiError(Exception):
     def response(self, api: Api = Api.CHAT) -> JSONResponse:
         status = self.anthropic_status() if api is Api.MESSAGES else self.status
         return JSONResponse(self.body(api), status_code=status, headers=self.headers)
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    """The 400 of a request that cannot be served as asked, naming the field (`param`) at fault."""
+    return ApiError(400, message, param=param, code=code)
 
 
 class ClientGone(Exception):

@@ -191,10 +191,7 @@ class Server:
 
         def count() -> int:
             ask = messages_request(parse_json(raw), self.sampling_defaults, counting=True)
-            try:
-                plan = tools.tools_of(ask.structured)
-            except structured.BadRequest as e:
-                raise ApiError(400, str(e), param=e.param, code=e.code) from None
+            plan = tools.tools_of(ask.structured)
             return len(encode_unlocked(self.codec, self.render(ask, plan)))
 
         return JSONResponse({"input_tokens": await asyncio.to_thread(count)})
@@ -227,8 +224,9 @@ class Server:
         try:
             constraint, plan = (tools.request_constraint(c.structured, self.grammar_tokenizer(), c.max_tokens)
                                 if asked else (None, tools.tools_of(c.structured)))
-        except structured.BadRequest as e:
-            raise ApiError(400, str(e), param=RENAMED.get(api, {}).get(e.param, e.param), code=e.code) from None
+        except ApiError as e:  # a 400 names the chat field; this API may call it otherwise
+            e.param = RENAMED.get(api, {}).get(e.param, e.param)
+            raise
         if c.prefill and constraint is not None:
             raise ApiError(400, "a final assistant turn (a prefill) cannot be continued under tools or a JSON "
                                 "format: the grammar starts the reply itself", param=c.param)
@@ -244,10 +242,7 @@ class Server:
         body = parse_json(raw)
         refuse_unsupported(body, COMPLETION_UNSUPPORTED)
         prompt = prompt_of(body)
-        try:
-            top = structured.logprobs_asked(body, chat=False)
-        except structured.BadRequest as e:
-            raise ApiError(400, str(e), param=e.param, code=e.code) from None
+        top = structured.logprobs_asked(body, chat=False)
         if top is not None:
             self.grammar_tokenizer()  # its bytes of each token
         opts = max_tokens_of(body), sampling_of(body, self.sampling_defaults), stops_of(body), flag(body, "stream")

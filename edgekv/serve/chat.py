@@ -22,11 +22,8 @@ STRUCTURED = ("tools", "tool_choice", "parallel_tool_calls", "response_format")
 def chat_request(body: dict, unset: SamplingDefaults) -> ChatAsk:
     """A chat request's fields, checked (the worker thread: no template, no tokenizer yet)."""
     refuse_unsupported(body, CHAT_UNSUPPORTED)
-    try:
-        msgs = tools.chat_messages(body.get("messages"))
-        top = structured.logprobs_asked(body, chat=True)
-    except structured.BadRequest as e:
-        raise ApiError(400, str(e), param=e.param, code=e.code) from None
+    msgs = tools.chat_messages(body.get("messages"))
+    top = structured.logprobs_asked(body, chat=True)
     ask = ChatAsk(msgs, max_tokens_of(body), sampling_of(body, unset), stops_of(body), flag(body, "stream"),
                   structured={k: body.get(k) for k in STRUCTURED}, logprobs=top, include_usage=include_usage_of(body))
     ask.thinking = template_kwargs_of(body).get("enable_thinking")

@@ -11,7 +11,7 @@ import json
 import uuid
 
 from edgekv.runtime.sampling import SamplingDefaults
-from edgekv.serve import structured, tools
+from edgekv.serve import tools
 from edgekv.serve.api import Api, ApiError, ChatAsk
 from edgekv.serve.fields import absent_or, flag, number, refuse_unsupported, sampling_of, stops_of, text
 from edgekv.serve.reply import Delta, Outcome, Reply
@@ -97,10 +97,7 @@ def chat_messages_of(body: dict) -> list[dict]:
         if not isinstance(m, dict) or m.get("role") not in ("user", "assistant"):
             raise _bad(f"messages[{i}] must be an object with a role of user or assistant")
         out += _user(m, i) if m["role"] == "user" else [_assistant(m, i)]
-    try:
-        return tools.chat_messages(out)
-    except structured.BadRequest as e:
-        raise _bad(str(e)) from None
+    return tools.chat_messages(out)
 
 
 def tools_of(body: dict) -> dict:

@@ -12,7 +12,7 @@ import time
 import uuid
 
 from edgekv.runtime.sampling import SamplingDefaults
-from edgekv.serve import structured, tools
+from edgekv.serve import tools
 from edgekv.serve.api import ApiError, ChatAsk
 from edgekv.serve.fields import absent_or, flag, number, refuse_unsupported, sampling_of, text
 from edgekv.serve.reply import Delta, Outcome, Reply
@@ -72,7 +72,7 @@ def chat_messages_of(body: dict) -> list[dict]:
                        f"arguments) or function_call_output (call_id, output) item; not {str(kind)[:40]!r}")
     try:
         return tools.chat_messages(out)
-    except structured.BadRequest as e:
+    except ApiError as e:  # the checked messages came from 'input'
         raise _bad(f"input: {e}") from None
 
 

@@ -1,23 +1,15 @@
 """`response_format` (OpenAI's chat field) -> the Grammar a reply must follow, or a 400
-(docs/structured.md). Pure functions: the HTTP layer calls them and compiles the grammar with
-the bundle's tokenizer (edgekv/runtime/grammar.py)."""
+(api.bad_request; docs/structured.md). Pure functions: the HTTP layer calls them and compiles the
+grammar with the bundle's tokenizer (edgekv/runtime/grammar.py)."""
 from __future__ import annotations
 
 import re
 
-from edgekv.errors import EdgeKVError
 from edgekv.runtime import grammar as g
+from edgekv.serve.api import bad_request
 
 # OpenAI's rule for a response format's (and a function's) name
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
-
-
-class BadRequest(EdgeKVError):
-    """A request field that cannot be served as asked: an HTTP 400 with `param` (and `code`)."""
-
-    def __init__(self, message: str, param: str, code: str | None = None):
-        super().__init__(message)
-        self.param, self.code = param, code
 
 
 def response_format_grammar(rf) -> g.Grammar | None:
@@ -26,38 +18,38 @@ def response_format_grammar(rf) -> g.Grammar | None:
     if rf is None:
         return None
     if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
-        raise BadRequest("'response_format' must be an object whose type is text, json_object or json_schema",
-                         "response_format")
+        raise bad_request("'response_format' must be an object whose type is text, json_object or json_schema",
+                          "response_format")
     if rf["type"] == "text":
         return None
     if rf["type"] == "json_object":
         return g.json_object()
     js = rf.get("json_schema")
     if not isinstance(js, dict):
-        raise BadRequest("response_format.json_schema must be an object with a name and a schema", "response_format")
+        raise bad_request("response_format.json_schema must be an object with a name and a schema", "response_format")
     if not isinstance(js.get("name"), str) or not NAME.fullmatch(js["name"]):
-        raise BadRequest("response_format.json_schema.name must be 1-64 letters, digits, _ or -", "response_format")
+        raise bad_request("response_format.json_schema.name must be 1-64 letters, digits, _ or -", "response_format")
     if js.get("strict") is not None and not isinstance(js["strict"], bool):
-        raise BadRequest("response_format.json_schema.strict must be true, false or null", "response_format")
+        raise bad_request("response_format.json_schema.strict must be true, false or null", "response_format")
     if js.get("description") is not None and not isinstance(js["description"], str):
-        raise BadRequest("response_format.json_schema.description must be a string", "response_format")
+        raise bad_request("response_format.json_schema.description must be a string", "response_format")
     if not isinstance(js.get("schema"), dict):
-        raise BadRequest("response_format.json_schema.schema must be a JSON Schema object", "response_format")
+        raise bad_request("response_format.json_schema.schema must be a JSON Schema object", "response_format")
     try:
         return g.json_schema(js["schema"])
     except g.GrammarError as e:
-        raise BadRequest(f"response_format: {e}", "response_format") from None
+        raise bad_request(f"response_format: {e}", "response_format") from None
 
 
 def compile_for_request(tok: g.GrammarTokenizer, grammar: g.Grammar | None, param: str):
     """The constraint of one request (None: unconstrained); a grammar the engine cannot enforce
-    is a BadRequest naming the field it came from."""
+    is a 400 naming the field it came from."""
     if grammar is None:
         return None
     try:
         return g.compile_bounded(tok, grammar)  # on the grammar workers (runtime/grammar_worker.py)
     except g.GrammarError as e:
-        raise BadRequest(f"{param}: {e}", param) from None
+        raise bad_request(f"{param}: {e}", param) from None
 
 
 async def compile_for_request_async(tok: g.GrammarTokenizer, grammar: g.Grammar | None, param: str):
@@ -67,7 +59,7 @@ async def compile_for_request_async(tok: g.GrammarTokenizer, grammar: g.Grammar 
     try:
         return await g.compile_async(tok, grammar)
     except g.GrammarError as e:
-        raise BadRequest(f"{param}: {e}", param) from None
+        raise bad_request(f"{param}: {e}", param) from None
 
 
 # -- logprobs --------------------------------------------------------------------------------------
@@ -82,16 +74,16 @@ def logprobs_asked(body: dict, chat: bool) -> int | None:
     if chat:
         top = body.get("top_logprobs")
         if lp is not None and not isinstance(lp, bool):
-            raise BadRequest("'logprobs' must be true, false or null", "logprobs")
+            raise bad_request("'logprobs' must be true, false or null", "logprobs")
         if top is not None and (type(top) is not int or not 0 <= top <= MAX_TOP_LOGPROBS):
-            raise BadRequest(f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
+            raise bad_request(f"'top_logprobs' must be an integer in [0, {MAX_TOP_LOGPROBS}]", "top_logprobs")
         if top and not lp:
-            raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+            raise bad_request("'top_logprobs' needs 'logprobs': true", "top_logprobs")
         return (top or 0) if lp else None
     if lp is None:
         return None
     if type(lp) is not int or not 0 <= lp <= 5:
-        raise BadRequest("'logprobs' must be an integer in [0, 5] or null", "logprobs")
+        raise bad_request("'logprobs' must be an integer in [0, 5] or null", "logprobs")
     return lp
 
 

@@ -10,8 +10,8 @@ import math
 
 from edgekv.runtime import grammar as g
 from edgekv.runtime import grammar_checks as checks
-from edgekv.serve.structured import (BadRequest, compile_for_request, compile_for_request_async,
-                                     response_format_grammar)
+from edgekv.serve.api import bad_request
+from edgekv.serve.structured import compile_for_request, compile_for_request_async, response_format_grammar
 from edgekv.serve.tool_constraint import RepeatStops
 from edgekv.serve.tool_plan import CLOSE, MAX_PARALLEL_CALLS, OPEN, ToolPlan, tools_of
 from edgekv.serve.tool_stream import HEAD_END, HEAD_START
@@ -55,13 +55,13 @@ def tool_grammar(plan: ToolPlan, tok: g.GrammarTokenizer | None = None) -> g.Gra
         try:
             rules.append(f"args_{i}: {g.lark_json(closed_objects(t.parameters), f'the parameters of {t.name}')}")
         except g.GrammarError as e:
-            raise BadRequest(str(e), "tools") from None
+            raise bad_request(str(e), "tools") from None
     patterns = tuple(dict.fromkeys(p for t in plan.tools for p in g.counted_patterns(t.parameters)))
     try:
         # each pattern also tried alone by compile_grammar
         return g.lark("\n".join(rules), patterns, 0 if plan.choice == "auto" else min_call_chars(plan))
     except g.GrammarError as e:
-        raise BadRequest(f"tools: {e}", "tools") from None
+        raise bad_request(f"tools: {e}", "tools") from None
 
 
 def closed_objects(schema: dict) -> dict:
@@ -104,31 +104,31 @@ def max_tokens_asked(body: dict) -> int | None:
 
 
 def check_fits(grammar: g.Grammar | None, tok: g.GrammarTokenizer, max_tokens: int | None, param: str) -> None:
-    """A BadRequest where no reply the grammar allows can close within max_tokens: its shortest
+    """A 400 where no reply the grammar allows can close within max_tokens: its shortest
     reply (grammar.min_chars, a lower bound) needs more tokens than that even if every token were
     the vocabulary's longest."""
     if grammar is None or max_tokens is None or not grammar.min_chars:
         return
     least = math.ceil(grammar.min_chars / tok.max_token_bytes) if grammar.min_chars < checks.BIG else None
     if least is None:
-        raise BadRequest(f"{param}: no reply can ever close: the schema requires a value inside itself (a required "
-                         "$ref back to where it started) or allows none (false)", param)
+        raise bad_request(f"{param}: no reply can ever close: the schema requires a value inside itself (a required "
+                          "$ref back to where it started) or allows none (false)", param)
     if least > max_tokens:
-        raise BadRequest(f"{param}: the shortest reply it allows is {grammar.min_chars} characters, at least {least} "
-                         f"tokens of this model, and max_tokens is {max_tokens}: it could not close; raise max_tokens",
-                         "max_tokens")
+        raise bad_request(f"{param}: the shortest reply it allows is {grammar.min_chars} characters, at least {least} "
+                          f"tokens of this model, and max_tokens is {max_tokens}: it could not close; raise max_tokens",
+                          "max_tokens")
 
 
 def request_grammar(body: dict, tok: g.GrammarTokenizer, max_tokens: int | None = None):
     """A chat request's (Grammar or None, ToolPlan or None, the field it came from), checked but
     not compiled: from its response_format, tools, tool_choice and parallel_tool_calls; max_tokens
-    (None: the body's own) refuses a grammar that could not close within it. BadRequest for what
+    (None: the body's own) refuses a grammar that could not close within it. A 400 for what
     cannot be served (response_format with callable tools is not combined yet)."""
     plan = tools_of(body)
     rf = response_format_grammar(body.get("response_format"))
     if rf is not None and plan is not None and plan.calls_possible:
-        raise BadRequest("'response_format' together with callable 'tools' is not supported yet "
-                         "(tool_choice none, or one of the two)", "response_format", code="unsupported_parameter")
+        raise bad_request("'response_format' together with callable 'tools' is not supported yet "
+                          "(tool_choice none, or one of the two)", "response_format", code="unsupported_parameter")
     grammar, param = (tool_grammar(plan, tok), "tools") if plan is not None and plan.calls_possible \
         else (rf, "response_format")
     check_fits(grammar, tok, max_tokens if max_tokens is not None else max_tokens_asked(body), param)

@@ -9,7 +9,8 @@ import json
 from dataclasses import dataclass
 
 from edgekv.runtime import grammar as g
-from edgekv.serve.structured import NAME, BadRequest
+from edgekv.serve.api import bad_request
+from edgekv.serve.structured import NAME
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128  # OpenAI's limit
@@ -43,23 +44,23 @@ class ToolPlan:
 def _tool_of(t, i: int) -> Tool:
     where = f"tools[{i}]"
     if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("function"), dict):
-        raise BadRequest(f'{where} must be {{"type": "function", "function": {{...}}}}', "tools")
+        raise bad_request(f'{where} must be {{"type": "function", "function": {{...}}}}', "tools")
     f = t["function"]
     if not isinstance(f.get("name"), str) or not NAME.fullmatch(f["name"]):
-        raise BadRequest(f"{where}.function.name must be 1-64 letters, digits, _ or -", "tools")
+        raise bad_request(f"{where}.function.name must be 1-64 letters, digits, _ or -", "tools")
     if f.get("description") is not None and not isinstance(f["description"], str):
-        raise BadRequest(f"{where}.function.description must be a string", "tools")
+        raise bad_request(f"{where}.function.description must be a string", "tools")
     params = f.get("parameters")
     if params is None:
         params = EMPTY_PARAMETERS
     if not isinstance(params, dict):
-        raise BadRequest(f"{where}.function.parameters must be a JSON Schema object", "tools")
+        raise bad_request(f"{where}.function.parameters must be a JSON Schema object", "tools")
     if f.get("strict") is not None and not isinstance(f["strict"], bool):
-        raise BadRequest(f"{where}.function.strict must be true, false or null", "tools")
+        raise bad_request(f"{where}.function.strict must be true, false or null", "tools")
     try:
         g.check_schema(params, f"{where}.function.parameters")
     except g.GrammarError as e:
-        raise BadRequest(str(e), "tools") from None
+        raise bad_request(str(e), "tools") from None
     return Tool(f["name"], f.get("description") or "", params, t)
 
 
@@ -68,28 +69,28 @@ def tools_of(body: dict) -> ToolPlan | None:
     raw, choice = body.get("tools"), body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
-        raise BadRequest("'parallel_tool_calls' must be true, false or null", "parallel_tool_calls")
+        raise bad_request("'parallel_tool_calls' must be true, false or null", "parallel_tool_calls")
     if raw is None or raw == []:
         if choice not in (None, "none"):
-            raise BadRequest("'tool_choice' needs 'tools'", "tool_choice")
+            raise bad_request("'tool_choice' needs 'tools'", "tool_choice")
         return None
     if not isinstance(raw, list) or len(raw) > MAX_TOOLS:
-        raise BadRequest(f"'tools' must be a list of up to {MAX_TOOLS} functions", "tools")
+        raise bad_request(f"'tools' must be a list of up to {MAX_TOOLS} functions", "tools")
     tools = tuple(_tool_of(t, i) for i, t in enumerate(raw))
     names = [t.name for t in tools]
     if len(set(names)) != len(names):
-        raise BadRequest("'tools' names a function twice", "tools")
+        raise bad_request("'tools' names a function twice", "tools")
     if choice is None:
         choice = "auto"
     if isinstance(choice, str):
         if choice not in CHOICES:
-            raise BadRequest(f"'tool_choice' must be one of {', '.join(CHOICES)} or a named function", "tool_choice")
+            raise bad_request(f"'tool_choice' must be one of {', '.join(CHOICES)} or a named function", "tool_choice")
         return ToolPlan(tools, choice, parallel is not False, tools)
     named = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
         and isinstance(choice.get("function"), dict) else None
     if named not in names:
-        raise BadRequest('\'tool_choice\' must name one of the tools: {"type": "function", "function": {"name": ...}}',
-                         "tool_choice")
+        raise bad_request('\'tool_choice\' must name one of the tools: {"type": "function", "function": {"name": ...}}',
+                          "tool_choice")
     return ToolPlan(tuple(t for t in tools if t.name == named), "function", False, tools)
 
 

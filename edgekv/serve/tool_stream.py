@@ -10,7 +10,6 @@ import re
 import uuid
 from typing import Callable
 
-from edgekv.errors import EdgeKVError
 from edgekv.serve.tool_plan import CLOSE, OPEN
 
 def new_call_id(index: int) -> str:
@@ -228,12 +227,15 @@ def finish_reason(engine_reason: str, msg: dict) -> str:
     return "tool_calls" if engine_reason == "stop" and msg.get("tool_calls") else engine_reason
 
 
-class ToolCallError(EdgeKVError):
-    """A tool call whose arguments are not JSON (a reply cut short, or one made without the grammar)."""
+class ToolCallError(ValueError):
+    """A reply's tool call whose arguments are not JSON (a reply cut short, or one made without the
+    grammar): a fault of what the model wrote, never of the request, so never an HTTP 400 (the
+    server passes a cut call on as written, with finish_reason length)."""
 
 
 def check_arguments(msg: dict) -> None:
-    """Every call's arguments parse as JSON (the grammar makes them; a cut reply may not)."""
+    """Every call's arguments parse as JSON (the grammar makes them; a cut reply may not):
+    ToolCallError where one does not."""
     for c in msg.get("tool_calls", []):
         try:
             json.loads(c["function"]["arguments"])

@@ -15,7 +15,7 @@ import json
 import re
 
 from edgekv.runtime.text import render_bounded
-from edgekv.serve.structured import BadRequest
+from edgekv.serve.api import bad_request
 from edgekv.serve.tool_grammar import (check_fits, constraint_of, max_tokens_asked, min_call_chars,  # noqa: F401
                                        request_constraint, request_constraint_async, request_grammar,
                                        tool_grammar)
@@ -57,11 +57,12 @@ def _content(m: dict, i: int, nullable: bool) -> str:
                                    for p in c):
         c = "".join(p["text"] for p in c)
     if not isinstance(c, str):
-        raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
+        raise bad_request(f"messages[{i}].content must be a string or a list of text parts", "messages")
     try:
         c.encode("utf-8")
     except UnicodeEncodeError:
-        raise BadRequest(f"messages[{i}].content holds a lone surrogate (not valid Unicode text)", "messages") from None
+        raise bad_request(f"messages[{i}].content holds a lone surrogate (not valid Unicode text)",
+                          "messages") from None
     return c
 
 
@@ -71,18 +72,18 @@ def _calls_of(m: dict, i: int) -> list[dict]:
     if calls is None:
         return []
     if not isinstance(calls, list):
-        raise BadRequest(f"messages[{i}].tool_calls must be a list", "messages")
+        raise bad_request(f"messages[{i}].tool_calls must be a list", "messages")
     out = []
     for j, c in enumerate(calls):
         f = c.get("function") if isinstance(c, dict) else None
         if not (isinstance(c.get("id"), str) and isinstance(f, dict) and isinstance(f.get("name"), str)
                 and isinstance(f.get("arguments"), str)):
-            raise BadRequest(f"messages[{i}].tool_calls[{j}] must have an id, a function name and arguments "
-                             "(a JSON string)", "messages")
+            raise bad_request(f"messages[{i}].tool_calls[{j}] must have an id, a function name and arguments "
+                              "(a JSON string)", "messages")
         try:
             args = json.loads(f["arguments"])
         except ValueError:
-            raise BadRequest(f"messages[{i}].tool_calls[{j}].function.arguments is not JSON", "messages") from None
+            raise bad_request(f"messages[{i}].tool_calls[{j}].function.arguments is not JSON", "messages") from None
         out.append({"id": c["id"], "name": f["name"], "arguments": args})
     return out
 
@@ -95,11 +96,11 @@ def chat_messages(msgs) -> list[dict]:
     "tool_calls" [{"id", "name", "arguments": dict}], and for a tool's result "tool_call_id"
     (the id of a call made before it) and the called function's "name"."""
     if not isinstance(msgs, list) or not msgs:
-        raise BadRequest("'messages' must be a non-empty list", "messages")
+        raise bad_request("'messages' must be a non-empty list", "messages")
     out, called = [], {}  # call id -> function name
     for i, m in enumerate(msgs):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
-            raise BadRequest(f"messages[{i}] must be an object with a role of {sorted(ROLES)}", "messages")
+            raise bad_request(f"messages[{i}] must be an object with a role of {sorted(ROLES)}", "messages")
         role = ROLES[m["role"]]
         calls = _calls_of(m, i) if role == "assistant" else []
         msg = {"role": role, "content": _content(m, i, nullable=bool(calls))}
@@ -109,8 +110,8 @@ def chat_messages(msgs) -> list[dict]:
         if role == "tool":
             cid = m.get("tool_call_id")
             if cid not in called:
-                raise BadRequest(f"messages[{i}]: a tool message must answer a tool call made before it "
-                                 "(its tool_call_id)", "messages")
+                raise bad_request(f"messages[{i}]: a tool message must answer a tool call made before it "
+                                  "(its tool_call_id)", "messages")
             msg["tool_call_id"], msg["name"] = cid, called[cid]
         out.append(msg)
     return out
