@@ -13,7 +13,7 @@ import time
 import numpy as np
 import torch
 
-from export.bundle import resolve_source
+from export.recipes import resolve_source
 from export.loaders import unfuse
 
 

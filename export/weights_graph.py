@@ -237,7 +237,7 @@ def table_twin(targets: dict[str, tuple[np.ndarray, QuantWeight]], embed: str) -
 
 def _shared_gather(node, head: str, q: QuantWeight, dtype, inits: list) -> list:
     """The tied table's lookup on copies of the head's initializers, byte for byte (codes [K, V],
-    scales and minimums [K/B, V], gathered along V): export/bundle.py stores identical tensors
+    scales and minimums [K/B, V], gathered along V): export/pipeline.py stores identical tensors
     once in the weights file (onnxruntime's MatMulNBits fusion needs the head's own initializers
     to feed nothing else, so the Gather cannot read those very tensors). The gathered codes go
     straight to a unit DequantizeLinear (TensorRT's rule; no Reshape after it), the scales are

@@ -28,7 +28,7 @@ echo "== installing edgekv (+ export, eval, serve, test extras) and $TORCH"
 
 # reuse the bundle only if this exporter made it (its manifest records the exporter's source key)
 if ! .venv/bin/python -c "
-from edgekv.format.bundle import load_bundle; from export.bundle import exporter_source_key
+from edgekv.format.bundle import load_bundle; from export.manifest import exporter_source_key
 assert load_bundle('$BUNDLE').manifest['exporter'].get('source_key') == exporter_source_key()" 2>/dev/null; then
   echo "== exporting the default model to $BUNDLE (a few minutes: export + parity check)"
   .venv/bin/edgekv export smollm2-135m-instruct --out "$BUNDLE"

@@ -16,7 +16,7 @@ tiny-int8-wint4, ...) into one folder, in two modes chosen by the environment:
 Without either variable the plugin does nothing.
 
 On the target a fixture may import the exporter before it calls made_once (conftest's
-tiny_gguf_bundles: `from export.bundle import export_bundle`, `from tests.test_gguf import
+tiny_gguf_bundles: `from export.pipeline import export_bundle`, `from tests.test_gguf import
 write_gguf`, whose import needs torch): in prebuilt mode, once the tests are collected, such
 host-only modules that cannot be imported here (HOST_ONLY) are stand-ins whose every attribute is a
 function that raises (the stand-in is never called: made_once does not call make).
@@ -191,7 +191,7 @@ def wbundle(request, tmp_path_factory) -> tuple[str, Path]:
     c = _conftests(request.config)[0]
 
     def make(path: Path) -> None:
-        from export.bundle import export_bundle
+        from export.pipeline import export_bundle
 
         export_bundle(str(request.getfixturevalue("tiny_llama")), kv="int8", out=str(path), max_context=256,
                       steps=8, weights=fmt)

@@ -284,7 +284,7 @@ def tiny_qwen(tmp_path_factory) -> Path:
 
 
 def _export(src: Path, out: Path, kv: str, max_context: int = 256) -> Path:
-    from export.bundle import export_bundle
+    from export.pipeline import export_bundle
 
     return export_bundle(str(src), kv=kv, out=str(out), max_context=max_context, steps=8)
 
@@ -356,7 +356,7 @@ def _gguf_quickstart_types(name: str):
 def tiny_gguf_bundles(tiny_llama, tmp_path_factory):
     """kv -> the tiny Llama as the quickstart's bundle is made: a GGUF of Q4_1 matrices and a Q8_0
     head, its blocks kept (onnxruntime's 4- and 8-bit MatMulNBits), that KV scheme; once per run."""
-    from export.bundle import export_bundle
+    from export.pipeline import export_bundle
     from tests.test_gguf import write_gguf
 
     def make(kv: str, path: Path) -> None:
@@ -392,7 +392,7 @@ def arch_bundles(arch_folders, tmp_path_factory):
     """(name, kv, context, steps=8, dtype) -> arch_folders(name) exported so, once per run, keyed
     by all of them (export_bundle raises unless its parity check over `steps` decode steps and
     check-trt pass)."""
-    from export.bundle import export_bundle
+    from export.pipeline import export_bundle
 
     def get(name: str, kv: str, context: int, steps: int = 8, dtype: str = "float32") -> Path:
         def make(path: Path) -> None:
@@ -430,10 +430,11 @@ REAL_PARITY_STEPS = 8
 def real_export(tmp_path_factory, name: str, weights: str, kv: str) -> Path:
     """The default recipe with KV scheme `kv` and `weights`, by the exporter under test, once
     per run: in CI always exported afresh (into the run's folder); elsewhere reused only if the
-    exporter's sources are the ones that made it (export/bundle.py's exporter_source_key):
+    exporter's sources are the ones that made it (export/manifest.py's exporter_source_key):
     models/bundles/NAME, or one kept under models/bundles/.test-cache/<key>/. A file lock makes
     the workers of a run (and concurrent runs) export it once and wait for it."""
-    from export.bundle import export_bundle, exporter_source_key
+    from export.manifest import exporter_source_key
+    from export.pipeline import export_bundle
 
     def export(path: Path) -> None:
         export_bundle(None, kv=kv, weights=weights, out=str(path), steps=REAL_PARITY_STEPS)

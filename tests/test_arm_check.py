@@ -74,7 +74,7 @@ def test_every_test_the_check_names_is_collected():
 
 
 def test_host_only_modules_are_stand_ins_where_they_cannot_be_imported(monkeypatch):
-    """On the target a fixture's `from export.bundle import export_bundle` (before made_once, which
+    """On the target a fixture's `from export.pipeline import export_bundle` (before made_once, which
     never calls it there) imports a stand-in that raises only when called."""
     from tests import arm_bundles
 

@@ -116,7 +116,7 @@ def hf_windows(outlier_model):
 def calibrated(folder, kv: str, calibrate: bool = True):
     """The exporter's torch model for scheme kv, calibrated by the exporter's own calibration step
     on the calibration text (or left as constructed: scales 1.0, offsets 0)."""
-    from export.bundle import calibrate as run_calibration
+    from export.kv_calibration import calibrate as run_calibration
     from export.loaders import load_hf_folder
     from export.model import Transformer
 
@@ -322,7 +322,8 @@ REAL_BOUND = 3.0
 @pytest.mark.slow
 def test_real_model_static_kv_close_to_per_token_on_unseen_text():
     from edgekv.tools.corpus import default_text
-    from export.bundle import calibration_ids, resolve_source
+    from export.kv_calibration import calibration_ids
+    from export.recipes import resolve_source
     from export.calibrate import calibrate_static
     from export.model import Transformer
 

@@ -81,7 +81,7 @@ class LineInterrupt:
     FILES = ("edgekv/runtime/batching/batcher.py", "edgekv/runtime/batching/scheduler.py", "edgekv/runtime/batching/kv.py",
              "edgekv/runtime/batching/turns.py", "edgekv/runtime/batching/poolseq.py", "edgekv/runtime/batching/runner.py",
              "edgekv/runtime/batching/postprocess.py", "edgekv/runtime/batching/request.py", "edgekv/runtime/batching/plan.py",
-             "edgekv/runtime/batching/windowring.py", "edgekv/runtime/cache.py", "edgekv/runtime/pool.py",
+             "edgekv/runtime/batching/window_rings.py", "edgekv/runtime/cache.py", "edgekv/runtime/pool.py",
              "edgekv/chat/session.py", "edgekv/chat/policies.py", "edgekv/chat/conversation.py")
 
     def __init__(self, k):

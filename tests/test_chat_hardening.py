@@ -71,7 +71,7 @@ def rewrite_meta(src, dst, change):
 def tiny_bundle_w8(tiny_llama, tmp_path_factory):
     """The tiny model exported again with int8 weights: the same source sha256 as tiny_bundle_int8
     (float weights), the same KV scheme, another model.onnx.data."""
-    from export.bundle import export_bundle
+    from export.pipeline import export_bundle
 
     return export_bundle(str(tiny_llama), kv="int8", out=str(tmp_path_factory.mktemp("w8") / "tiny-w8"),
                          max_context=256, steps=8, weights="int8")

@@ -144,7 +144,7 @@ def test_out_refused_before_the_model_is_read(tmp_path):
 def test_default_out_refused_without_loading_the_model(tiny_llama, tmp_path, monkeypatch):
     """No --out: the default name needs the weights format (auto: from the source's header), and
     the refusal still comes before the model's load."""
-    import export.bundle as eb
+    import export.pipeline as eb
     from export import recipes
     from edgekv.errors import ExportError
 
@@ -235,7 +235,7 @@ def test_cli_export_defaults_to_auto():
 
 def test_auto_export_of_a_4bit_gguf_is_int4_named_so_and_says_what_its_kld_is_against(ggufs, tmp_path, monkeypatch,
                                                                                         capfd):
-    import export.bundle as eb
+    import export.pipeline as eb
     from export import recipes
 
     _, g = ggufs

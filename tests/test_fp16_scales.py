@@ -30,7 +30,7 @@ PARTS = {"embed.weight": ["token_embd"]} | {
 
 
 def _export(path, out):
-    from export.bundle import export_bundle
+    from export.pipeline import export_bundle
 
     return export_bundle(str(path), kv="float", out=str(out), max_context=64, steps=4, weights="auto")
 

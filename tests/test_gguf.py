@@ -58,7 +58,7 @@ def test_real_gguf_tokenizer_matches_transformers():
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
 
-    from export.bundle import DEFAULT_RECIPE, MODELS_DIR, recipe_path
+    from export.recipes import DEFAULT_RECIPE, MODELS_DIR, recipe_path
 
     path = recipe_path(json.loads((MODELS_DIR / f"{DEFAULT_RECIPE}.json").read_text()) | {"name": DEFAULT_RECIPE})
     hf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)

@@ -177,7 +177,7 @@ MIXED = {  # llama.cpp's Q4_K_M mixes (Q5_0/Q8_0 where a row is not a multiple o
 
 @pytest.fixture(scope="module")
 def mixed_bundle(kfolder, tmp_path_factory):
-    from export.bundle import export_bundle
+    from export.pipeline import export_bundle
 
     root = tmp_path_factory.mktemp("kqmix")
     path = write_typed_gguf(kfolder, root / "mixed.gguf", lambda name: MIXED[name.rsplit(".", 1)[0]], seed=4)

@@ -82,7 +82,7 @@ def test_concurrent_writes_of_one_file_do_not_collide(tmp_path):
 
 
 def test_export_refuses_a_folder_that_is_not_a_bundle_and_force_keeps_its_files(tiny_llama, tmp_path):
-    from export.bundle import check_out_dir, replaceable
+    from export.destination import check_out_dir, replaceable
 
     out = tmp_path / "x"
     (out / "sub").mkdir(parents=True)

@@ -13,7 +13,7 @@ pytest.importorskip("torch")
 
 from edgekv.format.bundle import load_bundle  # noqa: E402
 from export import kv_gate  # noqa: E402
-from export.bundle import export_bundle  # noqa: E402
+from export.pipeline import export_bundle  # noqa: E402
 from tests.stream_reference import reference
 
 

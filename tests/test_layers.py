@@ -39,7 +39,7 @@ LAYERS = [  # (module prefix, layer): the longest matching prefix decides
 ]
 # edgekv file -> the export/jetson modules it may name in a string (run by name, not imported)
 NAME_REFERENCES = {
-    "edgekv/cli/__init__.py": {"export.bundle", "jetson.build_engine"},
+    "edgekv/cli/__init__.py": {"export.pipeline", "jetson.build_engine"},
     "edgekv/tools/bench.py": {"export.bench_transformers"},
 }
 PROJECT = ("edgekv", "export", "jetson")

@@ -133,7 +133,7 @@ def test_exported_int4_graph_passes_only_because_of_its_int4(fmt, tmp_path, tiny
     (what TensorRT refuses) is caught."""
     import onnx
 
-    from export.bundle import export_bundle
+    from export.pipeline import export_bundle
     from edgekv.format.bundle import load_bundle
 
     b = load_bundle(export_bundle(str(tiny_llama), kv="float", out=str(tmp_path / "b"), max_context=64, steps=2,

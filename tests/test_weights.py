@@ -34,7 +34,7 @@ def tiny_sources(tiny_llama, tiny_qwen):
 
 @pytest.fixture(scope="session")
 def weight_bundles(tiny_sources, tmp_path_factory):
-    from export.bundle import export_bundle
+    from export.pipeline import export_bundle
 
     root = tmp_path_factory.mktemp("wb")
     return {(arch, w): export_bundle(str(tiny_sources[arch]), kv="float", out=str(root / f"{arch}-{w}"),
@@ -233,7 +233,7 @@ def _gguf_types(name: str):
 
 @pytest.fixture(scope="session")
 def gguf_bundle(tiny_sources, tmp_path_factory):
-    from export.bundle import export_bundle
+    from export.pipeline import export_bundle
     from tests.test_gguf import write_gguf
 
     root = tmp_path_factory.mktemp("wgguf")
@@ -268,7 +268,7 @@ def test_tied_head_is_the_tables_own_q8_0_blocks(tmp_path, monkeypatch):
     """A tied GGUF (no output.weight: SmolLM2's case) stores its head from the table's Q8_0 blocks
     as they are, not requantized, and only once: the lookup reads the head's initializers (also
     after the engine build's per-channel rewrite), and onnxruntime still fuses the head."""
-    from export.bundle import export_bundle
+    from export.pipeline import export_bundle
     from tests.test_gguf import write_gguf
 
     folder = make_hf_folder(tmp_path / "hf", "llama", tie_word_embeddings=True)
@@ -423,7 +423,7 @@ def test_int4_weights_with_int8_cache_load_and_match_torch(tiny_sources, tmp_pat
     """INT4 weights (opset 21) with the int8 KV cache's Q/DQ: the graph loads in the ORT backend
     and the exporter's parity check (ONNX vs torch) passes (onnxruntime's QDQ propagation broke
     the load; docs/weights.md)."""
-    from export.bundle import export_bundle
+    from export.pipeline import export_bundle
 
     b = load_bundle(export_bundle(str(tiny_sources["qwen2"]), kv="int8", out=str(tmp_path / "b"), max_context=128,
                                   steps=2, weights="int4"))

@@ -22,7 +22,7 @@ def explain(e: EdgeKVError) -> str:
 # command -> (module, function), imported only when run: `edgekv chat` never loads the exporter.
 # export/ and jetson/ import edgekv, never the reverse: the CLI reaches them only by name, here.
 COMMANDS = {
-    "export": ("export.bundle", "cmd_export"),
+    "export": ("export.pipeline", "cmd_export"),
     "generate": ("edgekv.tools.generate", "cmd_generate"),
     "chat": ("edgekv.chat.terminal", "cmd_chat"),
     "eval": ("edgekv.tools.evaluate", "cmd_eval"),
@@ -37,7 +37,7 @@ COMMANDS = {
 # commands that go on after an error (chat's slash commands) print it themselves: they get `explain`
 REPORTS_ERRORS = {"chat"}
 # a command's module that needs a pip extra -> that extra
-EXTRAS = {"export.bundle": "export"}
+EXTRAS = {"export.pipeline": "export"}
 
 
 def load_command(name: str):

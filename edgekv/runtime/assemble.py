@@ -17,7 +17,7 @@ from edgekv.runtime.text import TextCodec
 
 
 RING_MARGIN = 64  # a windowed pool's slots per ring beyond the window's W - 1 (chat's truncations)
-# serve's rings: a cached prefix's window (batching/windows.py) serves matches ending up to this
+# serve's rings: a cached prefix's window (batching/prefix_windows.py) serves matches ending up to this
 # many tokens before the entry's end (a repeated prompt's match stops one short)
 SERVE_MARGIN = 16
 
@@ -38,7 +38,7 @@ def serve_pool(bundle: Bundle, backend: Backend, capacity: int, windowed: bool, 
                copies: int | None = None) -> tuple[KVCache, int]:
     """Serve's cell pool and the prefixes its cache keeps. Windowed where the bundle and the
     backend allow it and it is smaller: a ring per running sequence, and the prefix cache keeps
-    a copy of one per entry (batching/windows.py): `copies` of them (None: as many as fit with
+    a copy of one per entry (batching/prefix_windows.py): `copies` of them (None: as many as fit with
     the rings under the full pool's bytes, at most `parallel`; 0: no prefix cache); else every
     position of every layer, and MAX_PREFIXES cached prefixes (docs/serve.md, "Windowed KV").
     Asked for more copies than leave the pool smaller: one line."""

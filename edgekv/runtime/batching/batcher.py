@@ -23,7 +23,7 @@ from edgekv.runtime.batching.poolseq import PoolSequence
 from edgekv.runtime.batching.postprocess import Health, PostProcess
 from edgekv.runtime.batching.request import DONE, Request, now
 from edgekv.runtime.batching.scheduler import Scheduler
-from edgekv.runtime.batching.windowring import split_window
+from edgekv.runtime.batching.window_rings import split_window
 from edgekv.runtime.cache import KVCache
 
 

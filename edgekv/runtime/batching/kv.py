@@ -11,9 +11,9 @@ compact — a step is split over several calls).
 
 A windowed pool (cache.local_ring: chat's, docs/models.md) also gives each sequence a window
 ring of the local layers' slots for as long as it lives (`new` .. `release`/`unhold`;
-windowring.py), which a turn copies whole. Its prefix cache (serve's) keeps a copy of the ring
+window_rings.py), which a turn copies whole. Its prefix cache (serve's) keeps a copy of the ring
 beside each entry, and reuses an entry only where that copy holds the window before the match
-(windows.py)."""
+(prefix_windows.py)."""
 from __future__ import annotations
 
 import time
@@ -27,8 +27,8 @@ from edgekv.runtime.backends.base import bound_past
 from edgekv.runtime.batching.plan import Call, Piece
 from edgekv.runtime.batching.poolseq import PoolSequence
 from edgekv.runtime.batching.turns import Turns
-from edgekv.runtime.batching.windowring import NoWindowRings, WindowRings, split_window
-from edgekv.runtime.batching.windows import PrefixWindows
+from edgekv.runtime.batching.window_rings import NoWindowRings, WindowRings, split_window
+from edgekv.runtime.batching.prefix_windows import PrefixWindows
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.memory import runs
 from edgekv.runtime.pool import CellPool, Prefix

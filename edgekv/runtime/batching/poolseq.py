@@ -1,6 +1,6 @@
 """PoolSequence: one sequence's cells in the shared pool, for serve (one per request, released at
 its end) and chat (one held across turns) alike. Its cells, ids and window ring are written by
-the KV manager only, through the methods marked so (kv.py; its window rings, windowring.py, and
+the KV manager only, through the methods marked so (kv.py; its window rings, window_rings.py, and
 turns, turns.py, are its parts); its owner chooses the ring (`enable_ring` / `disable_ring`, on
 an empty sequence); everyone else reads it.
 
@@ -10,7 +10,7 @@ the last reset (a ring's overwritten ones too), so the next position is len(ids)
 
 In a windowed pool (docs/models.md) it also has a window ring of the local layers' slots
 (`window_ring`: which one, `window_positions`: the position each of its slots holds, -1 none;
-batching/windowring.py), written by the KV manager: position p sits in slot p mod the ring's
+batching/window_rings.py), written by the KV manager: position p sits in slot p mod the ring's
 length. (`ring` is the StreamingLLM ring of its cells, another thing.)"""
 from __future__ import annotations
 

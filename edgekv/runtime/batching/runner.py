@@ -19,7 +19,7 @@ from edgekv.runtime.batching.plan import Call, SlotCall
 from edgekv.runtime.cache import KVCache
 
 if TYPE_CHECKING:
-    from edgekv.runtime.batching.windowring import NoWindowRings, WindowRings
+    from edgekv.runtime.batching.window_rings import NoWindowRings, WindowRings
 
 
 class StepRunner:

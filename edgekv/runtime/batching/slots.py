@@ -27,7 +27,7 @@ from edgekv.runtime.batching.kv import KVCounters
 from edgekv.runtime.batching.plan import Piece, SlotCall
 from edgekv.runtime.batching.poolseq import PoolSequence
 from edgekv.runtime.batching.turns import NoTurns
-from edgekv.runtime.batching.windowring import NoWindowRings
+from edgekv.runtime.batching.window_rings import NoWindowRings
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.pool import Prefix
 

@@ -1,6 +1,6 @@
 """Snapshots of a pool sequence (chat's /save, /load and --prompt-cache): host copies of its cells
 in position order (KVManager.snapshot), beside them in a windowed pool its window ring's rows
-(windowring.RING keys), and the token ids it was fed. `check` says whether one loads into a
+(window_rings.RING keys), and the token ids it was fed. `check` says whether one loads into a
 sequence before anything changes (Batcher.restore and chat's file reader both ask it);
 `in_position_order` reads the files saved before the pool, whose wrapped ring's slots were in
 slot order (its oldest token at slot w, after the sinks)."""
@@ -10,7 +10,7 @@ import numpy as np
 
 from edgekv.errors import EdgeKVError
 from edgekv.runtime.batching.poolseq import PoolSequence
-from edgekv.runtime.batching.windowring import RING, split_window
+from edgekv.runtime.batching.window_rings import RING, split_window
 from edgekv.runtime.cache import KVCache
 
 

@@ -25,13 +25,6 @@ from export.parity import parity_prompt, verify_parity
 from export.quantize import quantize_model, stored_weight_bytes, weight_cost
 from export.recipes import DEFAULT_RECIPE, load_source, locate_source, source_weights
 
-# names other code reaches here: the quickstart and .ci/run (exporter_source_key), and tests that
-# import the steps from their old home (tests/test_gguf.py, test_hardening.py, test_calibration.py)
-from export.destination import replaceable  # noqa: F401,E402
-from export.kv_calibration import calibration_ids  # noqa: F401,E402
-from export.manifest import exporter_source_key  # noqa: F401,E402
-from export.recipes import MODELS_DIR, recipe_path, resolve_source  # noqa: F401,E402
-
 
 @dataclass(frozen=True)
 class Destination:
