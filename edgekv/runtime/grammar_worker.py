@@ -8,8 +8,6 @@ the system (glibc keeps freed memory in its arenas otherwise: RSS never went dow
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
 import os
 import threading
 import weakref
@@ -18,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from edgekv.runtime.grammar_constraint import GrammarConstraint, compile_grammar
 from edgekv.runtime.grammar_engine import Grammar
 from edgekv.runtime.grammar_tokenizer import GrammarTokenizer
+from edgekv.runtime.memory import CAN_TRIM, give_memory_back
 
 WORKERS = max(1, (os.cpu_count() or 2) // 2)
 _pool: ThreadPoolExecutor | None = None
@@ -58,7 +57,7 @@ def trim_soon() -> None:
     """give_memory_back on the grammar pool, once for however many constraints went together."""
     global _trim_pending
     with _lock:
-        if _trim_pending or _TRIM is None:
+        if _trim_pending or not CAN_TRIM:
             return
         _trim_pending = True
     try:
@@ -74,22 +73,3 @@ def _trim() -> None:
     give_memory_back()
 
 
-def _malloc_trim():
-    if os.name != "posix":
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
-        return None
-
-
-_TRIM = _malloc_trim()
-
-
-def give_memory_back() -> bool:
-    """Hand freed heap memory back to the system (glibc's malloc_trim); False where there is none."""
-    if _TRIM is None:
-        return False
-    _TRIM(0)
-    return True

@@ -7,6 +7,8 @@ can do better also copy row ranges (`RowMemory`: a chat turn's undo, /save, /loa
 (onnxruntime OrtValues, cuda-python) are in edgekv/runtime/backends/gpu.py."""
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
 from typing import Any, Protocol, runtime_checkable
 
@@ -357,3 +359,26 @@ class SlotMemory(HostMemory):
         """`cells` are consecutive and inside one slot."""
         return cells.size > 0 and cells[-1] - cells[0] == cells.size - 1 and bool(np.all(np.diff(cells) == 1)) \
             and cells[0] // buf.shape[2] == cells[-1] // buf.shape[2]
+
+
+def _malloc_trim():
+    if os.name != "posix":
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        return None
+
+
+_TRIM = _malloc_trim()
+CAN_TRIM = _TRIM is not None  # glibc: freed heap can be handed back
+
+
+def give_memory_back() -> bool:
+    """Hand freed heap memory back to the system (glibc's malloc_trim); False where there is none.
+    Python's and onnx's freed objects stay in the heap otherwise, counted in the RSS."""
+    if _TRIM is None:
+        return False
+    _TRIM(0)
+    return True

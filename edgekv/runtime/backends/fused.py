@@ -65,7 +65,12 @@ class FusedGraph:
         self.kind = rewrite.kind  # "float" | "static": the cache the fused graph reads and writes
 
     def serialize(self) -> bytes:
-        return self.model.SerializeToString()
+        return self._bytes if self.model is None else self.model.SerializeToString()
+
+    def as_bytes(self, graph: bytes) -> None:
+        """Keep the graph as its serialized bytes only (the session's): its proto's Python objects
+        are ~7x their size (25 MiB for the default model)."""
+        self.model, self._bytes = None, graph
 
 
 def fuse_bundle(bundle: Bundle, max_positions: int | None = None, skip_norm: bool = True) -> FusedGraph:

@@ -37,7 +37,7 @@ from edgekv.runtime.backends.plain import PlainCalls
 from edgekv.runtime.backends.rows import RowPadding, RowPlan
 from edgekv.runtime.backends.versions import too_old
 from edgekv.runtime.cache import KVCache
-from edgekv.runtime.memory import HeadMajorMemory, HostMemory, KVMemory, SlotMemory
+from edgekv.runtime.memory import HeadMajorMemory, HostMemory, KVMemory, SlotMemory, give_memory_back
 
 PAST_BUCKET = 16  # slots: the past is bound at a multiple of this (1: exactly the filled slots; docs/runtime.md)
 
@@ -157,8 +157,15 @@ class OrtBackend:
             # the rewritten graph comes as bytes: its weights are still found beside model.onnx
             opts.add_session_config_entry("session.model_external_initializers_file_folder_path",
                                           str(bundle.onnx_path.parent))
-            self.session = ort.InferenceSession(index.serialize(), opts, providers=self.providers(),
-                                                disabled_optimizers=off)
+            graph = index.serialize()
+            del index
+            if self.fused is not None:
+                self.fused.as_bytes(graph)
+            # the passes' freed objects (~60 MiB for the default model) go back before the session's own peak
+            give_memory_back()
+            self.session = ort.InferenceSession(graph, opts, providers=self.providers(), disabled_optimizers=off)
+            del graph
+            give_memory_back()  # and onnxruntime's own, from optimizing and prepacking
         except Exception as e:  # onnxruntime raises its own exception types for a bad file
             raise load_refusal(bundle, e) from None
         self.check_session()
