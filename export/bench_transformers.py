@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from export.recipes import resolve_source
-from export.loaders import unfuse
+from export.checkpoint_names import unfuse
 
 
 def hf_model(src):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from edgekv.errors import ExportError, note
 from export.kv_gate import WINDOW, held_out_check
-from export.loaders import Source
+from export.source import Source
 from export.model import Transformer
 
 

@@ -8,15 +8,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-# the loaders' names, importable from here as before the split
-from export.checkpoint_names import (GGUF_EXTRA, GGUF_NAMES, HF_DROP, HF_EXTRA, HF_NAMES, _expand,  # noqa: F401
-                                     _expected_shapes, gguf_names, hf_names, offset_norms, rename, rename_blocks,
-                                     unfuse)
-from export.gguf_loader import (GGUF_ARCHS, GGUF_ROPE_TENSORS, _gguf_reader, _unpermute, gguf_config,  # noqa: F401
-                                gguf_matrix_types, gguf_tokenizer_json, load_gguf, read_gguf)
+from export.checkpoint_names import hf_names, offset_norms, rename
 from export.model_config import ModelConfig
 from export.model_sampling import from_generation_config
-from export.source import Source, SourceError, _special, _token_ids, file_sha256  # noqa: F401
+from export.source import Source, SourceError, _special, _token_ids, file_sha256
 
 def load_hf_folder(folder: str | Path) -> Source:
     from safetensors.torch import load_file

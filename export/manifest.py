@@ -15,7 +15,7 @@ from edgekv.format.bundle import MANIFEST, file_sha256, io_names, manifest_versi
 from edgekv.format.files import write_text
 from edgekv.format.kvschemes import INT4_GROUP, INT4_LEVELS, get_scheme
 from export.graph_file import TRT_TARGET
-from export.loaders import Source
+from export.source import Source
 from export.model_sampling import manifest_sampling
 from export.weights import stored_bytes, summary
 

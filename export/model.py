@@ -32,11 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgekv.format.kvschemes import get_scheme, hadamard
-# the config and the KV schemes' torch code live beside this file; their names stay importable here
-from export.kv_torch import (FACTORED_KINDS, _torch_dtype, attend_codes, kv_codes, kv_load,  # noqa: F401
-                             kv_quantize, kv_store, masked_softmax)
-from export.model_config import (FAMILIES, REFUSED_ARCHITECTURES, ROPE_TYPES, SUPPORTED_ARCHITECTURES,  # noqa: F401
-                                 ModelConfig, UnsupportedModel, rope_attention_factor, rope_inv_freq)
+from export.kv_torch import FACTORED_KINDS, _torch_dtype, attend_codes, kv_load, kv_store, masked_softmax
+from export.kv_torch import kv_quantize  # noqa: F401  (export/calibrate.py imports it from here, for now)
+from export.model_config import ModelConfig, rope_attention_factor, rope_inv_freq
 
 
 class RMSNorm(nn.Module):

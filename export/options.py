@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from edgekv.errors import ExportError
+from edgekv.format.bundle import WEIGHT_FORMATS
 from edgekv.format.kvschemes import get_scheme
 from export.kv_gate import AUTO
-from export.weights import GROUPS, METHODS, WEIGHT_FORMATS
+from export.weights import GROUPS, METHODS
 
 WEIGHT_DEFAULT = "auto"  # `edgekv export --weights`: keep what the source holds (recipes.source_weights)
 WEIGHT_CHOICES = (WEIGHT_DEFAULT, *WEIGHT_FORMATS)

@@ -12,8 +12,9 @@ from edgekv.errors import note
 from edgekv.format.bundle import PARITY_LOGITS, io_names
 from edgekv.format.kvschemes import unpack_int4
 from edgekv.runtime.cache import KVCache
-from export.loaders import Source
-from export.model import Transformer, causal_mask, kv_load
+from export.source import Source
+from export.kv_torch import kv_load
+from export.model import Transformer, causal_mask
 
 
 def parity_prompt(src: Source, codec) -> list[int]:

@@ -17,7 +17,8 @@ from export.destination import check_out_dir, check_room, default_out_dir, insta
 from export.graph_file import write_graph
 from export.kv_calibration import calibrate
 from export.kv_gate import AUTO, AUTO_CHOICES, verdict_line
-from export.loaders import Source, gguf_matrix_types
+from export.gguf_loader import gguf_matrix_types
+from export.source import Source
 from export.manifest import build_manifest, weights_manifest, write_manifest
 from export.model import Transformer
 from export.options import ExportOptions

@@ -8,7 +8,7 @@ import torch
 
 from edgekv.errors import ExportError, note
 from export.kv_calibration import calibration_ids
-from export.loaders import Source
+from export.source import Source
 from export.model import Transformer, causal_mask
 from export.weights import plan_weights, stored_bytes, summary
 

@@ -7,8 +7,10 @@ import json
 from pathlib import Path
 
 from edgekv.errors import ExportError
-from export.loaders import Source, SourceError, gguf_matrix_types, load_gguf, load_hf_folder
-from export.model import UnsupportedModel
+from export.gguf_loader import gguf_matrix_types, load_gguf
+from export.loaders import load_hf_folder
+from export.source import Source, SourceError
+from export.model_config import UnsupportedModel
 from export.model_sampling import recipe_sampling
 from export.weights import KEPT_BITS, auto_format
 

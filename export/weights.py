@@ -28,7 +28,6 @@ from functools import cached_property
 
 import numpy as np
 
-from edgekv.format.bundle import WEIGHT_FORMATS  # the runtime's list of what it reads
 from edgekv.format.weight_forms import code_width, packable
 from export.gguf_blocks import CODE_BITS, HALF_SCALES, decode, k_factors
 GROUPS = (32, 64, 128)

@@ -20,7 +20,7 @@ from pathlib import Path
 from edgekv.errors import EdgeKVError, note
 from edgekv.format.bundle import load_bundle
 from edgekv.format.files import make_folders, temp_dir
-from edgekv.format.trt_graph import stage_weights
+from edgekv.graph.passes.trt_staging import stage_weights
 from edgekv.runtime.backends.engines import (PLAN, PROFILES_VERSION, bundle_fingerprint, engine_dir, engine_key, is_fresh,
                                              per_channel, profile_shapes, write_engine)
 from edgekv.runtime.backends.gpu import check, cudart

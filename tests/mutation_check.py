@@ -670,7 +670,7 @@ MUTATIONS = [
     M("tools: marker prefix not held back", "structured", "edgekv/serve/tool_stream.py", "end = len(self.buf[: end - _held(self.buf, OPEN)].rstrip())", "end = len(self.buf[:end].rstrip())", ("tests/test_tools.py", "-k", "reassembly")),
     M("tools: tool_calls finish on length", "structured", "edgekv/serve/tool_stream.py", 'return "tool_calls" if engine_reason == "stop" and msg.get("tool_calls") else engine_reason', 'return "tool_calls" if msg.get("tool_calls") else engine_reason', ("tests/test_tools.py", "-k", "parse_reply")),
     M("tools: a tool result answers no call", "structured", "edgekv/serve/tools.py", "            if cid not in called:", "            if cid is None:", ("tests/test_tools.py", "-k", "messages_checked")),
-    M("response_format json_object unconstrained", "structured", "edgekv/serve/structured.py", "        return g.json_object()", "        return None", ("tests/test_structured.py", "-k", "json_object")),
+    M("response_format json_object unconstrained", "structured", "edgekv/serve/structured.py", "        return json_object()", "        return None", ("tests/test_structured.py", "-k", "json_object")),
     # issue 41 item 1 and issue 43 item 4: a grammar's cost bounded per request; tool calls end with their list
     M("grammar: nested repetitions not measured", "structured", "edgekv/runtime/grammar_build.py", "    if spelled > MAX_REGEX_SPELLED:", "    if False:", ("tests/test_grammar_limits.py", "-k", "storms_patterns")),
     M("grammar: a mask past its budget goes on", "structured", "edgekv/runtime/grammar_constraint.py", "            if cpu > self.mask_budget_s:", "            if False:", ("tests/test_grammar_limits.py", "-k", "mask")),

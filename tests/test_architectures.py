@@ -10,8 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from export.loaders import load_gguf, load_hf_folder
-from export.model import Transformer, UnsupportedModel, causal_mask
+from export.gguf_loader import load_gguf
+from export.loaders import load_hf_folder
+from export.model import Transformer, causal_mask
+from export.model_config import UnsupportedModel
 from tests.archs import ARCHS, write_arch_gguf
 from tests.stream_reference import reference
 

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from export.model import ModelConfig, Transformer, causal_mask
+from export.model import Transformer, causal_mask
+from export.model_config import ModelConfig
 
 
 def tiny_model(kv: str) -> Transformer:

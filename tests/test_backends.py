@@ -363,7 +363,7 @@ def test_ort_cuda_runs_the_graph_as_written_and_says_why(tiny_bundle_float, monk
     docs/fused.md, tests/test_fused_cuda.py for the float16 ones): its class on the CPU provider
     keeps the graph as written under auto with the reason in its load line, and
     EDGEKV_ATTENTION=fused there is one line, not a silent plain run."""
-    from edgekv.runtime.backends.ort import ATTENTION_ENV
+    from edgekv.runtime.backends.fused import ATTENTION_ENV
     from tests.fake_gpu import cuda_on_cpu
 
     OnCpu = cuda_on_cpu()  # ort-cuda's own choices, run by the CPU provider

@@ -210,10 +210,12 @@ def test_every_turn_of_a_session_follows_the_reply_grammar(tiny_bundle_int8):
     session that kept the constraint for turn 1 only (or reused its spent matcher) fails on turn 2."""
     jsonschema = pytest.importorskip("jsonschema")
     pytest.importorskip("llguidance")
-    from edgekv.runtime import grammar as g
+    from edgekv.runtime.grammar_build import json_schema
+    from edgekv.runtime.grammar_constraint import compile_grammar
+    from edgekv.runtime.grammar_tokenizer import tokenizer_for
 
     b = load_bundle(tiny_bundle_int8)
-    compiled = g.compile_grammar(g.tokenizer_for(b), g.json_schema(REPLY_SCHEMA))
+    compiled = compile_grammar(tokenizer_for(b), json_schema(REPLY_SCHEMA))
     s = ChatSession(b, TextCodec(b), chat_engine(OrtBackend(b, threads=1), b, 256), SamplingParams(temperature=1.0,
                     seed=4), "You are terse.", 60, reply_grammar=compiled)
     for q in ("hello", "the capital of France?", "trains and tea"):

@@ -8,7 +8,8 @@ import torch
 from edgekv.errors import EdgeKVError
 from edgekv.tools.evaluate import evaluate, write_outputs
 from edgekv.format.kvschemes import SCHEMES, dequantize_int8, get_scheme, quantize_int8, quantize_static
-from export.model import causal_mask, kv_load, kv_store
+from export.kv_torch import kv_load, kv_store
+from export.model import causal_mask
 from tests.conftest import cli
 
 
@@ -166,9 +167,10 @@ def test_key_offset_is_softmax_invariant(monkeypatch):
     """Subtracting a constant vector from every key and never adding it back leaves attention
     unchanged: with quantization switched off, any key offset gives the float model's logits."""
     import export.model as M
+    from export.model_config import ModelConfig
 
-    cfg = M.ModelConfig(arch="llama", vocab_size=64, hidden_size=64, intermediate_size=96, n_layers=2, n_heads=4,
-                        n_kv_heads=2, head_dim=16)
+    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=64, intermediate_size=96, n_layers=2, n_heads=4,
+                      n_kv_heads=2, head_dim=16)
     torch.manual_seed(0)
     ref = M.Transformer(cfg, "float").eval()
     m = M.Transformer(cfg, "int4-norot").eval()

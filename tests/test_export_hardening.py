@@ -216,7 +216,7 @@ def test_auto_agrees_with_the_blocks_the_loader_keeps(ggufs):
     """The header-only decision = the same rule on what the full load keeps (src.blocks, fused
     matrices included): auto never picks a format under which the loader would requantize."""
     from export.recipes import source_weights
-    from export.loaders import load_gguf
+    from export.gguf_loader import load_gguf
     from export.weights import auto_format
 
     _, g = ggufs

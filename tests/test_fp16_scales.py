@@ -125,7 +125,7 @@ def test_the_bundles_dequantize_is_the_files_values_bit_for_bit(bundles):
     for bit. The fp16 scale fed to the same DequantizeLinear directly is not (its output is fp16):
     why the Cast. Every matrix, minimums included, read back through the graph's arithmetic (the
     TensorRT staging's float32 scales): bit for bit too."""
-    from edgekv.format.trt_graph import widen_half_scales
+    from edgekv.graph.passes.trt_staging import widen_half_scales
     from edgekv.graph.forms import cone
     from tests.test_gguf_kquants import file_weights
     from tests.test_weights import decoded_weights
@@ -169,7 +169,7 @@ def test_folding_the_casts_gives_the_float32_scale_graph(bundles):
     """The Casts folded (the runtime's pre-pass and the TensorRT staging: one function) leave the
     float32-scale exporter's graph: the same nodes in the same order, the same initializers by name
     and value."""
-    from edgekv.format.trt_graph import widen_half_scales
+    from edgekv.graph.passes.trt_staging import widen_half_scales
 
     half, wide = _load(bundles[1]), _load(bundles[2])
     assert widen_half_scales(half, str(bundles[1]))
@@ -237,7 +237,7 @@ def _graph(cast_to=TensorProto.FLOAT, half=True, second_reader=False):
 def test_widening_takes_only_a_cast_of_an_fp16_initializer_to_float32():
     """The TensorRT staging's widen (and what the runtime's fold reads as a constant): only a Cast
     to float32 of an fp16 initializer read by nothing else."""
-    from edgekv.format.trt_graph import widen_half_scales
+    from edgekv.graph.passes.trt_staging import widen_half_scales
 
     m = _graph()
     assert widen_half_scales(m, ".") == ["s"]

@@ -15,9 +15,10 @@ ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
 from edgekv.format.bundle import file_sha256, load_bundle  # noqa: E402
-from edgekv.runtime.backends.fused import MIN_ORT, NotFusable, fuse_bundle, ort_version_ok  # noqa: E402
+from edgekv.graph.passes.fused_match import NotFusable  # noqa: E402
+from edgekv.runtime.backends.fused import ATTENTION_ENV, MIN_ORT, fuse_bundle, ort_version_ok  # noqa: E402
 from edgekv.errors import BackendUnavailable, EdgeKVError  # noqa: E402
-from edgekv.runtime.backends.ort import ATTENTION_ENV, OrtBackend  # noqa: E402
+from edgekv.runtime.backends.ort import OrtBackend  # noqa: E402
 from edgekv.runtime.cache import KVCache  # noqa: E402
 from tests.stream_reference import new_sequence, run_stream
 

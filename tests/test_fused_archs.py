@@ -20,7 +20,8 @@ onnx = pytest.importorskip("onnx")
 
 from edgekv.errors import BackendUnavailable  # noqa: E402
 from edgekv.format.bundle import file_sha256, load_bundle  # noqa: E402
-from edgekv.runtime.backends.ort import ATTENTION_ENV, OrtBackend  # noqa: E402
+from edgekv.runtime.backends.fused import ATTENTION_ENV  # noqa: E402
+from edgekv.runtime.backends.ort import OrtBackend  # noqa: E402
 from edgekv.runtime.cache import KVCache  # noqa: E402
 from test_fused import (CALLS, CAPACITY, Stream, float_kv_matches, needs_gqa, optimized_graph,  # noqa: E402
                         random_cells_call, run_cells_match, static_int8_clean_prompts)

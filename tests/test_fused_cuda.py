@@ -15,8 +15,9 @@ onnx = pytest.importorskip("onnx")
 
 from edgekv.errors import BackendUnavailable, EdgeKVError  # noqa: E402
 from edgekv.format.bundle import load_bundle  # noqa: E402
-from edgekv.runtime.backends.fused import BIAS  # noqa: E402
-from edgekv.runtime.backends.ort import ATTENTION_ENV, OrtBackend  # noqa: E402
+from edgekv.graph.passes.fused_match import BIAS  # noqa: E402
+from edgekv.runtime.backends.fused import ATTENTION_ENV  # noqa: E402
+from edgekv.runtime.backends.ort import OrtBackend  # noqa: E402
 from edgekv.runtime.cache import KVCache  # noqa: E402
 from tests.fake_gpu import cuda_on_cpu  # noqa: E402
 from test_fused import CALLS, CAPACITY, needs_gqa, random_cells_call  # noqa: E402

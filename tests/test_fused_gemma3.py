@@ -14,8 +14,9 @@ ort = pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
 from edgekv.format.bundle import LOCAL_MASK, load_bundle  # noqa: E402
-from edgekv.runtime.backends.fused import BIAS_LOCAL  # noqa: E402
-from edgekv.runtime.backends.ort import ATTENTION_ENV, OrtBackend  # noqa: E402
+from edgekv.graph.passes.fused_match import BIAS_LOCAL  # noqa: E402
+from edgekv.runtime.backends.fused import ATTENTION_ENV  # noqa: E402
+from edgekv.runtime.backends.ort import OrtBackend  # noqa: E402
 from edgekv.runtime.batching import Batcher, Request  # noqa: E402
 from edgekv.runtime.cache import KVCache  # noqa: E402
 from test_fused import LOGITS_ATOL, Stream, float_kv_matches, needs_gqa, run_cells_match, optimized_graph, static_int8_clean_prompts  # noqa: E402

@@ -14,7 +14,7 @@ onnx = pytest.importorskip("onnx")
 from edgekv.errors import EdgeKVError  # noqa: E402
 from edgekv.format.bundle import load_bundle  # noqa: E402
 from edgekv.runtime.assemble import open_runtime  # noqa: E402
-from edgekv.runtime.backends.ort import QUERY_LENGTHS, QUERY_LENGTHS_ORT, ort_at_least  # noqa: E402
+from edgekv.runtime.backends.fused import QUERY_LENGTHS, QUERY_LENGTHS_ORT, ort_at_least  # noqa: E402
 from edgekv.runtime.batching import Batcher, Request  # noqa: E402
 from edgekv.runtime.cache import KVCache  # noqa: E402
 from edgekv.serve.server import make_batcher, open_serve_runtime, serve_layout  # noqa: E402

@@ -6,7 +6,8 @@ import json
 import pytest
 import torch
 
-from export.loaders import load_gguf, load_hf_folder
+from export.gguf_loader import load_gguf
+from export.loaders import load_hf_folder
 from export.model import Transformer, causal_mask
 from tests.archs import write_arch_gguf
 from tests.conftest import make_hf_folder
@@ -45,7 +46,7 @@ def test_gguf_loads_same_model_as_hf_folder(tmp_path):
 
 
 def test_corrupt_gguf_refused(tmp_path):
-    from export.loaders import SourceError
+    from export.source import SourceError
 
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 100)
@@ -64,7 +65,7 @@ def test_real_gguf_tokenizer_matches_transformers():
     hf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     import gguf
 
-    from export.loaders import gguf_tokenizer_json
+    from export.gguf_loader import gguf_tokenizer_json
 
     r = gguf.GGUFReader(str(path))
     field = lambda k, d=None: r.fields[k].contents() if k in r.fields else d  # noqa: E731
@@ -77,7 +78,7 @@ def test_real_gguf_tokenizer_matches_transformers():
 def test_a_gguf_header_is_parsed_once_per_version_of_the_file(tmp_path):
     """read_gguf parses a file once (an export reads its header up to three times), and a file
     rewritten in place, even to the same size, is read again."""
-    from export.loaders import read_gguf
+    from export.gguf_loader import read_gguf
 
     folder = make_hf_folder(tmp_path / "hf", "llama")
     path = tmp_path / "tiny.gguf"

@@ -43,8 +43,9 @@ def file_weights(path) -> dict[str, np.ndarray]:
     fused matrices concatenated as the loader does): the oracle."""
     import gguf
 
-    from export.loaders import GGUF_NAMES, _unpermute, rename
-    from export.model import ModelConfig
+    from export.checkpoint_names import GGUF_NAMES, rename
+    from export.gguf_loader import _unpermute
+    from export.model_config import ModelConfig
 
     r = gguf.GGUFReader(str(path))
     f = lambda key: r.fields[key].contents()  # noqa: E731
@@ -95,7 +96,7 @@ def test_each_type_loads_bit_for_bit(kind, kfolder, tmp_path):
     """A tiny GGUF all in `kind`: every matrix's kept blocks (under our names, q/k unpermuted,
     q|k|v and gate|up fused) dequantize to the gguf package's values bit for bit, in the carrier
     the type is meant for."""
-    from export.loaders import load_gguf
+    from export.gguf_loader import load_gguf
 
     path = write_typed_gguf(kfolder, tmp_path / f"{kind}.gguf", lambda name: kind)
     src = load_gguf(path)
@@ -193,7 +194,7 @@ def test_mixed_file_exports_with_its_blocks_bit_for_bit(mixed_bundle):
     import onnx
 
     from edgekv.format.bundle import load_bundle
-    from edgekv.format.trt_graph import widen_half_scales
+    from edgekv.graph.passes.trt_staging import widen_half_scales
     from tests.test_weights import decoded_weights
 
     path, bundle = mixed_bundle
@@ -267,7 +268,7 @@ def test_mixed_file_fuses_and_passes_tensorrt_rules(mixed_bundle, monkeypatch, t
     import onnx
 
     from edgekv.format.bundle import load_bundle
-    from edgekv.format.trt_graph import widen_half_scales
+    from edgekv.graph.passes.trt_staging import widen_half_scales
     from edgekv.runtime.backends.engines import tensorrt_graph
     from edgekv.format.trt_rules import check_model
     from tests.test_weights import optimized_ops

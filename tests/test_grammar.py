@@ -1,4 +1,4 @@
-"""Grammars (edgekv/runtime/grammar.py) and the constrained decode loop: whatever the model's
+"""Grammars (edgekv/runtime/grammar_*.py) and the constrained decode loop: whatever the model's
 logits, a reply that ends by "stop" is in the grammar's language, with jsonschema (and re) as the
 oracles; schema features the engine cannot enforce and grammars past the limits are errors that
 name them; `edgekv generate --json-schema | --grammar | --regex` through the real CLI."""
@@ -17,7 +17,10 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from edgekv.format.bundle import load_bundle  # noqa: E402
-from edgekv.runtime import grammar as g  # noqa: E402
+from edgekv.runtime.grammar_build import MAX_GRAMMAR_CHARS, json_object, json_schema, lark, regex  # noqa: E402
+from edgekv.runtime.grammar_constraint import compile_grammar  # noqa: E402
+from edgekv.runtime.grammar_engine import Grammar, GrammarError  # noqa: E402
+from edgekv.runtime.grammar_tokenizer import tokenizer_for  # noqa: E402
 from edgekv.runtime.sampling import SamplingParams  # noqa: E402
 from tests.conftest import cli, run_edgekv  # noqa: E402
 from tests.stream_reference import reference
@@ -31,15 +34,15 @@ def rt(rt_int8):
 
 @pytest.fixture(scope="module")
 def tok(rt):
-    return g.tokenizer_for(rt.bundle)
+    return tokenizer_for(rt.bundle)
 
 
-def constrained(rt, tok, grammar: g.Grammar, seed: int, max_new: int = 200, prompt: str = "Answer:", stats=None):
+def constrained(rt, tok, grammar: Grammar, seed: int, max_new: int = 200, prompt: str = "Answer:", stats=None):
     """(text, stop reason, the constraint) of a sampled reply under `grammar` on the tiny model."""
     from edgekv.runtime.stats import Stats
 
     gen, st = reference(rt), stats if stats is not None else Stats()
-    c = g.compile_grammar(tok, grammar)
+    c = compile_grammar(tok, grammar)
     ids = list(gen.generate(rt.codec.encode(prompt), max_new, SamplingParams(temperature=1.0, seed=seed),
                             rt.codec.stop_ids | set(tok.stop_ids), st, c))
     return rt.codec.decode(ids), st.stop_reason, c
@@ -116,7 +119,7 @@ schemas = st.recursive(leaves, lambda kids: st.one_of(
                                                                   HealthCheck.too_slow])
 @given(schema=schemas, seed=st.integers(0, 2**32 - 1))
 def test_every_reply_validates_against_its_schema(rt, tok, schema, seed):
-    text, reason, c = constrained(rt, tok, g.json_schema(schema), seed)
+    text, reason, c = constrained(rt, tok, json_schema(schema), seed)
     assert reason == "stop", f"{reason}: {text!r}"
     validate(json.loads(text), schema)
     assert c.masks >= 1
@@ -124,7 +127,7 @@ def test_every_reply_validates_against_its_schema(rt, tok, schema, seed):
 
 def test_json_object_is_any_object(rt, tok):
     for seed in range(5):
-        text, reason, _ = constrained(rt, tok, g.json_object(), seed, max_new=40)
+        text, reason, _ = constrained(rt, tok, json_object(), seed, max_new=40)
         if reason == "stop":
             assert isinstance(json.loads(text), dict)
         else:  # cut by length: always a prefix the grammar was still extending
@@ -133,11 +136,11 @@ def test_json_object_is_any_object(rt, tok):
 
 def test_regex_and_lark(rt, tok):
     for seed in range(6):
-        text, reason, _ = constrained(rt, tok, g.regex(r"(yes|no), [0-9]{2,4}!"), seed)
+        text, reason, _ = constrained(rt, tok, regex(r"(yes|no), [0-9]{2,4}!"), seed)
         assert reason == "stop" and re.fullmatch(r"(yes|no), [0-9]{2,4}!", text), text
-    lark = 'start: "(" item ("," item){0,3} ")"\nitem: NUM | WORD\nNUM: /[0-9]{1,3}/\nWORD: /[a-z]{1,5}/'
+    spec = 'start: "(" item ("," item){0,3} ")"\nitem: NUM | WORD\nNUM: /[0-9]{1,3}/\nWORD: /[a-z]{1,5}/'
     for seed in range(6):
-        text, reason, _ = constrained(rt, tok, g.lark(lark), seed)
+        text, reason, _ = constrained(rt, tok, lark(spec), seed)
         assert reason == "stop" and re.fullmatch(r"\((?:[0-9]{1,3}|[a-z]{1,5})(?:,(?:[0-9]{1,3}|[a-z]{1,5})){0,3}\)",
                                                  text), text
 
@@ -147,13 +150,13 @@ def test_a_whole_reply_ends_without_a_stop_token(rt, tok):
     from edgekv.runtime.stats import Stats
 
     st = Stats()
-    text, reason, c = constrained(rt, tok, g.regex("abc"), 0, stats=st)
+    text, reason, c = constrained(rt, tok, regex("abc"), 0, stats=st)
     assert (text, reason) == ("abc", "stop") and c.is_done()
     assert st.decode_steps == st.new_tokens - 1  # the first token from the prefill; no step for a stop token
 
 
 def test_cut_by_length_says_so(rt, tok):
-    text, reason, c = constrained(rt, tok, g.regex("[a-z]{50}"), 0, max_new=5)
+    text, reason, c = constrained(rt, tok, regex("[a-z]{50}"), 0, max_new=5)
     assert reason == "length" and not c.is_accepting()
 
 
@@ -162,7 +165,7 @@ def test_cut_by_length_says_so(rt, tok):
 @pytest.fixture(scope="module")
 def real_tok(real_bundle_int4):
     """SmolLM2's own tokenizer (the bundle conftest exports once per run: CI tests these too)."""
-    return g.tokenizer_for(load_bundle(real_bundle_int4))
+    return tokenizer_for(load_bundle(real_bundle_int4))
 
 
 def test_allowed_is_the_matcher_bitmask_and_both_stop_ids_end_a_reply(real_tok):
@@ -173,8 +176,8 @@ def test_allowed_is_the_matcher_bitmask_and_both_stop_ids_end_a_reply(real_tok):
 
     tok = real_tok
     assert tok.stop_ids == (0, 2)
-    grammar = g.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
-    c, ref = g.compile_grammar(tok, grammar), llguidance.LLMatcher(tok.ll, grammar.text, log_level=0)
+    grammar = json_schema({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]})
+    c, ref = compile_grammar(tok, grammar), llguidance.LLMatcher(tok.ll, grammar.text, log_level=0)
     for t in tok.ll.tokenize_str('{"a": 42}'):
         bits = lln.allocate_token_bitmask(1, tok.vocab_size)
         lln.fill_next_token_bitmask(ref, bits)
@@ -188,7 +191,7 @@ def test_allowed_is_the_matcher_bitmask_and_both_stop_ids_end_a_reply(real_tok):
 
 def test_accept_refuses_a_token_the_mask_forbids_and_rollback_takes_tokens_back(real_tok):
     tok = real_tok
-    c = g.compile_grammar(tok, g.regex("[0-9]+"))
+    c = compile_grammar(tok, regex("[0-9]+"))
     ok = c.allowed()
     bad = int(np.flatnonzero(~ok)[0])
     with pytest.raises(ValueError):
@@ -203,7 +206,7 @@ def test_accept_refuses_a_token_the_mask_forbids_and_rollback_takes_tokens_back(
 
 def test_the_tokenizer_is_built_once_per_bundle(tiny_bundle_int8):
     b = load_bundle(tiny_bundle_int8)
-    assert g.tokenizer_for(b) is g.tokenizer_for(load_bundle(tiny_bundle_int8))
+    assert tokenizer_for(b) is tokenizer_for(load_bundle(tiny_bundle_int8))
 
 
 # -- what cannot be enforced is an error that names it ---------------------------------------------
@@ -221,8 +224,8 @@ def test_the_tokenizer_is_built_once_per_bundle(tiny_bundle_int8):
     ({"$ref": "http://example.com/schema.json"}, "example.com"),
 ])
 def test_unsupported_schema_features_are_named(schema, named, real_tok):
-    with pytest.raises(g.GrammarError, match=re.escape(named)):
-        g.compile_grammar(real_tok, g.json_schema(schema))
+    with pytest.raises(GrammarError, match=re.escape(named)):
+        compile_grammar(real_tok, json_schema(schema))
 
 
 def test_annotations_and_pydantic_schemas_compile(real_tok):
@@ -232,29 +235,29 @@ def test_annotations_and_pydantic_schemas_compile(real_tok):
               "properties": {"steps": {"items": {"$ref": "#/$defs/Step"}, "title": "Steps", "type": "array"}},
               "required": ["steps"], "title": "Plan", "type": "object", "additionalProperties": False,
               "description": "d", "examples": [{"steps": []}]}
-    g.compile_grammar(real_tok, g.json_schema(schema))
+    compile_grammar(real_tok, json_schema(schema))
 
 
 def test_grammars_past_the_limits_are_refused():
     big = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(2000)}}
-    with pytest.raises(g.GrammarError, match="characters, more than"):
-        g.json_schema(big)
+    with pytest.raises(GrammarError, match="characters, more than"):
+        json_schema(big)
     deep = {"type": "integer"}
     for _ in range(200):
         deep = {"type": "array", "items": deep}
-    with pytest.raises(g.GrammarError, match="nests deeper"):
-        g.json_schema(deep)
-    with pytest.raises(g.GrammarError, match="characters, more than"):
-        g.regex("a" * (g.MAX_GRAMMAR_CHARS + 1))
-    with pytest.raises(g.GrammarError, match="characters, more than"):
-        g.lark("start: " + '"a" ' * g.MAX_GRAMMAR_CHARS)
+    with pytest.raises(GrammarError, match="nests deeper"):
+        json_schema(deep)
+    with pytest.raises(GrammarError, match="characters, more than"):
+        regex("a" * (MAX_GRAMMAR_CHARS + 1))
+    with pytest.raises(GrammarError, match="characters, more than"):
+        lark("start: " + '"a" ' * MAX_GRAMMAR_CHARS)
 
 
 def test_malformed_grammars_are_one_line_errors(real_tok):
     tok = real_tok
-    for grammar, said in ((g.regex("(ab"), "regex"), (g.lark("start: foo"), "foo"), (g.lark("start: ("), "lark")):
-        with pytest.raises(g.GrammarError, match=said) as e:
-            g.compile_grammar(tok, grammar)
+    for grammar, said in ((regex("(ab"), "regex"), (lark("start: foo"), "foo"), (lark("start: ("), "lark")):
+        with pytest.raises(GrammarError, match=said) as e:
+            compile_grammar(tok, grammar)
         assert "\n" not in str(e.value)
 
 
@@ -331,12 +334,12 @@ def test_the_real_models_replies_validate(real_bundle_int4):
              {"type": "object", "properties": {"date": {"type": "string", "format": "date"}}, "required": ["date"],
               "additionalProperties": False})]
     with open_runtime(real_bundle_int4, ctx=512, backend="ort-cpu", threads=2) as rt:
-        tok = g.tokenizer_for(rt.bundle)
+        tok = tokenizer_for(rt.bundle)
         for prompt, schema in asks:
             st = Stats()
             ids = list(reference(rt).generate(rt.codec.chat_ids([{"role": "user", "content": prompt}]), 160,
                                                SamplingParams(repeat_penalty=1.1), rt.codec.stop_ids, st,
-                                               g.compile_grammar(tok, g.json_schema(schema))))
+                                               compile_grammar(tok, json_schema(schema))))
             assert st.stop_reason == "stop", rt.codec.decode(ids)
             validate(json.loads(rt.codec.decode(ids)), schema)
 
@@ -349,11 +352,11 @@ def test_a_schemas_own_lenient_option_is_overridden_and_warnings_are_errors(real
 
     tok = real_tok
     lenient = {"x-guidance": {"lenient": True}, "type": "array", "uniqueItems": True}
-    is_error, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(g.json_schema(lenient).text, tok.ll)
+    is_error, msgs = llguidance.LLMatcher.validate_grammar_with_warnings(json_schema(lenient).text, tok.ll)
     assert is_error and "uniqueItems" in msgs[0]
-    warned = g.Grammar("json_schema", llguidance.LLMatcher.grammar_from_json_schema(lenient))
-    with pytest.raises(g.GrammarError, match="uniqueItems"):
-        g.compile_grammar(tok, warned)
+    warned = Grammar("json_schema", llguidance.LLMatcher.grammar_from_json_schema(lenient))
+    with pytest.raises(GrammarError, match="uniqueItems"):
+        compile_grammar(tok, warned)
 
 
 # -- the masks off the critical path (issue 26 item 5) --------------------------------------------
@@ -385,7 +388,7 @@ def batched_replies(rt, tok, overlap: bool, grammars, seeds):
 
     bt = rt.batcher(capacity=256, parallel=4, max_queue=8, prefill_chunk=32)
     bt.post.overlap_masks = overlap
-    watched = [None if gr is None else Watched(g.compile_grammar(tok, gr)) for gr in grammars]
+    watched = [None if gr is None else Watched(compile_grammar(tok, gr)) for gr in grammars]
     reqs = [Request(rt.codec.encode("Answer:"), 40, SamplingParams(temperature=1.0, seed=s),
                     rt.codec.stop_ids | set(tok.stop_ids), constraint=w) for w, s in zip(watched, seeds)]
     for r in reqs:
@@ -400,8 +403,8 @@ def test_masks_are_made_ahead_on_the_worker_and_change_no_token(rt, tok):
     """Four constrained requests and a free one (five: one waits for a slot): with the masks made
     ahead, every mask is made on the mask worker (the stepping thread makes none: it only joins);
     the tokens equal those of masks made when each row is sampled, and each request's alone."""
-    grammars = [g.json_schema(SCHEMA), g.regex("(red|blue) [a-z]{3,9}"), None, g.json_object(),
-                g.json_schema({"type": "array", "items": {"type": "boolean"}, "maxItems": 4})]
+    grammars = [json_schema(SCHEMA), regex("(red|blue) [a-z]{3,9}"), None, json_object(),
+                json_schema({"type": "array", "items": {"type": "boolean"}, "maxItems": 4})]
     seeds = [1, 2, 3, 4, 5]
     ahead, watched = batched_replies(rt, tok, True, grammars, seeds)
     assert all(w.threads == {"edgekv-masks_0"} for w in watched if w), [w and w.threads for w in watched]

@@ -14,7 +14,11 @@ import pytest
 pytest.importorskip("llguidance", reason="grammars need llguidance (the serve extra)")
 
 from edgekv.format.bundle import load_bundle  # noqa: E402
-from edgekv.runtime import grammar as g  # noqa: E402
+from edgekv.runtime.grammar_build import json_schema, lark, lark_json  # noqa: E402
+from edgekv.runtime.grammar_constraint import compile_grammar  # noqa: E402
+from edgekv.runtime.grammar_engine import GrammarError  # noqa: E402
+from edgekv.runtime.grammar_tokenizer import tokenizer_for  # noqa: E402
+from edgekv.runtime.grammar_worker import compile_async, compile_bounded, give_memory_back  # noqa: E402
 from edgekv.runtime import grammar_checks as checks  # noqa: E402
 from edgekv.runtime.sampling import SamplingParams  # noqa: E402
 from tests.serving import serving  # noqa: E402
@@ -31,7 +35,7 @@ def with_pattern(p: str) -> dict:
 
 @pytest.fixture(scope="module")
 def tok(tiny_bundle_int8):
-    return g.tokenizer_for(load_bundle(tiny_bundle_int8))
+    return tokenizer_for(load_bundle(tiny_bundle_int8))
 
 
 @pytest.fixture(scope="module")
@@ -71,12 +75,12 @@ def test_regex_spelled_counts_what_counted_repetitions_spell_out(pattern, spelle
 
 def test_patterns_within_the_limits_still_compile(tok):
     for p in (r"^(\d{1,3}\.){3}\d{1,3}$", r"^[a-z]{0,16000}$", r"^([A-Z0-9]{4}-){3}[A-Z0-9]{4}$"):
-        g.compile_grammar(tok, g.json_schema(with_pattern(p)))
+        compile_grammar(tok, json_schema(with_pattern(p)))
 
 
 def test_a_build_past_its_cpu_budget_is_refused_naming_it(tok):
-    with pytest.raises(g.GrammarError, match=r"building it took .* more than the 0 s a request's grammar may take"):
-        g.compile_grammar(tok, g.json_schema(WORD), budget_s=0.0)
+    with pytest.raises(GrammarError, match=r"building it took .* more than the 0 s a request's grammar may take"):
+        compile_grammar(tok, json_schema(WORD), budget_s=0.0)
 
 
 def test_grammars_are_built_on_the_grammar_workers(tok, monkeypatch):
@@ -89,20 +93,20 @@ def test_grammars_are_built_on_the_grammar_workers(tok, monkeypatch):
         return real(*a, **kw)
 
     monkeypatch.setattr(grammar_worker, "compile_grammar", watched)
-    assert g.compile_bounded(tok, g.json_schema(WORD)).allowed().any()
-    assert asyncio.run(g.compile_async(tok, g.json_schema(WORD))).allowed().any()
+    assert compile_bounded(tok, json_schema(WORD)).allowed().any()
+    assert asyncio.run(compile_async(tok, json_schema(WORD))).allowed().any()
     assert len(seen) == 2 and all(n.startswith("edgekv-grammar") for n in seen), seen
-    with pytest.raises(g.GrammarError, match="building it took"):  # its errors come back to the caller
+    with pytest.raises(GrammarError, match="building it took"):  # its errors come back to the caller
         monkeypatch.setattr(grammar_worker, "compile_grammar", lambda t, gr: real(t, gr, budget_s=0.0))
-        g.compile_bounded(tok, g.json_schema(WORD))
+        compile_bounded(tok, json_schema(WORD))
 
 
 def test_a_mask_past_its_budget_ends_the_reply_and_says_so_once(tok):
-    c = g.compile_grammar(tok, g.json_schema(WORD))
+    c = compile_grammar(tok, json_schema(WORD))
     c.mask_budget_s = 0.0
-    with pytest.raises(g.GrammarError, match="one token's mask took .* more than the 0 ms") as first:
+    with pytest.raises(GrammarError, match="one token's mask took .* more than the 0 ms") as first:
         c.allowed()
-    with pytest.raises(g.GrammarError) as again:  # the same error, not a second mask
+    with pytest.raises(GrammarError) as again:  # the same error, not a second mask
         c.allowed()
     assert again.value is first.value and c.masks == 0
 
@@ -112,7 +116,7 @@ def test_a_row_past_its_mask_budget_ends_alone_and_its_neighbour_completes(rt_in
 
     rt = rt_int8
     bt = rt.batcher(capacity=256, parallel=4, max_queue=8, prefill_chunk=32)
-    over, fine = g.compile_grammar(tok, g.json_schema(WORD)), g.compile_grammar(tok, g.json_schema(WORD))
+    over, fine = compile_grammar(tok, json_schema(WORD)), compile_grammar(tok, json_schema(WORD))
     over.mask_budget_s = 0.0
     stops = rt.codec.stop_ids | set(tok.stop_ids)
     reqs = [Request(rt.codec.encode("Answer:"), 30, SamplingParams(temperature=1.0, seed=s), stops, constraint=c)
@@ -133,8 +137,8 @@ def test_a_row_past_its_mask_budget_ends_alone_and_its_neighbour_completes(rt_in
                                  {"item_separator": r"\s*,\s*", "key_separator": r"\s*:\s*"}])
 def test_a_schemas_own_x_guidance_cannot_unbound_whitespace(tok, own):
     schema = {**WORD, "x-guidance": own}
-    for grammar in (g.json_schema(schema), g.lark("start: " + g.lark_json(schema))):
-        c = g.compile_grammar(tok, grammar)
+    for grammar in (json_schema(schema), lark("start: " + lark_json(schema))):
+        c = compile_grammar(tok, grammar)
         for t in tok.ll.tokenize_str('{"w"'):
             c.allowed()
             c.accept(t)
@@ -147,12 +151,12 @@ def test_a_schemas_own_x_guidance_cannot_unbound_whitespace(tok, own):
 
 def test_freed_grammar_memory_goes_back_to_the_system():
     import platform
-    assert g.give_memory_back() == (platform.libc_ver()[0] == "glibc")
+    assert give_memory_back() == (platform.libc_ver()[0] == "glibc")
 
 
 def _accepts(tok, grammar, text: str) -> bool:
     """The grammar takes `text` whole and may end there."""
-    c = g.compile_grammar(tok, grammar)
+    c = compile_grammar(tok, grammar)
     for t in tok.ll.tokenize_str(text):
         if not c.allowed()[t]:
             return False
@@ -169,7 +173,7 @@ def test_an_unbounded_integer_is_held_to_json_safe_digits(tok, schema):
     def wrap(n: str) -> str:
         return {"integer": n, "object": '{"n": ' + n + "}", "array": "[" + n + "]"}.get(
             schema["type"] if isinstance(schema["type"], str) else "integer")
-    for grammar in (g.json_schema(schema), g.lark("start: " + g.lark_json(schema)) if "properties" in schema else None):
+    for grammar in (json_schema(schema), lark("start: " + lark_json(schema)) if "properties" in schema else None):
         if grammar is None:
             continue
         assert _accepts(tok, grammar, wrap(str(2 ** 53 - 1))) and _accepts(tok, grammar, wrap(str(-(2 ** 53 - 1))))

@@ -40,7 +40,7 @@ def test_full_forward_matches_transformers(case, tmp_path):
 
 def test_unsupported_architecture_refused(tmp_path):
     from export.loaders import load_hf_folder
-    from export.model import UnsupportedModel
+    from export.model_config import UnsupportedModel
 
     folder = make_hf_folder(tmp_path, "llama")
     cfg = (folder / "config.json").read_text().replace("LlamaForCausalLM", "GPT2LMHeadModel")
@@ -52,7 +52,7 @@ def test_unsupported_architecture_refused(tmp_path):
 def test_fused_weights_split_back_exactly(tmp_path):
     from safetensors.torch import load_file
 
-    from export.loaders import unfuse
+    from export.checkpoint_names import unfuse
 
     folder = make_hf_folder(tmp_path, "qwen2")
     original = load_file(str(next(folder.glob("*.safetensors"))))

@@ -28,7 +28,8 @@ from edgekv.format.bundle import load_bundle  # noqa: E402
 from edgekv.runtime.assemble import open_runtime, ort_version_lines  # noqa: E402
 from edgekv.runtime.backends import ort as ort_mod  # noqa: E402
 from edgekv.graph.forms import Handed, handed_tensor  # noqa: E402
-from edgekv.runtime.backends.fused import MIN_ORT, ort_refusal, ort_version_ok  # noqa: E402
+from edgekv.runtime.backends.fused import (ATTENTION_ENV, MIN_ORT, QUERY_LENGTHS, QUERY_LENGTHS_ORT,  # noqa: E402
+                                           choose_attention, ort_refusal, ort_version_ok)
 from edgekv.runtime.backends.nbits8 import (NBITS8_FUSION_ORT, Nbits8Report,  # noqa: E402
                                             eight_bit_products, fuse_8bit, fuses_8bit, kernel_runs)
 from edgekv.runtime.backends.versions import ORT_FLOOR, ORT_LOADS, ort_version, too_old  # noqa: E402
@@ -73,7 +74,7 @@ def test_pyprojects_floor_installs_on_jetpack6_and_the_installed_release_meets_i
     floor = pyproject_floor()
     assert floor == ORT_FLOOR  # versions.py says why
     assert floor <= ort_version(JETPACK6_ORT), f"onnxruntime>={floor} cannot install on CPython 3.10 aarch64"
-    assert ORT_LOADS <= floor < NBITS8_FUSION_ORT < MIN_ORT < ort_mod.QUERY_LENGTHS_ORT  # later ones: gated at load
+    assert ORT_LOADS <= floor < NBITS8_FUSION_ORT < MIN_ORT < QUERY_LENGTHS_ORT  # later ones: gated at load
     assert REAL_VERSION >= floor
 
 
@@ -119,12 +120,12 @@ def test_choose_attention_keeps_the_graph_as_written_below_1_27(tiny_bundle_int8
     and older, the line naming the release found and the one needed; `fused` asked is one line."""
     b = load_bundle(tiny_bundle_int8_static)
     for version in (JETPACK6_ORT, "1.26.1"):
-        fused, line = ort_mod.choose_attention(stub_backend(version), b, "auto")
+        fused, line = choose_attention(stub_backend(version), b, "auto")
         assert fused is None
         assert line.startswith("attention: the bundle's graph as written (") and version in line and "1.27" in line
         with pytest.raises(BackendUnavailable, match=r"1\.27"):
-            ort_mod.choose_attention(stub_backend(version), b, "fused")
-    fused, line = ort_mod.choose_attention(stub_backend("1.27.0"), b, "auto")
+            choose_attention(stub_backend(version), b, "fused")
+    fused, line = choose_attention(stub_backend("1.27.0"), b, "auto")
     assert fused is not None and line.startswith("attention: fused")
 
 
@@ -132,7 +133,7 @@ def test_choose_attention_keeps_the_graph_as_written_below_1_27(tiny_bundle_int8
 def test_open_runtime_says_which_attention_and_why_in_one_line(tiny_bundle_int8_static, version, monkeypatch):
     """The graph as written runs (a real session, greedy steps) and the load log has exactly one
     attention line, naming both releases."""
-    monkeypatch.delenv(ort_mod.ATTENTION_ENV, raising=False)
+    monkeypatch.delenv(ATTENTION_ENV, raising=False)
     as_version(monkeypatch, version)
     lines = []
     with open_runtime(tiny_bundle_int8_static, backend="ort-cpu", threads=1, log=lines.append) as rt:
@@ -149,11 +150,11 @@ def test_open_runtime_says_which_attention_and_why_in_one_line(tiny_bundle_int8_
 
 def test_no_attention_line_where_the_version_is_not_the_reason(tiny_bundle_int8, tiny_bundle_int8_static, monkeypatch):
     """Per-token scales never fuse (no line about the release); EDGEKV_ATTENTION=plain is the user's choice."""
-    monkeypatch.delenv(ort_mod.ATTENTION_ENV, raising=False)
+    monkeypatch.delenv(ATTENTION_ENV, raising=False)
     as_version(monkeypatch, JETPACK6_ORT)
     lines = []
     open_runtime(tiny_bundle_int8, backend="ort-cpu", threads=1, log=lines.append).close()
-    monkeypatch.setenv(ort_mod.ATTENTION_ENV, "plain")
+    monkeypatch.setenv(ATTENTION_ENV, "plain")
     open_runtime(tiny_bundle_int8_static, backend="ort-cpu", threads=1, log=lines.append).close()
     assert not [ln for ln in lines if ln.startswith("attention:")], lines
 
@@ -161,7 +162,7 @@ def test_no_attention_line_where_the_version_is_not_the_reason(tiny_bundle_int8,
 @pytest.mark.skipif(not ort_version_ok(REAL.__version__),
                     reason=f"onnxruntime {REAL.__version__} has no fused kernel to run")
 def test_the_fused_graph_runs_from_1_27_without_the_version_line(tiny_bundle_int8_static, monkeypatch):
-    monkeypatch.delenv(ort_mod.ATTENTION_ENV, raising=False)
+    monkeypatch.delenv(ATTENTION_ENV, raising=False)
     lines = []
     with open_runtime(tiny_bundle_int8_static, backend="ort-cpu", threads=1, log=lines.append) as rt:
         assert rt.backend.fused is not None
@@ -170,7 +171,7 @@ def test_the_fused_graph_runs_from_1_27_without_the_version_line(tiny_bundle_int
 
 # --- query_seqlens: 1.32 -----------------------------------------------------------------------
 
-@pytest.mark.skipif(REAL_VERSION < ort_mod.QUERY_LENGTHS_ORT,
+@pytest.mark.skipif(REAL_VERSION < QUERY_LENGTHS_ORT,
                     reason=f"onnxruntime {REAL.__version__}: the fused graph with query_seqlens cannot load here")
 def test_query_seqlens_gate(tiny_bundle_int8_static, monkeypatch):
     """1.27-1.31: the fused graph runs one stream without query_seqlens, and serve's fused slots
@@ -179,7 +180,7 @@ def test_query_seqlens_gate(tiny_bundle_int8_static, monkeypatch):
     monkeypatch.setattr(ort_mod, "_import_ort", lambda: Ort("1.29.0"))
     be = ort_mod.OrtBackend(b, threads=1, attention="auto")
     assert be.fused is not None and not be.query_lengths
-    assert ort_mod.QUERY_LENGTHS not in {i.name for i in be.session.get_inputs()}
+    assert QUERY_LENGTHS not in {i.name for i in be.session.get_inputs()}
     with pytest.raises(BackendUnavailable, match=r"query_seqlens.*1\.32.*1\.29\.0"):
         be.slot_memory(2)
     cache = KVCache(b, 32, memory=be.memory)
@@ -188,7 +189,7 @@ def test_query_seqlens_gate(tiny_bundle_int8_static, monkeypatch):
     be.close()
     monkeypatch.setattr(ort_mod, "_import_ort", lambda: Ort("1.32.0"))
     be = ort_mod.OrtBackend(b, threads=1, attention="auto")
-    assert be.query_lengths and ort_mod.QUERY_LENGTHS in {i.name for i in be.session.get_inputs()}
+    assert be.query_lengths and QUERY_LENGTHS in {i.name for i in be.session.get_inputs()}
     be.close()
 
 
@@ -357,7 +358,7 @@ def test_a_bundles_8bit_head_below_1_25(tiny_bundle_int8_wint4, monkeypatch):
     runs as written. Either way the runtime runs it."""
     assert len(eight_bit_products(onnx.load(str(load_bundle(tiny_bundle_int8_wint4).onnx_path),
                                             load_external_data=False).graph)) >= 1
-    monkeypatch.delenv(ort_mod.ATTENTION_ENV, raising=False)
+    monkeypatch.delenv(ATTENTION_ENV, raising=False)
 
     def greedy(rt):
         g = reference(rt)

@@ -147,7 +147,7 @@ def test_tiny_int4_weights_fused_slots_batched_equals_alone(tiny_gguf_bundles):
     same request beside others many-row ones; logits and tokens equal bit for bit."""
     from tests.test_fused_serve import CTX, SPEC, alone as alone_in_slots, schedule, slots_engine
 
-    from edgekv.runtime.backends.ort import QUERY_LENGTHS_ORT, ort_at_least
+    from edgekv.runtime.backends.fused import QUERY_LENGTHS_ORT, ort_at_least
 
     if not ort_at_least(ort_version(), QUERY_LENGTHS_ORT):
         pytest.skip(f"onnxruntime {ort_version()} has no GroupQueryAttention query_seqlens (serve's slots need 1.32)")

@@ -66,7 +66,7 @@ def test_a_model_without_defaults_gets_openais(tiny_bundle_int8):
 def test_gguf_sampling_keys_are_recorded(tiny_llama, tmp_path, monkeypatch):
     import gguf
 
-    from export.loaders import load_gguf
+    from export.gguf_loader import load_gguf
     from tests.test_gguf import write_gguf
 
     header = gguf.GGUFWriter.write_header_to_file

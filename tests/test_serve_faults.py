@@ -19,7 +19,8 @@ httpx = pytest.importorskip("httpx")
 openai = pytest.importorskip("openai")
 pytest.importorskip("llguidance")
 
-from edgekv.runtime import grammar as g  # noqa: E402
+from edgekv.runtime.grammar_build import MAX_JSON_DEPTH, MAX_SCHEMA_DEPTH, json_schema, regex  # noqa: E402
+from edgekv.runtime.grammar_engine import GrammarError  # noqa: E402
 from tests.serving import serving  # noqa: E402
 from tests.test_serve_lifecycle import MSGS, WAIT, serve  # noqa: E402,F401  (serve: the subprocess fixture)
 
@@ -170,11 +171,11 @@ def test_schema_nesting_counts_the_levels_its_author_wrote(served):
     a schema past the limit is refused naming its own count against it."""
     r = chat(served.url, response_format=rf(nested(32)), max_tokens=64)  # its shortest reply fits
     assert r.status_code == 200, r.text
-    deep = g.MAX_SCHEMA_DEPTH + 1
+    deep = MAX_SCHEMA_DEPTH + 1
     r = chat(served.url, response_format=rf(nested(deep)))
     assert r.status_code == 400
     msg = r.json()["error"]["message"]
-    assert f"deeper than {g.MAX_SCHEMA_DEPTH} levels" in msg and f"{deep} levels deep" in msg
+    assert f"deeper than {MAX_SCHEMA_DEPTH} levels" in msg and f"{deep} levels deep" in msg
     from edgekv.runtime.grammar_checks import schema_levels
     assert schema_levels(nested(32)) == 32
 
@@ -198,10 +199,10 @@ def test_regex_min_chars(pattern, shortest):
 
 
 def test_the_regex_flag_and_deep_values_are_refused_by_name():
-    with pytest.raises(g.GrammarError, match="1000000 characters"):
-        g.regex("(a{1000}){1000}")
+    with pytest.raises(GrammarError, match="1000000 characters"):
+        regex("(a{1000}){1000}")
     value = 1
-    for _ in range(g.MAX_JSON_DEPTH):
+    for _ in range(MAX_JSON_DEPTH):
         value = [value]
-    with pytest.raises(g.GrammarError, match=f"deeper than {g.MAX_JSON_DEPTH} levels of JSON"):
-        g.json_schema({"const": value})
+    with pytest.raises(GrammarError, match=f"deeper than {MAX_JSON_DEPTH} levels of JSON"):
+        json_schema({"const": value})

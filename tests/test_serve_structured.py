@@ -251,8 +251,8 @@ def test_constrained_logprobs_are_of_the_masked_distribution(rt, url):
     first = r.json()["choices"][0]["logprobs"]["content"][0]
     g = reference(rt, capacity=256)
     lp = log_softmax(g.prefill(rt.codec.chat_ids(MSGS)))
-    from edgekv.runtime import grammar
-    ll = grammar.tokenizer_for(rt.bundle).ll
+    from edgekv.runtime.grammar_tokenizer import tokenizer_for
+    ll = tokenizer_for(rt.bundle).ll
     ids = [i for i in range(lp.shape[0]) if list(ll.decode_bytes([i])) == first["bytes"]]
     assert ids and first["logprob"] > max(lp[i] for i in ids) + 1e-3
     assert len(first["top_logprobs"]) >= 1 and all(np.isfinite(e["logprob"]) for e in first["top_logprobs"])

@@ -12,7 +12,7 @@ ort = pytest.importorskip("onnxruntime")
 
 from edgekv.errors import EdgeKVError  # noqa: E402
 from edgekv.runtime.assemble import open_runtime  # noqa: E402
-from edgekv.runtime.backends.ort import QUERY_LENGTHS_ORT, ort_at_least  # noqa: E402
+from edgekv.runtime.backends.fused import QUERY_LENGTHS_ORT, ort_at_least  # noqa: E402
 from edgekv.runtime.batching import Batcher, Request  # noqa: E402
 from edgekv.runtime.cache import KVCache  # noqa: E402
 from tests.serving import run_until_done  # noqa: E402

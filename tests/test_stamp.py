@@ -20,7 +20,8 @@ def model_of(arch: str, folder, kv: str, n_layers: int):
 
     import torch
 
-    from export.model import ModelConfig, Transformer
+    from export.model import Transformer
+    from export.model_config import ModelConfig
 
     c = json.loads((folder / "config.json").read_text())
     c["num_hidden_layers"] = n_layers

@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("llguidance", reason="structured output needs llguidance (the serve extra)")
 
 from edgekv.format.bundle import load_bundle  # noqa: E402
-from edgekv.runtime import grammar as g  # noqa: E402
+from edgekv.runtime.grammar_tokenizer import tokenizer_for  # noqa: E402
 from edgekv.serve.api import ApiError  # noqa: E402
 from edgekv.serve.structured import compile_for_request, response_format_grammar  # noqa: E402
 
@@ -19,7 +19,7 @@ from edgekv.serve.structured import compile_for_request, response_format_grammar
 @pytest.fixture(scope="module")
 def tok(real_bundle_int4):
     """SmolLM2's own tokenizer (the bundle conftest exports once per run: CI tests these too)."""
-    return g.tokenizer_for(load_bundle(real_bundle_int4))
+    return tokenizer_for(load_bundle(real_bundle_int4))
 
 
 def admits(tok, grammar, text: str) -> bool:

@@ -12,8 +12,10 @@ pytest.importorskip("llguidance", reason="tool calls need llguidance (the serve 
 pytest.importorskip("jsonschema", reason="tests.test_tools needs jsonschema (the test extra)")
 
 from edgekv.format.bundle import load_bundle  # noqa: E402
-from edgekv.runtime import grammar as g  # noqa: E402
-from edgekv.serve import tools as T  # noqa: E402
+from edgekv.runtime.grammar_tokenizer import tokenizer_for  # noqa: E402
+from edgekv.serve.tool_grammar import min_call_chars, request_constraint, request_grammar  # noqa: E402
+from edgekv.serve.tool_plan import MAX_PARALLEL_CALLS  # noqa: E402
+from edgekv.serve.tool_stream import parse_reply  # noqa: E402
 from edgekv.serve.api import ApiError  # noqa: E402
 from tests.test_tools import TOOLS, assert_streams_as_parsed, call, ids  # noqa: E402
 
@@ -24,11 +26,11 @@ HALL = call("set_lights", {"room": "hall", "on": True})
 
 @pytest.fixture(scope="module")
 def tok(real_bundle_int4):
-    return g.tokenizer_for(load_bundle(real_bundle_int4))
+    return tokenizer_for(load_bundle(real_bundle_int4))
 
 
 def constraint(tok, **body):
-    c, _ = T.request_constraint({"tools": TOOLS, **body}, tok)
+    c, _ = request_constraint({"tools": TOOLS, **body}, tok)
     return c
 
 
@@ -44,12 +46,12 @@ def drive(c, tok, text: str) -> tuple[bool, bool]:
 
 
 def test_the_list_is_bounded_and_nothing_follows_it(tok):
-    calls = [call("get_weather", {"city": f"c{i}", "unit": "C"}) for i in range(T.MAX_PARALLEL_CALLS + 1)]
+    calls = [call("get_weather", {"city": f"c{i}", "unit": "C"}) for i in range(MAX_PARALLEL_CALLS + 1)]
     for choice in ("required", "auto"):
-        ok, done = drive(constraint(tok, tool_choice=choice), tok, "\n".join(calls[:T.MAX_PARALLEL_CALLS - 1]))
+        ok, done = drive(constraint(tok, tool_choice=choice), tok, "\n".join(calls[:MAX_PARALLEL_CALLS - 1]))
         assert ok and not done, choice
         c = constraint(tok, tool_choice=choice)
-        ok, done = drive(c, tok, "\n".join(calls[:T.MAX_PARALLEL_CALLS]))
+        ok, done = drive(c, tok, "\n".join(calls[:MAX_PARALLEL_CALLS]))
         assert ok and done and not c.allowed()[tok.ll.tokenize_str("\n")[0]], choice  # the list is full: it ends
         ok, _ = drive(constraint(tok, tool_choice=choice), tok, PARIS + "\nThat is all.")
         assert not ok, choice  # text after the list
@@ -81,7 +83,7 @@ def test_single_call_plans_end_after_their_call(tok):
     ("Let me see.\n" + HALL + "\n" + HALL, ["set_lights"]),
 ])
 def test_a_repeat_is_dropped_whole_and_streamed(text, names):
-    msg, complete = T.parse_reply(text, ids)
+    msg, complete = parse_reply(text, ids)
     assert [c["function"]["name"] for c in msg["tool_calls"]] == names and complete == len(names)
     assert [c["id"] for c in msg["tool_calls"]] == [ids(i) for i in range(len(names))]
     rng = random.Random(7)
@@ -91,7 +93,7 @@ def test_a_repeat_is_dropped_whole_and_streamed(text, names):
 
 def test_a_cut_call_that_began_like_an_earlier_one_is_shown_as_far_as_it_came():
     cut = PARIS + "\n" + PARIS[: PARIS.index("Paris") + 3]
-    msg, complete = T.parse_reply(cut, ids)
+    msg, complete = parse_reply(cut, ids)
     assert complete == 1 and len(msg["tool_calls"]) == 2
     assert msg["tool_calls"][1]["function"]["arguments"] == '{"city": "Par'
 
@@ -100,28 +102,28 @@ def test_a_reply_that_cannot_close_within_max_tokens_is_a_400(tok):
     long_const = {"type": "object", "properties": {"k": {"const": "x" * 2000}}, "required": ["k"]}
     rf = {"type": "json_schema", "json_schema": {"name": "k", "schema": long_const}}
     with pytest.raises(ApiError, match="could not close; raise max_tokens") as e:
-        T.request_constraint({"response_format": rf, "max_tokens": 10}, tok)
+        request_constraint({"response_format": rf, "max_tokens": 10}, tok)
     assert e.value.param == "max_tokens"
-    assert T.request_constraint({"response_format": rf, "max_tokens": 2000}, tok)[0] is not None
+    assert request_constraint({"response_format": rf, "max_tokens": 2000}, tok)[0] is not None
     # the same through max_completion_tokens, and for tools, whose call is the shortest reply
     tool = {"type": "function", "function": {"name": "f", "parameters": long_const}}
     with pytest.raises(ApiError, match="could not close"):
-        T.request_constraint({"tools": [tool], "tool_choice": "required", "max_completion_tokens": 10}, tok)
+        request_constraint({"tools": [tool], "tool_choice": "required", "max_completion_tokens": 10}, tok)
     # auto may answer in text: nothing to refuse
-    assert T.request_constraint({"tools": [tool], "max_tokens": 10}, tok)[0] is not None
+    assert request_constraint({"tools": [tool], "max_tokens": 10}, tok)[0] is not None
     endless = {"type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}
     rf = {"type": "json_schema", "json_schema": {"name": "e", "schema": endless}}
     with pytest.raises(ApiError, match="no reply can ever close"):
-        T.request_constraint({"response_format": rf, "max_tokens": 100}, tok)
+        request_constraint({"response_format": rf, "max_tokens": 100}, tok)
 
 
 def test_the_front_ends_get_it_by_the_same_names(tok):
     """Anthropic's and Responses' front ends call tools_of, chat_messages, request_constraint,
     ToolStream and parse_reply: the old calls work, max_tokens may be passed in."""
-    c, p = T.request_constraint({"tools": TOOLS, "tool_choice": "required"}, tok, max_tokens=300)
+    c, p = request_constraint({"tools": TOOLS, "tool_choice": "required"}, tok, max_tokens=300)
     assert p.parallel and drive(c, tok, PARIS + "\n" + PARIS) == (True, True)
-    grammar, plan, param = T.request_grammar({"tools": TOOLS, "tool_choice": "required"}, tok)
-    assert param == "tools" and plan.choice == "required" and grammar.min_chars == T.min_call_chars(plan)
+    grammar, plan, param = request_grammar({"tools": TOOLS, "tool_choice": "required"}, tok)
+    assert param == "tools" and plan.choice == "required" and grammar.min_chars == min_call_chars(plan)
 
 
 def test_tool_arguments_allow_no_invented_keys_unless_the_schema_says_so(tok):
@@ -130,6 +132,6 @@ def test_tool_arguments_allow_no_invented_keys_unless_the_schema_says_so(tok):
     for params, admitted in ((open_city, False), ({**open_city, "additionalProperties": True}, True),
                              ({"allOf": [open_city]}, True)):
         tool = {"type": "function", "function": {"name": "get_weather", "parameters": params}}
-        c, _ = T.request_constraint({"tools": [tool], "tool_choice": "required"}, tok)
+        c, _ = request_constraint({"tools": [tool], "tool_choice": "required"}, tok)
         assert drive(c, tok, extra)[0] == admitted, params
     assert "additionalProperties" not in open_city  # the client's schema is not changed

@@ -16,10 +16,16 @@ pytest.importorskip("llguidance", reason="tool calls need llguidance (the serve 
 jsonschema = pytest.importorskip("jsonschema", reason="jsonschema is the oracle (the test extra)")
 
 from edgekv.format.bundle import load_bundle  # noqa: E402
-from edgekv.runtime import grammar as g  # noqa: E402
+from edgekv.runtime.grammar_constraint import compile_grammar  # noqa: E402
+from edgekv.runtime.grammar_engine import GrammarError  # noqa: E402
+from edgekv.runtime.grammar_tokenizer import tokenizer_for  # noqa: E402
 from edgekv.runtime.sampling import SamplingParams  # noqa: E402
 from edgekv.runtime.text import TextCodec, bounded_sandbox  # noqa: E402
 from edgekv.serve import tools as T  # noqa: E402
+from edgekv.serve.tool_grammar import request_constraint, tool_grammar  # noqa: E402
+from edgekv.serve.tool_plan import EMPTY_PARAMETERS, call_text, tools_of  # noqa: E402
+from edgekv.serve.tool_stream import (ToolCallError, ToolStream, assemble, check_arguments, finish_reason,  # noqa: E402
+                                      parse_reply)
 from edgekv.serve.api import ApiError  # noqa: E402
 from tests.stream_reference import reference  # noqa: E402
 
@@ -45,15 +51,15 @@ def ids(i: int) -> str:
 @pytest.fixture(scope="module")
 def tok(real_bundle_int4):
     """SmolLM2's own tokenizer (the bundle conftest exports once per run: CI tests these too)."""
-    return g.tokenizer_for(load_bundle(real_bundle_int4))
+    return tokenizer_for(load_bundle(real_bundle_int4))
 
 
 def plan(**body):
-    return T.tools_of({"tools": TOOLS, **body})
+    return tools_of({"tools": TOOLS, **body})
 
 
 def admits(tok, p, text: str) -> bool:
-    c = g.compile_grammar(tok, T.tool_grammar(p, tok))
+    c = compile_grammar(tok, tool_grammar(p, tok))
     for t in tok.ll.tokenize_str(text):
         if not c.allowed()[t]:
             return False
@@ -62,7 +68,7 @@ def admits(tok, p, text: str) -> bool:
 
 
 def call(name, args) -> str:
-    return T.call_text(name, args)
+    return call_text(name, args)
 
 
 W = call("get_weather", {"city": "Paris", "unit": "C"})
@@ -72,15 +78,15 @@ L = call("set_lights", {"room": "hall", "on": True, "level": 30})
 # -- the request's fields ----------------------------------------------------------------------------
 
 def test_tools_and_tool_choice():
-    assert T.tools_of({}) is None and T.tools_of({"tools": [], "tool_choice": "none"}) is None
+    assert tools_of({}) is None and tools_of({"tools": [], "tool_choice": "none"}) is None
     p = plan()
     assert (p.choice, p.parallel, [t.name for t in p.tools]) == ("auto", True, ["get_weather", "set_lights"])
     assert plan(tool_choice="required", parallel_tool_calls=False).parallel is False
     named = plan(tool_choice={"type": "function", "function": {"name": "set_lights"}})
     assert named.choice == "function" and [t.name for t in named.tools] == ["set_lights"]
     assert [t.name for t in named.offered] == ["get_weather", "set_lights"]
-    bare = T.tools_of({"tools": [{"type": "function", "function": {"name": "ping"}}]})
-    assert bare.tools[0].parameters == T.EMPTY_PARAMETERS
+    bare = tools_of({"tools": [{"type": "function", "function": {"name": "ping"}}]})
+    assert bare.tools[0].parameters == EMPTY_PARAMETERS
 
 
 @pytest.mark.parametrize("body, param", [
@@ -96,15 +102,15 @@ def test_tools_and_tool_choice():
 ])
 def test_malformed_tool_fields_are_400s(body, param):
     with pytest.raises(ApiError) as e:
-        T.tools_of(body)
+        tools_of(body)
     assert e.value.param == param
 
 
 def test_unenforceable_parameters_are_400s(tok):
-    p = T.tools_of({"tools": [{"type": "function", "function": {
+    p = tools_of({"tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "properties": {"xs": {"type": "array", "uniqueItems": True}}}}}]})
-    with pytest.raises(g.GrammarError, match="uniqueItems"):
-        g.compile_grammar(tok, T.tool_grammar(p, tok))
+    with pytest.raises(GrammarError, match="uniqueItems"):
+        compile_grammar(tok, tool_grammar(p, tok))
 
 
 # -- the grammar ---------------------------------------------------------------------------------------
@@ -121,7 +127,7 @@ def test_auto_lets_text_and_calls_mix(tok):
 
 
 def test_after_the_marker_the_call_is_forced(tok):
-    c = g.compile_grammar(tok, T.tool_grammar(plan(), tok))
+    c = compile_grammar(tok, tool_grammar(plan(), tok))
     for t in tok.ll.tokenize_str("Sure. <tool_call>"):
         c.accept(t)
     assert c.m.compute_ff_bytes().decode() == '\n{"name": "'
@@ -135,7 +141,7 @@ def test_required_named_and_single(tok):
     assert admits(tok, named, L) and not admits(tok, named, W) and not admits(tok, named, L + "\n" + L)
     single = plan(tool_choice="required", parallel_tool_calls=False)
     assert admits(tok, single, W) and not admits(tok, single, W + "\n" + L)
-    assert T.tool_grammar(plan(tool_choice="none"), tok) is None
+    assert tool_grammar(plan(tool_choice="none"), tok) is None
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +152,8 @@ def rt(rt_int8):
 def sampled(rt, p, seed: int) -> tuple[str, str]:
     from edgekv.runtime.stats import Stats
 
-    gtok = g.tokenizer_for(rt.bundle)
-    c = g.compile_grammar(gtok, T.tool_grammar(p, gtok))
+    gtok = tokenizer_for(rt.bundle)
+    c = compile_grammar(gtok, tool_grammar(p, gtok))
     st = Stats()
     out = list(reference(rt).generate(rt.codec.encode("Call a tool:"), 200, SamplingParams(temperature=1.0, seed=seed),
                                        rt.codec.stop_ids | set(gtok.stop_ids), st, c))
@@ -166,8 +172,8 @@ def test_random_models_calls_validate_and_stream_as_they_parse(rt, choice):
     for seed in range(8):
         text, reason = sampled(rt, plan(tool_choice=choice, parallel_tool_calls=False), seed)
         assert reason == "stop", text
-        msg, complete = T.parse_reply(text, ids)
-        assert T.finish_reason(reason, msg) == "tool_calls" and complete == len(msg["tool_calls"]) >= 1
+        msg, complete = parse_reply(text, ids)
+        assert finish_reason(reason, msg) == "tool_calls" and complete == len(msg["tool_calls"]) >= 1
         assert msg["content"] is None
         for c, block in zip(msg["tool_calls"], blocks(text), strict=True):
             args = json.loads(c["function"]["arguments"])
@@ -179,15 +185,15 @@ def test_random_models_calls_validate_and_stream_as_they_parse(rt, choice):
 
 
 def assert_streams_as_parsed(text: str, rng: random.Random) -> None:
-    whole, _ = T.parse_reply(text, ids)
+    whole, _ = parse_reply(text, ids)
     for _ in range(6):
-        ts, deltas, at = T.ToolStream(ids), [], 0
+        ts, deltas, at = ToolStream(ids), [], 0
         while at < len(text):
             n = rng.randint(1, 7)
             deltas += ts.feed(text[at: at + n])
             at += n
         deltas += ts.finish()
-        assert T.assemble(deltas) == whole
+        assert assemble(deltas) == whole
         seen = set()
         for d in deltas:  # OpenAI's order: id, type and name once, first; then arguments only
             for c in d.get("tool_calls", []):
@@ -212,18 +218,18 @@ def test_stream_reassembly_equals_the_whole_reply(text):
 
 
 def test_parse_reply():
-    msg, n = T.parse_reply("Let me check.\n" + W + "\n" + L, ids)
+    msg, n = parse_reply("Let me check.\n" + W + "\n" + L, ids)
     assert msg["content"] == "Let me check." and n == 2
     assert [c["id"] for c in msg["tool_calls"]] == ["call_0", "call_1"]
     assert json.loads(msg["tool_calls"][1]["function"]["arguments"]) == {"room": "hall", "on": True, "level": 30}
-    assert T.finish_reason("stop", msg) == "tool_calls" and T.finish_reason("length", msg) == "length"
-    text_only, n = T.parse_reply("a <tool_call> that is no call", ids)
+    assert finish_reason("stop", msg) == "tool_calls" and finish_reason("length", msg) == "length"
+    text_only, n = parse_reply("a <tool_call> that is no call", ids)
     assert text_only == {"role": "assistant", "content": "a <tool_call> that is no call"} and n == 0
-    assert T.finish_reason("stop", text_only) == "stop"
-    cut, n = T.parse_reply(W[:-20], ids)  # inside the arguments
+    assert finish_reason("stop", text_only) == "stop"
+    cut, n = parse_reply(W[:-20], ids)  # inside the arguments
     assert n == 0 and len(cut["tool_calls"]) == 1
-    with pytest.raises(T.ToolCallError):
-        T.check_arguments(cut)
+    with pytest.raises(ToolCallError):
+        check_arguments(cut)
 
 
 # -- the prompt ----------------------------------------------------------------------------------------
@@ -320,21 +326,21 @@ def test_template_path_on_a_qwen25_style_template(rt):
     assert '<|im_start|>user\n<tool_response>\n{"temp": 21}\n</tool_response><|im_end|>' in prompt
     assert prompt.endswith("<|im_start|>assistant\n")
     # what the template shows a call as is what the grammar makes and the parser reads
-    msg, n = T.parse_reply("<tool_call>\n" + turn + "\n</tool_call>", ids)
+    msg, n = parse_reply("<tool_call>\n" + turn + "\n</tool_call>", ids)
     assert n == 1 and json.loads(msg["tool_calls"][0]["function"]["arguments"]) == {"city": "Paris", "unit": "C"}
     text, reason = sampled(rt, plan(tool_choice="required", parallel_tool_calls=False), 3)
-    assert reason == "stop" and T.parse_reply(text, ids)[1] >= 1
+    assert reason == "stop" and parse_reply(text, ids)[1] >= 1
 
 
 def test_request_constraint(tok):
-    c, p = T.request_constraint({"tools": TOOLS, "tool_choice": "required"}, tok)
+    c, p = request_constraint({"tools": TOOLS, "tool_choice": "required"}, tok)
     assert p.choice == "required" and c is not None and not c.allowed()[tok.ll.tokenize_str("Hi")[0]]
-    c, p = T.request_constraint({"response_format": {"type": "json_object"}}, tok)
+    c, p = request_constraint({"response_format": {"type": "json_object"}}, tok)
     assert p is None and c is not None
     body = {"tools": TOOLS, "tool_choice": "none", "response_format": {"type": "json_object"}}
-    c, p = T.request_constraint(body, tok)
+    c, p = request_constraint(body, tok)
     assert p.choice == "none" and c is not None  # the tools are described, the reply is JSON
-    assert T.request_constraint({}, tok) == (None, None)
+    assert request_constraint({}, tok) == (None, None)
     with pytest.raises(ApiError) as e:
-        T.request_constraint({"tools": TOOLS, "response_format": {"type": "json_object"}}, tok)
+        request_constraint({"tools": TOOLS, "response_format": {"type": "json_object"}}, tok)
     assert e.value.param == "response_format" and e.value.code == "unsupported_parameter"

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from export.model import ModelConfig, Transformer
+from export.model import Transformer
+from export.model_config import ModelConfig
 from tests.trace_cache import cache_key, cached
 
 CONFIG = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=96, hidden_size=32,

@@ -17,7 +17,7 @@ from edgekv.errors import BundleError
 from edgekv.format.bundle import load_bundle
 from edgekv.runtime.assemble import open_runtime
 from edgekv.runtime.backends.engines import tensorrt_graph
-from edgekv.format.trt_graph import widen_half_scales
+from edgekv.graph.passes.trt_staging import widen_half_scales
 from edgekv.graph.passes.trt_staging import fold_forms
 from edgekv.format.trt_rules import check_model
 from tests.conftest import make_hf_folder, optimized_graph
@@ -124,7 +124,8 @@ def hf_logits(folder, weights: dict[str, np.ndarray], ids: list[int]) -> np.ndar
     """transformers' model with the given weights (by our names) in place of the checkpoint's."""
     import transformers
 
-    from export.loaders import load_hf_folder, unfuse
+    from export.checkpoint_names import unfuse
+    from export.loaders import load_hf_folder
 
     src = load_hf_folder(folder)
     sd = dict(src.state_dict)

@@ -27,7 +27,7 @@ from edgekv.runtime.text import StreamDecoder
 class ChatSession:
     def __init__(self, bundle, codec, batcher: Batcher, params: SamplingParams, system: str | None,
                  max_new_tokens: int, context: str = "drop-turns", reply_grammar=None):
-        """reply_grammar: a compiled GrammarConstraint (runtime/grammar.py) every reply follows
+        """reply_grammar: a compiled GrammarConstraint (runtime/grammar_constraint.py) every reply follows
         (chat --json-schema); each turn gets a fresh copy of it (None: free replies)."""
         if context not in CONTEXT_POLICIES:
             raise EdgeKVError(f"unknown context policy {context!r}; choose {' or '.join(CONTEXT_POLICIES)}")

@@ -10,7 +10,9 @@ from edgekv.chat.session import ChatSession
 from edgekv.errors import EdgeKVError
 from edgekv.runtime.assemble import open_runtime
 from edgekv.runtime.stats import kv_line, ring_note, stats_line, stats_record
-from edgekv.runtime.grammar import compile_grammar, grammar_from_args, tokenizer_for
+from edgekv.runtime.grammar_cli import grammar_from_args
+from edgekv.runtime.grammar_constraint import compile_grammar
+from edgekv.runtime.grammar_tokenizer import tokenizer_for
 from edgekv.runtime.reasoning import CLOSE, OPEN, ReasoningSplitter, split_reply
 from edgekv.runtime.sampling import defaults_of, sampling_from
 

@@ -1,7 +1,7 @@
 """What TensorRT's parser rules (edgekv/format/trt_rules.py) see of an ONNX graph: its tensors'
 element types, build-time constants and their shapes, who makes and who reads each tensor; the
-graph read from a file without its weights; and the one staging step every graph TensorRT gets
-goes through before the engine build's own rewrite (stage_weights: the trt-staging pass,
+graph read from a file without its weights. The one staging step every graph TensorRT gets goes
+through before the engine build's own rewrite is the trt-staging pass (stage_weights,
 edgekv/graph/passes/trt_staging.py)."""
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from edgekv.graph.index import GraphIndex
-from edgekv.graph.passes.trt_staging import stage_weights, widen_half_scales  # noqa: F401  (the format layer's API)
 
 # onnx TensorProto element types -> the table's names
 TYPES = {1: "FP32", 2: "UINT8", 3: "INT8", 6: "INT32", 7: "INT64", 9: "BOOL", 10: "FP16", 11: "DOUBLE", 16: "BF16",

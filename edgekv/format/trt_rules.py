@@ -12,8 +12,9 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from edgekv.format.trt_graph import TYPES, GraphFacts, Violation, block_size, graph_facts, read_onnx, stage_weights
+from edgekv.format.trt_graph import TYPES, GraphFacts, Violation, block_size, graph_facts, read_onnx
 from edgekv.graph.forms import forms
+from edgekv.graph.passes.trt_staging import stage_weights
 
 DATA = Path(__file__).parent.parent / "data" / "trt_onnx_ops.json"
 

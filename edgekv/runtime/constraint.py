@@ -1,6 +1,6 @@
 """The seam between a request and what may restrict its next token (a JSON schema, a grammar, a tool
 call: issue 26). The engine's post-processing and generate's decode loop call these three methods and
-know nothing else about grammars; edgekv/runtime/grammar.py implements them with llguidance."""
+know nothing else about grammars; edgekv/runtime/grammar_constraint.py implements them with llguidance."""
 from __future__ import annotations
 
 from typing import Protocol

@@ -1,4 +1,4 @@
-"""What a grammar asks of the engine, measured before llguidance is asked (runtime/grammar.py
+"""What a grammar asks of the engine, measured before llguidance is asked (runtime/grammar_build.py
 refuses past its limits): how deep a JSON Schema nests its subschemas, as its author wrote them;
 a `$ref` cycle that never reaches a value; the fewest characters a regex can match, where counted
 repetitions multiply out (`(a{1000}){1000}`: a million, which llguidance's lexer spells out).

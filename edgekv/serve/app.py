@@ -40,6 +40,8 @@ from edgekv.serve.messages import MessagesFormat, messages_request
 from edgekv.serve.metrics import Metrics
 from edgekv.serve.reply import Reply
 from edgekv.serve.responses import ResponsesFormat, responses_request
+from edgekv.serve.tool_grammar import request_constraint
+from edgekv.serve.tool_plan import tools_of
 
 log = logging.getLogger("edgekv.serve")
 
@@ -84,20 +86,21 @@ class Server:
 
     def grammar_tokenizer(self):
         """The bundle's llguidance tokenizer, built on the first request that needs it."""
-        from edgekv.runtime import grammar
+        from edgekv.runtime.grammar_engine import GrammarError
+        from edgekv.runtime.grammar_tokenizer import tokenizer_for
         if self.bundle is None:
             raise ApiError(400, "this server was started without its bundle: tools, response_format and "
                                 "logprobs are not available", code="unsupported_parameter")
         try:
-            return grammar.tokenizer_for(self.bundle)
-        except grammar.GrammarError as e:
+            return tokenizer_for(self.bundle)
+        except GrammarError as e:
             raise ApiError(400, str(e), code="unsupported_parameter") from None
 
     def stop_ids(self, constrained: bool) -> frozenset[int]:
         if not constrained:
             return frozenset(self.codec.stop_ids)
-        from edgekv.runtime import grammar
-        return frozenset(self.codec.stop_ids) | frozenset(grammar.stop_ids_of(self.bundle))
+        from edgekv.runtime.grammar_tokenizer import stop_ids_of
+        return frozenset(self.codec.stop_ids) | frozenset(stop_ids_of(self.bundle))
 
     def token_bytes(self, t: int) -> bytes:
         return self.grammar_tokenizer().ll.decode_bytes([t])
@@ -191,7 +194,7 @@ class Server:
 
         def count() -> int:
             ask = messages_request(parse_json(raw), self.sampling_defaults, counting=True)
-            plan = tools.tools_of(ask.structured)
+            plan = tools_of(ask.structured)
             return len(encode_unlocked(self.codec, self.render(ask, plan)))
 
         return JSONResponse({"input_tokens": await asyncio.to_thread(count)})
@@ -222,8 +225,8 @@ class Server:
         asked = any(c.structured.get(f) not in (None, False, [], "none", {"type": "text"}) for f in
                     ("tools", "tool_choice", "response_format"))
         try:
-            constraint, plan = (tools.request_constraint(c.structured, self.grammar_tokenizer(), c.max_tokens)
-                                if asked else (None, tools.tools_of(c.structured)))
+            constraint, plan = (request_constraint(c.structured, self.grammar_tokenizer(), c.max_tokens)
+                                if asked else (None, tools_of(c.structured)))
         except ApiError as e:  # a 400 names the chat field; this API may call it otherwise
             e.param = RENAMED.get(api, {}).get(e.param, e.param)
             raise

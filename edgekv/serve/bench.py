@@ -182,7 +182,7 @@ class ConstraintLog:
     compiles it)."""
 
     def __init__(self):
-        from edgekv.runtime.grammar import GrammarConstraint
+        from edgekv.runtime.grammar_constraint import GrammarConstraint
 
         self.cls, self.made, self.real = GrammarConstraint, [], GrammarConstraint.__init__
 
@@ -266,7 +266,7 @@ def cmd_bench_serve(args) -> int:
 
     schema = None
     if args.json_schema:  # read and checked before the model loads, as generate's flag
-        from edgekv.runtime.grammar import grammar_from_args
+        from edgekv.runtime.grammar_cli import grammar_from_args
 
         grammar_from_args(args)
         schema = json.loads(open(args.json_schema, encoding="utf-8").read())

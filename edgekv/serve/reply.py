@@ -12,10 +12,10 @@ from starlette.requests import Request as HttpRequest
 
 from edgekv.runtime.batching import Done, Request, Token
 from edgekv.runtime.reasoning import ReasoningSplitter, split_reply
-from edgekv.serve import tools
 from edgekv.serve.api import ApiAsk, ApiError, ClientGone
 from edgekv.serve.drain import CUT
 from edgekv.serve.stops import StopWatch
+from edgekv.serve.tool_stream import ToolStream, finish_reason, parse_reply
 
 GONE = object()  # in a reply's queue beside the batcher's events: the client hung up
 
@@ -139,8 +139,8 @@ class Reply:
         if not self.calls:
             self.finish = finish
             return Outcome(text, finish, reasoning)
-        msg, _ = tools.parse_reply(text)
-        self.finish = tools.finish_reason(finish, msg)
+        msg, _ = parse_reply(text)
+        self.finish = finish_reason(finish, msg)
         calls = [{"id": c["id"], "name": c["function"]["name"], "arguments": c["function"]["arguments"]}
                  for c in msg.get("tool_calls", [])]
         return Outcome(msg["content"] or "", self.finish, reasoning, calls, msg)
@@ -159,7 +159,7 @@ class Reply:
     async def deltas(self):
         """The reply as Deltas while it streams; `finish` is set once they end. With tools the
         text goes through a ToolStream (finish "tool_calls" when the reply stopped after calls)."""
-        ts = tools.ToolStream() if self.calls else None
+        ts = ToolStream() if self.calls else None
         finish = "stop"
         async for text, fin in self.events():
             thought, text = self.reasoned(text, fin is not None)

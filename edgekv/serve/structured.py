@@ -1,18 +1,21 @@
 """`response_format` (OpenAI's chat field) -> the Grammar a reply must follow, or a 400
 (api.bad_request; docs/structured.md). Pure functions: the HTTP layer calls them and compiles the
-grammar with the bundle's tokenizer (edgekv/runtime/grammar.py)."""
+grammar with the bundle's tokenizer (edgekv/runtime/grammar_constraint.py, grammar_worker.py)."""
 from __future__ import annotations
 
 import re
 
-from edgekv.runtime import grammar as g
+from edgekv.runtime.grammar_build import json_object, json_schema
+from edgekv.runtime.grammar_engine import Grammar, GrammarError
+from edgekv.runtime.grammar_tokenizer import GrammarTokenizer
+from edgekv.runtime.grammar_worker import compile_async, compile_bounded
 from edgekv.serve.api import bad_request
 
 # OpenAI's rule for a response format's (and a function's) name
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
-def response_format_grammar(rf) -> g.Grammar | None:
+def response_format_grammar(rf) -> Grammar | None:
     """The grammar `response_format` asks for: None for absent or {"type": "text"}; any JSON
     object for json_object; the schema for json_schema (strict or not, it is always enforced)."""
     if rf is None:
@@ -23,7 +26,7 @@ def response_format_grammar(rf) -> g.Grammar | None:
     if rf["type"] == "text":
         return None
     if rf["type"] == "json_object":
-        return g.json_object()
+        return json_object()
     js = rf.get("json_schema")
     if not isinstance(js, dict):
         raise bad_request("response_format.json_schema must be an object with a name and a schema", "response_format")
@@ -36,29 +39,29 @@ def response_format_grammar(rf) -> g.Grammar | None:
     if not isinstance(js.get("schema"), dict):
         raise bad_request("response_format.json_schema.schema must be a JSON Schema object", "response_format")
     try:
-        return g.json_schema(js["schema"])
-    except g.GrammarError as e:
+        return json_schema(js["schema"])
+    except GrammarError as e:
         raise bad_request(f"response_format: {e}", "response_format") from None
 
 
-def compile_for_request(tok: g.GrammarTokenizer, grammar: g.Grammar | None, param: str):
+def compile_for_request(tok: GrammarTokenizer, grammar: Grammar | None, param: str):
     """The constraint of one request (None: unconstrained); a grammar the engine cannot enforce
     is a 400 naming the field it came from."""
     if grammar is None:
         return None
     try:
-        return g.compile_bounded(tok, grammar)  # on the grammar workers (runtime/grammar_worker.py)
-    except g.GrammarError as e:
+        return compile_bounded(tok, grammar)  # on the grammar workers (runtime/grammar_worker.py)
+    except GrammarError as e:
         raise bad_request(f"{param}: {e}", param) from None
 
 
-async def compile_for_request_async(tok: g.GrammarTokenizer, grammar: g.Grammar | None, param: str):
+async def compile_for_request_async(tok: GrammarTokenizer, grammar: Grammar | None, param: str):
     """compile_for_request awaited on an event loop: no thread waits while the workers build it."""
     if grammar is None:
         return None
     try:
-        return await g.compile_async(tok, grammar)
-    except g.GrammarError as e:
+        return await compile_async(tok, grammar)
+    except GrammarError as e:
         raise bad_request(f"{param}: {e}", param) from None
 
 

@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import math
 
-from edgekv.runtime import grammar as g
+from edgekv.runtime.grammar_build import counted_patterns, lark, lark_json
+from edgekv.runtime.grammar_engine import Grammar, GrammarError
+from edgekv.runtime.grammar_tokenizer import GrammarTokenizer
 from edgekv.runtime import grammar_checks as checks
 from edgekv.serve.api import bad_request
 from edgekv.serve.structured import compile_for_request, compile_for_request_async, response_format_grammar
@@ -17,7 +19,7 @@ from edgekv.serve.tool_plan import CLOSE, MAX_PARALLEL_CALLS, OPEN, ToolPlan, to
 from edgekv.serve.tool_stream import HEAD_END, HEAD_START
 
 
-def _literal(tok: g.GrammarTokenizer | None, text: str) -> str:
+def _literal(tok: GrammarTokenizer | None, text: str) -> str:
     """The Lark for a marker: <text> where the tokenizer has it as one special token (a string
     literal could not match it), else a string literal."""
     if tok is not None:
@@ -27,7 +29,7 @@ def _literal(tok: g.GrammarTokenizer | None, text: str) -> str:
     return json.dumps(text)
 
 
-def tool_grammar(plan: ToolPlan, tok: g.GrammarTokenizer | None = None) -> g.Grammar | None:
+def tool_grammar(plan: ToolPlan, tok: GrammarTokenizer | None = None) -> Grammar | None:
     """The Lark grammar of a reply under `plan` (None for "none": the reply is free text).
     auto: any text without the opening marker, or text up to it (a lazy lexeme: the grammar is
     inert until the marker appears) and then calls; required / a named function: calls only.
@@ -53,14 +55,14 @@ def tool_grammar(plan: ToolPlan, tok: g.GrammarTokenizer | None = None) -> g.Gra
     for i, t in enumerate(plan.tools):  # names are [a-zA-Z0-9_-]: nothing to escape
         rules.append(f'fn_{i}: "{t.name}\\", \\"arguments\\": " args_{i}')
         try:
-            rules.append(f"args_{i}: {g.lark_json(closed_objects(t.parameters), f'the parameters of {t.name}')}")
-        except g.GrammarError as e:
+            rules.append(f"args_{i}: {lark_json(closed_objects(t.parameters), f'the parameters of {t.name}')}")
+        except GrammarError as e:
             raise bad_request(str(e), "tools") from None
-    patterns = tuple(dict.fromkeys(p for t in plan.tools for p in g.counted_patterns(t.parameters)))
+    patterns = tuple(dict.fromkeys(p for t in plan.tools for p in counted_patterns(t.parameters)))
     try:
         # each pattern also tried alone by compile_grammar
-        return g.lark("\n".join(rules), patterns, 0 if plan.choice == "auto" else min_call_chars(plan))
-    except g.GrammarError as e:
+        return lark("\n".join(rules), patterns, 0 if plan.choice == "auto" else min_call_chars(plan))
+    except GrammarError as e:
         raise bad_request(f"tools: {e}", "tools") from None
 
 
@@ -103,7 +105,7 @@ def max_tokens_asked(body: dict) -> int | None:
     return None
 
 
-def check_fits(grammar: g.Grammar | None, tok: g.GrammarTokenizer, max_tokens: int | None, param: str) -> None:
+def check_fits(grammar: Grammar | None, tok: GrammarTokenizer, max_tokens: int | None, param: str) -> None:
     """A 400 where no reply the grammar allows can close within max_tokens: its shortest
     reply (grammar.min_chars, a lower bound) needs more tokens than that even if every token were
     the vocabulary's longest."""
@@ -119,7 +121,7 @@ def check_fits(grammar: g.Grammar | None, tok: g.GrammarTokenizer, max_tokens: i
                           "max_tokens")
 
 
-def request_grammar(body: dict, tok: g.GrammarTokenizer, max_tokens: int | None = None):
+def request_grammar(body: dict, tok: GrammarTokenizer, max_tokens: int | None = None):
     """A chat request's (Grammar or None, ToolPlan or None, the field it came from), checked but
     not compiled: from its response_format, tools, tool_choice and parallel_tool_calls; max_tokens
     (None: the body's own) refuses a grammar that could not close within it. A 400 for what
@@ -135,7 +137,7 @@ def request_grammar(body: dict, tok: g.GrammarTokenizer, max_tokens: int | None 
     return grammar, plan, param
 
 
-def constraint_of(compiled, plan: ToolPlan | None, tok: g.GrammarTokenizer):
+def constraint_of(compiled, plan: ToolPlan | None, tok: GrammarTokenizer):
     """The compiled grammar as the request's constraint: under parallel calls, one that ends the
     reply at a call repeating an earlier one (tool_constraint.py)."""
     if compiled is not None and plan is not None and plan.calls_possible and plan.parallel:
@@ -143,7 +145,7 @@ def constraint_of(compiled, plan: ToolPlan | None, tok: g.GrammarTokenizer):
     return compiled
 
 
-def request_constraint(body: dict, tok: g.GrammarTokenizer, max_tokens: int | None = None):
+def request_constraint(body: dict, tok: GrammarTokenizer, max_tokens: int | None = None):
     """A chat request's constraint (None: free) and ToolPlan (None: no tools): request_grammar,
     compiled on the grammar workers (this thread waits; an event loop awaits
     request_constraint_async instead)."""
@@ -151,7 +153,7 @@ def request_constraint(body: dict, tok: g.GrammarTokenizer, max_tokens: int | No
     return constraint_of(compile_for_request(tok, grammar, param), plan, tok), plan
 
 
-async def request_constraint_async(body: dict, tok: g.GrammarTokenizer, max_tokens: int | None = None):
+async def request_constraint_async(body: dict, tok: GrammarTokenizer, max_tokens: int | None = None):
     """request_constraint with the compile awaited (checks here: cheap; the build on the workers)."""
     grammar, plan, param = request_grammar(body, tok, max_tokens)
     return constraint_of(await compile_for_request_async(tok, grammar, param), plan, tok), plan

@@ -8,7 +8,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from edgekv.runtime import grammar as g
+from edgekv.runtime.grammar_build import check_schema
+from edgekv.runtime.grammar_engine import GrammarError
 from edgekv.serve.api import bad_request
 from edgekv.serve.structured import NAME
 
@@ -58,8 +59,8 @@ def _tool_of(t, i: int) -> Tool:
     if f.get("strict") is not None and not isinstance(f["strict"], bool):
         raise bad_request(f"{where}.function.strict must be true, false or null", "tools")
     try:
-        g.check_schema(params, f"{where}.function.parameters")
-    except g.GrammarError as e:
+        check_schema(params, f"{where}.function.parameters")
+    except GrammarError as e:
         raise bad_request(str(e), "tools") from None
     return Tool(f["name"], f.get("description") or "", params, t)
 

@@ -1,8 +1,9 @@
-"""Tool calling for the OpenAI chat API (docs/structured.md), the one module the front ends
-import: the request's tools (tool_plan.py), the prompt (the bundle's chat template with `tools`
-when it takes them, else the generic format: the tools described in a system message, here), the
-grammar and constraint (tool_grammar.py, tool_constraint.py), the reply -> `message.tool_calls`
-or streamed `delta.tool_calls` (tool_stream.py). The call format is the Hermes/Qwen2.5 one:
+"""Tool calling for the OpenAI chat API (docs/structured.md): the request's tools (tool_plan.py),
+the prompt (the bundle's chat template with `tools` when it takes them, else the generic format:
+the tools described in a system message, here), the grammar and constraint (tool_grammar.py,
+tool_constraint.py), the reply -> `message.tool_calls` or streamed `delta.tool_calls`
+(tool_stream.py). The front ends import each name from its own module. The call format is the
+Hermes/Qwen2.5 one:
     <tool_call>
     {"name": "NAME", "arguments": {...}}
     </tool_call>
@@ -16,13 +17,7 @@ import re
 
 from edgekv.runtime.text import render_bounded
 from edgekv.serve.api import bad_request
-from edgekv.serve.tool_grammar import (check_fits, constraint_of, max_tokens_asked, min_call_chars,  # noqa: F401
-                                       request_constraint, request_constraint_async, request_grammar,
-                                       tool_grammar)
-from edgekv.serve.tool_plan import (CHOICES, CLOSE, EMPTY_PARAMETERS, MAX_PARALLEL_CALLS, MAX_TOOLS,  # noqa: F401
-                                    OPEN, Tool, ToolPlan, call_text, tools_of)
-from edgekv.serve.tool_stream import (HEAD, HEAD_END, HEAD_START, ToolCallError, ToolStream,  # noqa: F401
-                                      assemble, check_arguments, finish_reason, new_call_id, parse_reply)
+from edgekv.serve.tool_plan import CLOSE, OPEN, ToolPlan, call_text
 
 
 # -- the prompt ----------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from edgekv.format.files import temp_dir, write_json
 from edgekv.format.bundle import load_bundle
 from edgekv.runtime.assemble import Runtime, open_runtime
 from edgekv.runtime.backends.base import default_threads
-from edgekv.runtime.backends.ort import ATTENTION_ENV, ATTENTIONS
+from edgekv.runtime.backends.fused import ATTENTION_ENV, ATTENTIONS
 from edgekv.runtime.batching.stream import Stream
 from edgekv.runtime.cpu import cpu_field, describe, llama_cpp_cmake_args
 from edgekv.tools.host import SAID, neighbour, read_bandwidth, rss_bytes

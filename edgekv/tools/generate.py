@@ -10,7 +10,7 @@ from edgekv.runtime.assemble import open_runtime
 from edgekv.runtime.batching import Request, Token
 from edgekv.runtime.batching.request import now
 from edgekv.runtime.stats import Stats, stats_line, stats_of, stats_record
-from edgekv.runtime.grammar import grammar_from_args
+from edgekv.runtime.grammar_cli import grammar_from_args
 from edgekv.runtime.sampling import sampling_from
 from edgekv.runtime.text import StreamDecoder, system_turn
 
@@ -37,7 +37,8 @@ def generate(args, rt, grammar=None) -> int:
                               setting="capacity", fix=f"raise {{}}, up to {rt.bundle.max_context}")
     constraint, stop_ids = None, codec.stop_ids
     if grammar is not None:
-        from edgekv.runtime.grammar import compile_grammar, tokenizer_for
+        from edgekv.runtime.grammar_constraint import compile_grammar
+        from edgekv.runtime.grammar_tokenizer import tokenizer_for
 
         tok = tokenizer_for(rt.bundle)
         constraint = compile_grammar(tok, grammar)

@@ -27,7 +27,8 @@ import numpy as np
 
 from edgekv.format.bundle import LOCAL_MASK, MANIFEST, Bundle
 from edgekv.format.files import make_folders, replace_dir, temp_dir, write_bytes, write_text
-from edgekv.format.trt_graph import block_size, stage_weights
+from edgekv.format.trt_graph import block_size
+from edgekv.graph.passes.trt_staging import stage_weights
 
 DECODE, PREFILL = 0, 1
 PLAN, META = "model.plan", "engine.json"

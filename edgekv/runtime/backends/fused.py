@@ -28,7 +28,7 @@ from edgekv.format.bundle import LOCAL_MASK, Bundle
 from edgekv.graph.index import GraphIndex
 from edgekv.graph.passes import Changed
 from edgekv.graph.passes.fused_attention import FusedAttention
-from edgekv.graph.passes.fused_match import BIAS, BIAS_LOCAL, FLOAT_TYPES, MS, SEQLENS, TOTAL, NotFusable  # noqa: F401
+from edgekv.graph.passes.fused_match import BIAS, BIAS_LOCAL, FLOAT_TYPES, SEQLENS, TOTAL, NotFusable
 from edgekv.runtime.backends.base import PREFILL_CHUNK
 from edgekv.runtime.backends.versions import dotted, ort_version
 from edgekv.runtime.cache import KVCache

@@ -29,9 +29,9 @@ from edgekv.graph.passes.minimum_fold import MinimumFold
 from edgekv.graph.passes.weight_forms import WeightForms
 from edgekv.runtime.backends.base import UNLIMITED, default_threads
 from edgekv.runtime.backends.binding import Binding
-from edgekv.runtime.backends.fused import (ATTENTION_ENV, ATTENTIONS, BIAS_LOCAL, FUSED_INPUTS, FUSED_SPARE, QUERY_LENGTHS,  # noqa: F401
-                                           QUERY_LENGTHS_ORT, FusedCalls, QueryLengths, choose_attention,
-                                           ort_at_least)
+from edgekv.graph.passes.fused_match import BIAS_LOCAL
+from edgekv.runtime.backends.fused import (FUSED_INPUTS, FUSED_SPARE, QUERY_LENGTHS_ORT, FusedCalls, QueryLengths,
+                                           choose_attention, ort_at_least)
 from edgekv.runtime.backends.nbits8 import Nbits8
 from edgekv.runtime.backends.plain import PlainCalls
 from edgekv.runtime.backends.rows import RowPadding, RowPlan

@@ -8,7 +8,8 @@ from edgekv.errors import BackendUnavailable, EdgeKVError
 from edgekv.format.bundle import Bundle
 from edgekv.graph.index import prune_unneeded
 from edgekv.graph.passes import Changed
-from edgekv.runtime.backends.fused import ATTENTION_ENV, FUSED_SPARE, SEQLENS, TOTAL, FusedCalls
+from edgekv.graph.passes.fused_match import SEQLENS, TOTAL
+from edgekv.runtime.backends.fused import ATTENTION_ENV, FUSED_SPARE, FusedCalls
 from edgekv.runtime.backends.ort import OrtBackend
 from edgekv.runtime.cache import KVCache
 from edgekv.runtime.memory import KVMemory
