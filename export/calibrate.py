@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from export.model import Transformer, causal_mask, kv_quantize
+from export.kv_torch import kv_quantize
+from export.model import Transformer, causal_mask
 
 # Default calibration text: docstrings of these stdlib modules. It ships with every Python, so
 # export works offline, and it is *not* the default evaluation text (pydoc_data.topics), so the

@@ -33,7 +33,6 @@ from torch import nn
 
 from edgekv.format.kvschemes import get_scheme, hadamard
 from export.kv_torch import FACTORED_KINDS, _torch_dtype, attend_codes, kv_load, kv_store, masked_softmax
-from export.kv_torch import kv_quantize  # noqa: F401  (export/calibrate.py imports it from here, for now)
 from export.model_config import ModelConfig, rope_attention_factor, rope_inv_freq
 
 

@@ -18,7 +18,8 @@ from edgekv.runtime.grammar_build import json_schema, lark, lark_json  # noqa: E
 from edgekv.runtime.grammar_constraint import compile_grammar  # noqa: E402
 from edgekv.runtime.grammar_engine import GrammarError  # noqa: E402
 from edgekv.runtime.grammar_tokenizer import tokenizer_for  # noqa: E402
-from edgekv.runtime.grammar_worker import compile_async, compile_bounded, give_memory_back  # noqa: E402
+from edgekv.runtime.grammar_worker import compile_async, compile_bounded  # noqa: E402
+from edgekv.runtime.memory import give_memory_back  # noqa: E402
 from edgekv.runtime import grammar_checks as checks  # noqa: E402
 from edgekv.runtime.sampling import SamplingParams  # noqa: E402
 from tests.serving import serving  # noqa: E402
