@@ -58,19 +58,29 @@ class FusedGraph:
     """The rewritten model and what the rewrite did (the pass's report)."""
 
     def __init__(self, model, rewrite: FusedAttention):
-        self.model = model
+        self._model, self._bytes = model, b""
         self.rewrite = rewrite
         self.layers = rewrite.layers
         self.skip_norms = rewrite.skip_norms
         self.kind = rewrite.kind  # "float" | "static": the cache the fused graph reads and writes
 
+    @property
+    def model(self):
+        """The rewritten model (once the session holds it: parsed again from its bytes, for tests
+        and tools that inspect it)."""
+        if self._model is None:
+            import onnx
+
+            return onnx.ModelProto.FromString(self._bytes)
+        return self._model
+
     def serialize(self) -> bytes:
-        return self._bytes if self.model is None else self.model.SerializeToString()
+        return self._bytes if self._model is None else self._model.SerializeToString()
 
     def as_bytes(self, graph: bytes) -> None:
         """Keep the graph as its serialized bytes only (the session's): its proto's Python objects
         are ~7x their size (25 MiB for the default model)."""
-        self.model, self._bytes = None, graph
+        self._model, self._bytes = None, graph
 
 
 def fuse_bundle(bundle: Bundle, max_positions: int | None = None, skip_norm: bool = True) -> FusedGraph:
