@@ -23,7 +23,6 @@ from edgekv.runtime.grammar_engine import Grammar, GrammarError  # noqa: E402
 from edgekv.runtime.grammar_tokenizer import tokenizer_for  # noqa: E402
 from edgekv.runtime.sampling import SamplingParams  # noqa: E402
 from tests.conftest import cli, run_edgekv  # noqa: E402
-from tests.stream_reference import reference
 
 
 
@@ -38,14 +37,27 @@ def tok(rt):
 
 
 def constrained(rt, tok, grammar: Grammar, seed: int, max_new: int = 200, prompt: str = "Answer:", stats=None):
-    """(text, stop reason, the constraint) of a sampled reply under `grammar` on the tiny model."""
-    from edgekv.runtime.stats import Stats
-
-    gen, st = reference(rt), stats if stats is not None else Stats()
-    c = compile_grammar(tok, grammar)
-    ids = list(gen.generate(rt.codec.encode(prompt), max_new, SamplingParams(temperature=1.0, seed=seed),
-                            rt.codec.stop_ids | set(tok.stop_ids), st, c))
+    """(text, stop reason, the constraint) of a sampled reply under `grammar` on the tiny model, as
+    `edgekv generate` decodes it (a one-request run of the batcher); `stats`, if given, gets the
+    reply's stats."""
+    ids, st, c = run_constrained(rt, compile_grammar(tok, grammar), rt.codec.encode(prompt), max_new,
+                                 SamplingParams(temperature=1.0, seed=seed), rt.codec.stop_ids | set(tok.stop_ids))
+    if stats is not None:
+        vars(stats).update(vars(st))
     return rt.codec.decode(ids), st.stop_reason, c
+
+
+def run_constrained(rt, c, prompt_ids, max_new, params, stop_ids):
+    """(token ids, stats, the constraint): one request under constraint `c` through a batcher."""
+    from edgekv.runtime.batching import Request
+    from edgekv.runtime.batching.request import now
+    from edgekv.runtime.stats import stats_of
+
+    batcher = rt.batcher(parallel=1, max_queue=1, max_prefixes=0)
+    req = Request(prompt_ids, max_new, params, stop_ids, constraint=c)
+    t0 = now()
+    batcher.run(req)
+    return list(req.out), stats_of(req, t0), c
 
 
 # -- the property: every schema's replies validate -----------------------------------------------
@@ -318,7 +330,6 @@ def test_generate_grammar_errors_are_one_line(tiny_bundle_int8, tmp_path):
 def test_the_real_models_replies_validate(real_bundle_int4):
     """SmolLM2-135M (int4 weights) under three schemas, greedy with generate's repeat guard."""
     from edgekv.runtime.assemble import open_runtime
-    from edgekv.runtime.stats import Stats
 
     asks = [("Describe a fictional person as JSON.",
              {"type": "object", "properties": {"name": {"type": "string"},
@@ -336,10 +347,9 @@ def test_the_real_models_replies_validate(real_bundle_int4):
     with open_runtime(real_bundle_int4, ctx=512, backend="ort-cpu", threads=2) as rt:
         tok = tokenizer_for(rt.bundle)
         for prompt, schema in asks:
-            st = Stats()
-            ids = list(reference(rt).generate(rt.codec.chat_ids([{"role": "user", "content": prompt}]), 160,
-                                               SamplingParams(repeat_penalty=1.1), rt.codec.stop_ids, st,
-                                               compile_grammar(tok, json_schema(schema))))
+            ids, st, _ = run_constrained(rt, compile_grammar(tok, json_schema(schema)),
+                                         rt.codec.chat_ids([{"role": "user", "content": prompt}]), 160,
+                                         SamplingParams(repeat_penalty=1.1), rt.codec.stop_ids)
             assert st.stop_reason == "stop", rt.codec.decode(ids)
             validate(json.loads(rt.codec.decode(ids)), schema)
 

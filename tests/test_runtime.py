@@ -187,3 +187,18 @@ def test_a_call_never_runs_past_the_verified_positions(ring):
     assert seq.room() == 8
     with pytest.raises(ContextOverflow, match="positions"):
         seq.check_room(9)
+
+
+def test_a_stream_takes_exactly_its_room(tiny_bundle_int8):
+    """A stream (eval's, bench's) refuses a prompt one token longer than the cells left, in one
+    line and before anything is fed, and takes one that fills them exactly."""
+    from edgekv.runtime.assemble import open_runtime
+
+    with open_runtime(tiny_bundle_int8, 32, "ort-cpu", 1, log=None) as rt:
+        s = rt.stream()
+        s.prefill(ids(20, seed=3))
+        with pytest.raises(ContextOverflow, match="13 tokens do not fit: 12 of the cache's 32 are left"):
+            s.prefill(ids(13, seed=4))
+        assert s.seq.n == 20 and s.seq.room() == 12
+        assert s.prefill(ids(12, seed=4)).shape == (rt.bundle.model["vocab_size"],)
+        assert s.seq.n == 32 and s.seq.room() == 0
