@@ -27,7 +27,6 @@ from edgekv.serve.tool_plan import EMPTY_PARAMETERS, call_text, tools_of  # noqa
 from edgekv.serve.tool_stream import (ToolCallError, ToolStream, assemble, check_arguments, finish_reason,  # noqa: E402
                                       parse_reply)
 from edgekv.serve.api import ApiError  # noqa: E402
-from tests.stream_reference import reference  # noqa: E402
 
 
 WEATHER = {"type": "function", "function": {
@@ -150,14 +149,15 @@ def rt(rt_int8):
 
 
 def sampled(rt, p, seed: int) -> tuple[str, str]:
-    from edgekv.runtime.stats import Stats
+    """(text, finish reason) of a reply sampled under the tool grammar, through the batcher."""
+    from edgekv.runtime.batching import Request
 
     gtok = tokenizer_for(rt.bundle)
     c = compile_grammar(gtok, tool_grammar(p, gtok))
-    st = Stats()
-    out = list(reference(rt).generate(rt.codec.encode("Call a tool:"), 200, SamplingParams(temperature=1.0, seed=seed),
-                                       rt.codec.stop_ids | set(gtok.stop_ids), st, c))
-    return rt.codec.decode(out), st.stop_reason
+    req = Request(rt.codec.encode("Call a tool:"), 200, SamplingParams(temperature=1.0, seed=seed),
+                  rt.codec.stop_ids | set(gtok.stop_ids), constraint=c)
+    rt.batcher(parallel=1, max_queue=1, max_prefixes=0).run(req)
+    return rt.codec.decode(req.out), req.finish_reason
 
 
 def blocks(text: str) -> list[dict]:
