@@ -1,22 +1,22 @@
-"""KVCache: every KV buffer allocated once, slot-major, for a capacity chosen at run time.
+"""KVCache: every KV buffer allocated once, cell-major, for a capacity chosen at run time.
 
-Layout per graph tensor: [capacity, 1, Hkv, D] (values) or [capacity, 1, Hkv] (scales). Slot
-`i` of every buffer belongs to the same token. The cache is only the buffers; which slots a
-stream fills, where it writes next and its positions are its Sequence's (sequence.py;
-`new_sequence`), and for the engine (chat, serve) its cells' owners are the CellPool's (pool.py).
-The filled prefix buf[:n] is contiguous, so a backend binds only that as `past.*` (ort: rounded
-up to a bucket, the tail masked), and the new tokens' region buf[w:w+S] is contiguous, so
-`present.*` is written there directly (zero-copy append).
+Layout per graph tensor: [capacity, 1, Hkv, D] (values) or [capacity, 1, Hkv] (scales). Cell
+`i` of every buffer belongs to the same token. The cache is only the buffers; which cells a
+sequence holds, and in what order, is the batcher's (its KV manager, batching/kv.py; the cells'
+owners are the CellPool's, pool.py). A call binds cells [0, past) as `past.*` (ort: rounded up to
+a bucket, the cells no running sequence holds masked) and writes `present.*` to a free run of
+cells [w, w + S) directly (zero-copy append). (The methods still say "slots": a slot here is a
+cell's row in a buffer; serve's fused slots are memory.SlotMemory's, another thing.)
 
 Where the buffers live, and how, is the backend's choice (`backend.memory`, a KVMemory): host
 memory (numpy) for ort-cpu, device memory for the GPU backends; the fused graph's buffers are
 head-major [1, Hkv, capacity + spare, D] (memory.HeadMajorMemory), and every copy in or out of
-them still speaks slots, so the cell operations below mean the same in either layout.
+them still speaks cells, so the cell operations below mean the same in either layout.
 
 A windowed cache (`windowed=True`, a format-4 bundle with local layers: docs/models.md) gives
-the local layers' buffers `rings` rings of `local_ring` slots, [rings * local_ring, 1, Hkv, D]:
-one Sequence's (sequence.py; generate, eval, bench) or, in the batcher's pool, one per
-PoolSequence (batching/kv.py: chat). The cell operations speak the global layers' slots
+the local layers' buffers `rings` rings of `local_ring` slots, [rings * local_ring, 1, Hkv, D],
+one per running PoolSequence (batching/window_rings.py: a stream has one, chat's kept sequence
+one, serve one per request). The cell operations speak the global layers' cells
 (`cell_names`); the rings are copied whole (`read_ring`, `write_ring`)."""
 from __future__ import annotations
 
