@@ -209,7 +209,10 @@ def run_stream(backend, cache: KVCache, seq: Sequence, ids: np.ndarray, logits_i
 def reference(rt, capacity: int | None = None, prefill_chunk: int = PREFILL_CHUNK, cache: KVCache | None = None):
     """A reference generator over a new sequence of the runtime `rt`: in `cache`, or in a new
     windowed cache of `capacity` slots (where the bundle and the backend allow it)."""
-    return Generator(rt.backend, cache or rt.cache(capacity, windowed=True), prefill_chunk=prefill_chunk)
+    if cache is None:
+        windowed = getattr(rt.backend, "windows_cache", False)
+        cache = KVCache(rt.bundle, capacity or rt.capacity, memory=rt.backend.memory, windowed=windowed)
+    return Generator(rt.backend, cache, prefill_chunk=prefill_chunk)
 
 
 class Generator:

@@ -69,12 +69,6 @@ class Runtime:
     def codec(self) -> TextCodec:
         return TextCodec(self.bundle)
 
-    def cache(self, capacity: int | None = None, windowed: bool = False) -> KVCache:
-        """A cache of `capacity` slots (default the runtime's); `windowed`: one stream's, whose
-        local layers keep only their window where the bundle and the backend allow it."""
-        windowed = windowed and getattr(self.backend, "windows_cache", False)
-        return KVCache(self.bundle, capacity or self.capacity, memory=self.backend.memory, windowed=windowed)
-
     def stream(self, capacity: int | None = None, prefill_chunk: int = PREFILL_CHUNK) -> Stream:
         """One sequence through a batcher of its own over `capacity` cells (a windowed model's
         local layers keep a ring of their window): eval, bench, the parity check, the self-test."""
