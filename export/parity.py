@@ -151,10 +151,11 @@ def rms_ratio(a: np.ndarray, ref: np.ndarray) -> float:
 def add_cache_rows(par: Parity, model: Transformer, ref: Transformer | None, run: SideBySide, stream, fp16: bool) -> None:
     """The cache the runtime filled (present.* written in place) against torch's presents."""
     quantized = model.scheme.name != "float"
+    held = runtime_rows(stream)
     worst_rms, worst_l0, noise_rms = 0.0, 0.0, 0.0
     for i in range(model.cfg.n_layers):
         for j, kv in enumerate(("key", "value")):
-            rms, noise, l0 = layer_cache_diff(model, ref, run, stream, i, j, kv)
+            rms, noise, l0 = layer_cache_diff(model, ref, run, held, i, j, kv)
             worst_rms, noise_rms, worst_l0 = max(worst_rms, rms), max(noise_rms, noise), max(worst_l0, l0)
     par.add("present.* (cache, RMS ratio)", worst_rms,
             max(0.05, 2 * noise_rms) if quantized else (1e-2 if fp16 else 1e-4),
@@ -163,14 +164,14 @@ def add_cache_rows(par: Parity, model: Transformer, ref: Transformer | None, run
         par.add("present.0.* (int steps)", worst_l0, 1.0, "layer 0, before any flip can cascade")
 
 
-def layer_cache_diff(model: Transformer, ref: Transformer | None, run: SideBySide, stream, i: int, j: int,
+def layer_cache_diff(model: Transformer, ref: Transformer | None, run: SideBySide, held: dict, i: int, j: int,
                      kv: str) -> tuple[float, float, float]:
-    """Layer i's key (j = 0) or value cache: the runtime's against torch's (dequantized, RMS ratio),
+    """Layer i's key (j = 0) or value cache: the runtime's (`held`: runtime_rows) against torch's (dequantized, RMS ratio),
     torch's against the float twin's (the noise yardstick), and layer 0's largest integer step."""
     names = io_names(model.cfg.n_layers, model.scheme)["past"]
     n = len(model.scheme.tensors)
     lo = names.index(f"past.{i}.{kv}")
-    t_t, o_t = run.past[lo: lo + n], [runtime_rows(stream, nm) for nm in names[lo: lo + n]]
+    t_t, o_t = run.past[lo: lo + n], [torch.from_numpy(held[nm]) for nm in names[lo: lo + n]]
     if o_t[0].shape[0] < t_t[0].shape[0]:  # a windowed cache's local layer: its last tokens
         t_t = [t[t.shape[0] - o_t[0].shape[0]:] for t in t_t]
     sc = model.layers[i].attn.scales()[j]
@@ -193,18 +194,17 @@ def layer_cache_diff(model: Transformer, ref: Transformer | None, run: SideBySid
     return rms_ratio(o, t), noise, l0
 
 
-def runtime_rows(stream, name: str) -> torch.Tensor:
-    """The K/V rows the runtime holds in buffer `name`, in the order they were fed: the
-    sequence's cells, or a windowed pool's local layer's window ring's kept tokens (position p in
-    the ring's slot p mod its length)."""
+def runtime_rows(stream) -> dict[str, np.ndarray]:
+    """The K/V rows the runtime holds, per buffer, in the order they were fed: the sequence's
+    cells, or a windowed pool's local layer's window ring's kept tokens (position p in the ring's
+    slot p mod its length). One read of the cells and one of the ring."""
     cache, seq = stream.cache, stream.seq
-    if name in cache.local_names:
+    rows = cache.read_cells(seq.cells)
+    if cache.local_names:
         held = seq.window_positions()
-        kept = np.sort(held[held >= 0])
-        rows = cache.read_ring(seq.window_ring)[name][kept % cache.local_ring]
-    else:
-        rows = cache.read_cells(seq.cells)[name]
-    return torch.from_numpy(rows)
+        kept = np.sort(held[held >= 0]) % cache.local_ring
+        rows.update({name: r[kept] for name, r in cache.read_ring(seq.window_ring).items()})
+    return rows
 
 
 def far_logits(stream, bundle, ids: list[int], start: int) -> np.ndarray:

@@ -82,6 +82,7 @@ def test_ortvalue_memory_runs_the_ort_cuda_path_on_the_cpu(tiny_bundle_int8):
 
     b = load_bundle(tiny_bundle_int8)
     be = OrtBackend(b, threads=1)
+    assert isinstance(be, Backend)  # every member of the protocol is there
     assert isinstance(be.memory, RowMemory) and not isinstance(OpaqueMemory(), RowMemory)
     assert all(isinstance(m, KVMemory) for m in (be.memory, OrtValueMemory(ort, "cpu"), OpaqueMemory()))
     host = Generator(be, KVCache(b, 32))

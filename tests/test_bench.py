@@ -12,7 +12,6 @@ import edgekv.tools.bench as bench
 from edgekv.format.bundle import load_bundle
 from edgekv.runtime.assemble import Runtime
 from edgekv.runtime.backends.base import UNLIMITED
-from edgekv.runtime.cache import KVCache
 from edgekv.runtime.memory import HostMemory
 from edgekv.runtime.batching import Request
 from edgekv.runtime.sampling import SamplingParams

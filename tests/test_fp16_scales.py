@@ -126,7 +126,7 @@ def test_the_bundles_dequantize_is_the_files_values_bit_for_bit(bundles):
     why the Cast. Every matrix, minimums included, read back through the graph's arithmetic (the
     TensorRT staging's float32 scales): bit for bit too."""
     from edgekv.graph.passes.trt_staging import widen_half_scales
-    from edgekv.graph.forms import cone
+    from edgekv.graph.index import cone
     from tests.test_gguf_kquants import file_weights
     from tests.test_weights import decoded_weights
 

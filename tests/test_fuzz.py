@@ -223,8 +223,6 @@ def chat(work):
     from edgekv.chat.session import ChatSession
     from edgekv.format.bundle import load_bundle
     from edgekv.runtime.backends import OrtBackend
-    from edgekv.runtime.cache import KVCache
-    from tests.stream_reference import Generator
     from edgekv.runtime.sampling import SamplingParams
     from edgekv.runtime.text import TextCodec
 

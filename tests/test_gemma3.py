@@ -263,13 +263,14 @@ def test_eval_reports_the_bytes_of_the_windowed_cache_it_ran(bundles):
 
 
 def test_the_runtime_runs_generate_windowed_and_a_batcher_full(bundles):
-    """Which paths take the windowed cache: one stream on ort-cpu's graph as written; the batcher
-    (chat, serve) and the fused graph keep every position for the local layers."""
+    """Which paths take the windowed cache: a stream (generate, eval, bench, the parity check) on
+    ort-cpu's graph as written keeps one ring of W - 1 slots; a batcher asked for every position
+    and the fused graph keep every position for the local layers."""
     with open_runtime(bundles("int8"), CONTEXT, "ort-cpu", threads=1, attention="plain") as rt:
-        assert reference(rt).cache.local_ring == WINDOW - 1
+        assert rt.stream().cache.local_ring == WINDOW - 1
         assert rt.batcher(capacity=CONTEXT).kv.cache.local_ring is None
     with open_runtime(bundles("float"), CONTEXT, "ort-cpu", threads=1, attention="fused") as rt:
-        assert reference(rt).cache.local_ring is None
+        assert rt.stream().cache.local_ring is None
 
 
 def test_a_windowed_sequence_truncates_only_what_its_ring_still_holds(bundles):

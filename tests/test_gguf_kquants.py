@@ -313,7 +313,7 @@ def test_forms_handed_at_load_are_what_onnxruntime_computes_of_them(mixed_bundle
 
     from edgekv.format.bundle import load_bundle
     from edgekv.format.trt_rules import check_model
-    from edgekv.graph.forms import cone
+    from edgekv.graph.index import cone
     from edgekv.graph.passes.weight_forms import unpack_forms
 
     b = load_bundle(mixed_bundle[1])

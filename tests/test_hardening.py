@@ -20,7 +20,6 @@ from edgekv.format import files
 from edgekv.format.bundle import load_bundle
 from edgekv.runtime.backends import OrtBackend
 from edgekv.runtime.cache import KVCache
-from tests.stream_reference import Generator
 from edgekv.runtime.sampling import SamplingParams
 from edgekv.runtime.text import TextCodec
 from tests.conftest import ROOT, chat_engine, cli
@@ -362,8 +361,10 @@ def test_non_finite_logits_stop_with_one_line(bundle_copy):
     data.write_bytes(np.full(data.stat().st_size // 4, np.nan, np.float32).tobytes())
     assert_clean_error(cli("generate", bundle_copy, "hi", "--max-new-tokens", "4"), "non-finite logits")
     b = load_bundle(bundle_copy)
-    with pytest.raises(NonFinite):  # its own type, as the batcher's: a caller can tell it from other errors
-        Generator(OrtBackend(b, threads=1), KVCache(b, 32)).prefill([5, 6, 7])
+    from edgekv.runtime.assemble import Runtime
+
+    with pytest.raises(NonFinite):  # its own type, as the batcher's: a caller (eval, bench) can tell it from other errors
+        Runtime(b, OrtBackend(b, threads=1), 32).stream().prefill([5, 6, 7])
 
 
 def test_chat_template_rendering_is_bounded(bundle_copy, monkeypatch):

@@ -14,7 +14,6 @@ pytest.importorskip("torch")
 from edgekv.format.bundle import load_bundle  # noqa: E402
 from export import kv_gate  # noqa: E402
 from export.pipeline import export_bundle  # noqa: E402
-from tests.stream_reference import reference
 
 
 def _held_out(bundle) -> dict:
@@ -82,7 +81,7 @@ def test_the_torch_perplexity_is_the_runtimes(tiny_llama, tiny_bundle_float):
     torch_ppl = math.exp(kv_gate.mean_nll(Transformer.loaded(src.config, src.state_dict).eval(), ids, 128))
     rt = open_runtime(load_bundle(tiny_bundle_float), 256, "ort-cpu", 1, max_logits_rows=128, log=None)
     try:
-        gen = reference(rt, prefill_chunk=128)
+        gen = rt.stream(prefill_chunk=128)  # eval's own stream and window scorer
         nll, n = 0.0, 0
         for start in range(0, len(ids) - 1, 128):
             w = ids[start: start + 129]

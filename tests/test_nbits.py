@@ -12,7 +12,7 @@ import pytest
 from onnx import TensorProto, helper
 
 from edgekv.graph.passes.minimum_fold import FoldReport, fold_minimums, fold_weights
-from edgekv.graph.forms import cone
+from edgekv.graph.index import cone
 from export.weights import QuantWeight
 from export.weights_graph import Emitted, _quantized_matmul
 

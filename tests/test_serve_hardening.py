@@ -19,7 +19,8 @@ openai = pytest.importorskip("openai")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from edgekv.serve.app import STATES, Server, encode_unlocked, max_token_chars  # noqa: E402
+from edgekv.serve.app import STATES, Server  # noqa: E402
+from edgekv.serve.fields import encode_unlocked, max_token_chars  # noqa: E402
 from edgekv.serve.stops import StopText  # noqa: E402
 from tests import serving as served_by  # noqa: E402
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from edgekv.graph.index import FORM_OPS, GraphIndex, cone, evaluate  # noqa: F401  (cone, evaluate: read here too)
+from edgekv.graph.index import FORM_OPS, GraphIndex, cone, evaluate
 
 
 def forms(g, least: int = 1) -> dict[str, list]:

@@ -1,5 +1,5 @@
 """The seam between a request and what may restrict its next token (a JSON schema, a grammar, a tool
-call: issue 26). The engine's post-processing and generate's decode loop call these three methods and
+call: issue 26). The engine's post-processing (every command's decode) calls these three methods and
 know nothing else about grammars; edgekv/runtime/grammar_constraint.py implements them with llguidance."""
 from __future__ import annotations
 

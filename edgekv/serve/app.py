@@ -45,7 +45,6 @@ from edgekv.serve.tool_plan import tools_of
 
 log = logging.getLogger("edgekv.serve")
 
-__all__ = ["Server", "STATES", "encode_unlocked", "max_token_chars", "tenant_of"]
 
 STATES = ("loading", "ready", "draining")
 RETRY_AFTER_S = 1  # a full queue drains in about one request's time

@@ -48,23 +48,23 @@ def measure(rt: Runtime, configs: list[tuple[int, int]], decode_tokens: int, rep
     """Time every (capacity, prompt length) configuration; one backend (one session) serves all.
     A line after each round (a round of the default bench takes about a minute here)."""
     streams = {C: rt.stream(C) for C in sorted({c for c, _ in configs})}  # as generate's; reset before each run
-    gens = {key: streams[key[0]] for key in configs}
+    by_config = {key: streams[key[0]] for key in configs}
     t0 = time.perf_counter()
 
     def done(r: int) -> None:
         note(f"  round {r + 1}/{repeat + 1}{' (warm-up)' if r == 0 else ''} timed  [{time.perf_counter() - t0:.0f} s]")
-    return measure_runs(gens, rt.bundle.model["vocab_size"], decode_tokens, repeat, done)
+    return measure_runs(by_config, rt.bundle.model["vocab_size"], decode_tokens, repeat, done)
 
 
-def measure_runs(gens: dict, vocab: int, decode_tokens: int, repeat: int, round_done=None) -> dict:
-    """Time each generator (key: (capacity, prompt length); anything with reset, prefill and
+def measure_runs(streams: dict, vocab: int, decode_tokens: int, repeat: int, round_done=None) -> dict:
+    """Time each stream (key: (capacity, prompt length); anything with reset, prefill and
     decode_step) `repeat` times on sample_tokens(prompt length), round-robin: each round runs
     every configuration once, so a slow spell of a shared machine hits all of them alike
     instead of whichever was measured first. round_done(r), if given, is called after round r."""
-    prompts = {key: sample_tokens(key[1], vocab) for key in gens}
-    times = {key: ([], []) for key in gens}
+    prompts = {key: sample_tokens(key[1], vocab) for key in streams}
+    times = {key: ([], []) for key in streams}
     for r in range(repeat + 1):  # round 0 warms up the backend's allocations and is dropped
-        for key, g in gens.items():
+        for key, g in streams.items():
             ttft, tps = time_once(g, prompts[key], decode_tokens)
             if r:
                 times[key][0].append(ttft)

@@ -69,12 +69,12 @@ def span_of(codec: TextCodec, ids: list[int], before: list[dict], reply: str) ->
     return start, start + len(r)
 
 
-def score(gen: Stream, ids: list[int], spans: list[tuple[int, int]]) -> list[np.ndarray]:
-    """Feed ids through gen in one pass, teacher-forced; return the log-probs of the rows that
+def score(stream: Stream, ids: list[int], spans: list[tuple[int, int]]) -> list[np.ndarray]:
+    """Feed ids through stream in one pass, teacher-forced; return the log-probs of the rows that
     predict each span's tokens."""
     out, pos = [], 0
     for s, e in spans:
-        lp = gen.prefill(ids[pos: e - 1], all_logits=True, logits_from=s - 1 - pos)
+        lp = stream.prefill(ids[pos: e - 1], all_logits=True, logits_from=s - 1 - pos)
         out.append(log_softmax(lp))
         pos = e - 1
     return out

@@ -95,11 +95,11 @@ def check_llama_cpp_runs(gguf: Path, ctx: int, threads: int | None, vocab: int) 
         raise EdgeKVError(f"--llama-cpp: {peer_failure(p)}")
 
 
-def run_window(gen: Stream, ids: list[int], first_scored: int) -> np.ndarray:
+def run_window(stream: Stream, ids: list[int], first_scored: int) -> np.ndarray:
     """Log-probs [n_scored, V] for predicting ids[first_scored+1:] from the window's prefix."""
-    gen.reset()
+    stream.reset()
     # through the cache in chunks; the lm_head runs only on the scored rows
-    return log_softmax(gen.prefill(ids[:-1], all_logits=True, logits_from=first_scored))
+    return log_softmax(stream.prefill(ids[:-1], all_logits=True, logits_from=first_scored))
 
 
 def evaluate(paths: list[str], text: str | None = None, ctx: int = 1024, chunks: int | None = None,
@@ -130,10 +130,10 @@ def evaluate(paths: list[str], text: str | None = None, ctx: int = 1024, chunks:
                                   setting="capacity", fix="use a smaller {}")
             rt = open_runtime(b, ctx, "auto", threads, max_logits_rows=prefill_chunk, log=None)
             runtimes.append(rt)
-            gen = rt.stream(prefill_chunk=prefill_chunk)
-            runners.append(functools.partial(run_window, gen))
+            stream = rt.stream(prefill_chunk=prefill_chunk)
+            runners.append(functools.partial(run_window, stream))
             # a windowed cache (Gemma 3's local layers keep their window): what it holds per token at ctx
-            per_token = b.kv_bytes_per_token() if gen.cache.local_ring is None else round(gen.cache.nbytes / ctx)
+            per_token = b.kv_bytes_per_token() if stream.cache.local_ring is None else round(stream.cache.nbytes / ctx)
             results.append(SchemeResult(b.path.name, b.scheme.name, per_token, b.weights,
                                         stored_weight_bytes(b), b.graph_bytes()))
         if llama_cpp is not None:  # scored after every bundle, compared with the same reference

@@ -24,8 +24,8 @@ from edgekv.tools.host import rss_bytes
 from edgekv.runtime.cpu import cpu_field
 
 
-class LlamaCppGenerator:
-    """A llama_cpp.Llama behind the generator calls measure_runs makes; each call returns the
+class LlamaCppStream:
+    """A llama_cpp.Llama behind the stream calls measure_runs makes; each call returns the
     last token's logits as a view, like edgekv's (Llama.eval keeps no logits unless logits_all)."""
 
     def __init__(self, llama_cpp, llm):
@@ -88,7 +88,7 @@ def main(argv=None) -> None:
 
     llm = llama_cpp.Llama(model_path=a.gguf, n_ctx=a.n_ctx, n_batch=a.n_batch, n_threads=a.threads,
                           n_threads_batch=a.threads, verbose=False)
-    gen = LlamaCppGenerator(llama_cpp, llm)
+    gen = LlamaCppStream(llama_cpp, llm)
     lens = [int(x) for x in a.prompt_lengths.split(",")]
     runs = measure_runs({(a.n_ctx, L): gen for L in lens}, a.vocab, a.decode_tokens, a.repeat)
     print(json.dumps({"llama_cpp_version": getattr(llama_cpp, "__version__", "?"), "gguf": a.gguf,

@@ -77,7 +77,7 @@ class FusedGraph:
     def serialize(self) -> bytes:
         return self._bytes if self._model is None else self._model.SerializeToString()
 
-    def as_bytes(self, graph: bytes) -> None:
+    def keep_only_bytes(self, graph: bytes) -> None:
         """Keep the graph as its serialized bytes only (the session's): its proto's Python objects
         are ~7x their size (25 MiB for the default model)."""
         self._model, self._bytes = None, graph
@@ -113,7 +113,7 @@ QUERY_LENGTHS_ORT = (1, 32)  # the release whose schema has it
 FUSED_INPUTS = (SEQLENS, TOTAL, BIAS)
 # slots after the capacity where a fused call writing inside the past lands before it is moved
 # (a ring's overwrite, a pool's cell run), and so the most tokens a fused call takes (the
-# engine's steps and the generator's chunks keep to max_tokens_per_call): two prompt chunks
+# engine's steps keep to max_tokens_per_call): two prompt chunks
 FUSED_SPARE = 2 * PREFILL_CHUNK
 
 

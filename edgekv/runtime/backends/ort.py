@@ -160,7 +160,7 @@ class OrtBackend:
             graph = index.serialize()
             del index
             if self.fused is not None:
-                self.fused.as_bytes(graph)
+                self.fused.keep_only_bytes(graph)
             # the passes' freed objects (~60 MiB for the default model) go back before the session's own peak
             give_memory_back()
             self.session = ort.InferenceSession(graph, opts, providers=self.providers(), disabled_optimizers=off)

@@ -32,7 +32,7 @@ class Batcher:
                  prefill_chunk: int = PREFILL_CHUNK, max_prefixes: int = MAX_PREFIXES):
         if not isinstance(backend, Backend):
             raise EdgeKVError(f"the batcher needs a backend that runs a pool of cells (run_cells); "
-                              f"{getattr(backend, 'name', type(backend).__name__)} has no run_cells")
+                              f"{getattr(backend, 'name', type(backend).__name__)} lacks a member of the Backend protocol")
         self.backend, self.cache = backend, cache
         per_call = backend.max_tokens_per_call
         self.kv, self.runner = KV_LAYOUTS.get(cache.layout, cell_pool)(backend, cache, max_prefixes)
