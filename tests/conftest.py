@@ -168,6 +168,20 @@ def make_hf_folder(path: Path, arch: str = "llama", **overrides) -> Path:
     return path
 
 
+def run_constrained(rt, c, prompt_ids, max_new, params, stop_ids):
+    """(token ids, stats, the constraint): one request under constraint `c` through a batcher of
+    its own, as `edgekv generate` decodes it."""
+    from edgekv.runtime.batching import Request
+    from edgekv.runtime.batching.request import now
+    from edgekv.runtime.stats import stats_of
+
+    batcher = rt.batcher(parallel=1, max_queue=1, max_prefixes=0)
+    req = Request(prompt_ids, max_new, params, stop_ids, constraint=c)
+    t0 = now()
+    batcher.run(req)
+    return list(req.out), stats_of(req, t0), c
+
+
 def chat_engine(backend, bundle, ctx: int, chunk: int | None = None, windowed: bool = True, margin: int | None = None):
     """The batcher `edgekv chat` runs a conversation on: a pool of ctx cells, no prefix cache,
     windowed where the bundle and the backend allow it (Gemma 3 on ort-cpu's graph as written;

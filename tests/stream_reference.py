@@ -10,16 +10,11 @@ the two does not check that code with itself. Each call goes through the backend
 point, run_cells (`run_stream`). tests/ring_reference.py builds the StreamingLLM ring on it."""
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from edgekv.errors import ContextOverflow, EdgeKVError, NonFinite
 from edgekv.runtime.backends.base import PREFILL_CHUNK, bound_past
 from edgekv.runtime.cache import KVCache
-from edgekv.runtime.constraint import Constraint, constrain
-from edgekv.runtime.sampling import SamplingParams, sample
-from edgekv.runtime.stats import Stats
 
 
 class Sequence:
@@ -285,49 +280,3 @@ class Generator:
     def decode_step(self, token: int) -> np.ndarray:
         """One token in, its logits [V] out (a view; valid until the next call)."""
         return self._call(np.full((1, 1), token, np.int64), np.zeros((1, 1), np.int64))[0, 0]
-
-    def generate(self, prompt_ids: list[int], max_new_tokens: int, params: SamplingParams,
-                 stop_ids: set[int], stats: Stats | None = None, constraint: Constraint | None = None):
-        """Prefill the prompt, then yield new token ids (see `decode`)."""
-        stats = stats if stats is not None else Stats()
-        t0 = time.perf_counter()
-        logits = self.prefill(prompt_ids)
-        stats.prompt_tokens = len(prompt_ids)
-        stats.prefill_s = time.perf_counter() - t0
-        yield from self.decode(logits, max_new_tokens, params, np.random.default_rng(params.seed), stop_ids,
-                               stats, t0, constraint)
-
-    def decode(self, logits: np.ndarray, max_new_tokens: int, params: SamplingParams, rng: np.random.Generator,
-               stop_ids: set[int], stats: Stats, t0: float, constraint: Constraint | None = None):
-        """The decode loop: sample from `logits` on and yield each new token id before it is fed.
-        Stops at a stop token (not yielded), max_new_tokens, or when the sequence has no room
-        left. The repetition penalty looks at the sequence's own ids (everything fed, the prompt
-        included). A `constraint` masks each step's logits before sampling and takes each token
-        sampled; a reply it declares complete stops there ("stop", no stop token needed), so a
-        constrained reply is whole unless it ends by "length" or "context"."""
-        seq = self.seq
-        t_first = None
-        for i in range(max_new_tokens):
-            tok = sample(constrain(logits, constraint), params, rng, seq.recent(params.repeat_last_n))
-            if constraint is not None:
-                constraint.accept(tok)
-            if t_first is None:
-                t_first = time.perf_counter()
-                stats.ttft_s = t_first - t0
-            if tok in stop_ids:
-                stats.stop_reason = "stop"
-                return
-            stats.new_tokens += 1
-            yield tok
-            if constraint is not None and constraint.is_done():
-                stats.stop_reason = "stop"
-                return
-            if i == max_new_tokens - 1:
-                break
-            if seq.room() < 1:
-                stats.stop_reason = "context"
-                return
-            logits = self.decode_step(tok)
-            stats.decode_steps += 1
-            stats.decode_s = time.perf_counter() - t_first
-        stats.stop_reason = "length"

@@ -22,7 +22,7 @@ from edgekv.runtime.grammar_constraint import compile_grammar  # noqa: E402
 from edgekv.runtime.grammar_engine import Grammar, GrammarError  # noqa: E402
 from edgekv.runtime.grammar_tokenizer import tokenizer_for  # noqa: E402
 from edgekv.runtime.sampling import SamplingParams  # noqa: E402
-from tests.conftest import cli, run_edgekv  # noqa: E402
+from tests.conftest import cli, run_constrained, run_edgekv  # noqa: E402
 
 
 
@@ -45,19 +45,6 @@ def constrained(rt, tok, grammar: Grammar, seed: int, max_new: int = 200, prompt
     if stats is not None:
         vars(stats).update(vars(st))
     return rt.codec.decode(ids), st.stop_reason, c
-
-
-def run_constrained(rt, c, prompt_ids, max_new, params, stop_ids):
-    """(token ids, stats, the constraint): one request under constraint `c` through a batcher."""
-    from edgekv.runtime.batching import Request
-    from edgekv.runtime.batching.request import now
-    from edgekv.runtime.stats import stats_of
-
-    batcher = rt.batcher(parallel=1, max_queue=1, max_prefixes=0)
-    req = Request(prompt_ids, max_new, params, stop_ids, constraint=c)
-    t0 = now()
-    batcher.run(req)
-    return list(req.out), stats_of(req, t0), c
 
 
 # -- the property: every schema's replies validate -----------------------------------------------

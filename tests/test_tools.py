@@ -27,6 +27,7 @@ from edgekv.serve.tool_plan import EMPTY_PARAMETERS, call_text, tools_of  # noqa
 from edgekv.serve.tool_stream import (ToolCallError, ToolStream, assemble, check_arguments, finish_reason,  # noqa: E402
                                       parse_reply)
 from edgekv.serve.api import ApiError  # noqa: E402
+from tests.conftest import run_constrained  # noqa: E402
 
 
 WEATHER = {"type": "function", "function": {
@@ -150,14 +151,10 @@ def rt(rt_int8):
 
 def sampled(rt, p, seed: int) -> tuple[str, str]:
     """(text, finish reason) of a reply sampled under the tool grammar, through the batcher."""
-    from edgekv.runtime.batching import Request
-
     gtok = tokenizer_for(rt.bundle)
-    c = compile_grammar(gtok, tool_grammar(p, gtok))
-    req = Request(rt.codec.encode("Call a tool:"), 200, SamplingParams(temperature=1.0, seed=seed),
-                  rt.codec.stop_ids | set(gtok.stop_ids), constraint=c)
-    rt.batcher(parallel=1, max_queue=1, max_prefixes=0).run(req)
-    return rt.codec.decode(req.out), req.finish_reason
+    ids, st, _ = run_constrained(rt, compile_grammar(gtok, tool_grammar(p, gtok)), rt.codec.encode("Call a tool:"), 200,
+                                 SamplingParams(temperature=1.0, seed=seed), rt.codec.stop_ids | set(gtok.stop_ids))
+    return rt.codec.decode(ids), st.stop_reason
 
 
 def blocks(text: str) -> list[dict]:
