@@ -630,8 +630,8 @@ MUTATIONS = [
     # issue 24: the fused graph in the runtime
     M("fused: a call written inside the past not moved", "fused", "edgekv/runtime/backends/fused.py", "        if at != write:", "        if False:", FUSED + ("-k", "run_cells")),
     M("fused: a first prompt's positions assumed to run on", "fused", "edgekv/runtime/backends/fused.py", "direct = write == past and (past > 0 or runs_on)", "direct = write == past", FUSED + ("-k", "run_cells")),
-    M("fused: the key mask ignored on append", "fused", "edgekv/runtime/backends/fused.py", "    if key_mask is None and at == past:", "    if at == past:", FUSED + ("-k", "run_cells")),
-    M("fused: a wrapped ring's overwritten slots seen", "fused", "edgekv/runtime/backends/fused.py", "BIAS: attention_bias(key_mask, past, at, s)}", "BIAS: attention_bias(None, past, at, s)}", FUSED + ("-k", "ring")),
+    M("fused: the key mask ignored on append", "fused", "edgekv/runtime/backends/fused.py", "    bias = np.full((1, 1, s, at + s), -np.inf, np.float32)\n", "    if at == past:\n        return np.zeros((1, 1, s, at + s), np.float32)\n    bias = np.full((1, 1, s, at + s), -np.inf, np.float32)\n", FUSED + ("-k", "run_cells")),
+    M("fused: a wrapped ring's overwritten slots seen", "fused", "edgekv/runtime/backends/fused.py", "BIAS: attention_bias(key_mask, past, at, s)}", "BIAS: attention_bias(np.ones_like(key_mask), past, at, s)}", FUSED + ("-k", "ring")),
     # issue 24 item 4: the fused graph on ort-cuda (its code on the CPU provider, host OrtValues)
     M("ort-cuda fused: the cache in host memory (copied to the GPU and back every call)", "fused",
       "edgekv/runtime/backends/ort_cuda.py",

@@ -184,19 +184,13 @@ class QueryLengths:
         return Changed(True)
 
 
-def attention_bias(key_mask: np.ndarray | None, past: int, at: int, s: int) -> np.ndarray:
+def attention_bias(key_mask: np.ndarray, past: int, at: int, s: int) -> np.ndarray:
     """GroupQueryAttention's attention_bias [1, 1, S, at + S] for a call whose past is slots
     [0, past) under key_mask [1, S, past + S] and whose new tokens the op places at slot `at`
     (>= past): 0 where a token sees a key, -inf where not, slots [past, at) hidden."""
-    if key_mask is None and at == past:
-        return np.zeros((1, 1, s, at + s), np.float32)  # the op's own causal rule is the mask
     bias = np.full((1, 1, s, at + s), -np.inf, np.float32)
-    if key_mask is None:
-        bias[0, 0, :, :past] = 0.0
-        bias[0, 0, :, at:] = 0.0
-    else:
-        bias[0, 0, :, :past][key_mask[0, :, :past]] = 0.0
-        bias[0, 0, :, at:][key_mask[0, :, past:]] = 0.0
+    bias[0, 0, :, :past][key_mask[0, :, :past]] = 0.0
+    bias[0, 0, :, at:][key_mask[0, :, past:]] = 0.0
     return bias
 
 
@@ -237,11 +231,10 @@ class FusedCalls:
         return self.call(cache, past, write, input_ids, position_ids, key_mask, logits_index, local_key_mask)
 
     def call(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
-             key_mask: np.ndarray | None, logits_index: np.ndarray,
+             key_mask: np.ndarray, logits_index: np.ndarray,
              local_key_mask: np.ndarray | None = None) -> np.ndarray:
-        """past = slots [0, past) seen through key_mask [1, S, past + S] (None: all of them, the
-        new block causally), the new tokens' K/V to slots [write, write + S). The op writes at
-        the end of what it reads, so a call whose write slot is not `past` (a ring overwriting,
+        """past = slots [0, past) seen through key_mask [1, S, past + S], the new tokens' K/V to
+        slots [write, write + S). The op writes at the end of what it reads, so a call whose write slot is not `past` (a ring overwriting,
         a cell run elsewhere in a pool, or a first prompt whose positions do not run on: the op
         reads only position_ids[0] then) runs over the whole capacity with the rest masked,
         writes to the spare slots after it and is moved to its cells. local_key_mask [1, S, past + S]:

@@ -81,8 +81,6 @@ def op_rule_call(past: int, write: int, position_ids: np.ndarray, key_mask: np.n
     s = position_ids.shape[1]
     if write != past or not np.array_equal(position_ids[0], np.arange(past, past + s)):
         return False
-    if key_mask is None:
-        return True
     return bool(key_mask[0, :, :past].all()) and np.array_equal(key_mask[0, :, past:], np.tri(s, dtype=np.bool_))
 
 
@@ -94,7 +92,7 @@ class CudaFusedCalls(FusedCalls):
             cache.memory.copy_slots(buf, src, dst, n)
 
     def call(self, cache: KVCache, past: int, write: int, input_ids: np.ndarray, position_ids: np.ndarray,
-             key_mask: np.ndarray | None, logits_index: np.ndarray,
+             key_mask: np.ndarray, logits_index: np.ndarray,
              local_key_mask: np.ndarray | None = None) -> np.ndarray:
         """FusedCalls' call; without attention_bias only where the op's own rule is the
         call's mask (op_rule_call), the new tokens written at `past` by the op itself, and any
