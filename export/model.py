@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from edgekv.format.kvschemes import get_scheme, hadamard
-from export.kv_torch import FACTORED_KINDS, _torch_dtype, attend_codes, kv_load, kv_store, masked_softmax
+from export.kv_torch import FACTORED_KINDS, _torch_dtype, attend, attend_codes, kv_load, kv_store
 from export.model_config import ModelConfig, rope_attention_factor, rope_inv_freq
 
 
@@ -136,9 +136,7 @@ class Attention(nn.Module):
             present_v, v_hat = kv_store(scheme, v_new, vs)
             k_all = torch.cat([kv_load(scheme, past[0], x.dtype, ks), k_hat], 0)  # [P+S, B, Hkv, D]
             v_all = torch.cat([kv_load(scheme, past[1], x.dtype, vs), v_hat], 0)
-            scores = torch.matmul(qg, k_all.permute(1, 2, 3, 0)) * (1.0 / math.sqrt(D))  # [B, Hkv, G*S, T]
-            probs = masked_softmax(scores, allowed, G)
-            out = torch.matmul(probs, v_all.permute(1, 2, 0, 3))  # [B, Hkv, G*S, D]
+            out = attend(qg, G, k_all, v_all, allowed)  # [B, Hkv, G*S, D]
         if scheme.rotate:
             out = out @ self.had.t()
         out = out.view(B, Hkv, G, S, D).permute(0, 3, 1, 2, 4).reshape(B, S, H * D)
