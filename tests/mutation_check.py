@@ -353,6 +353,9 @@ MUTATIONS = [
     M("a half-done past binding taken for done", "perf", "edgekv/runtime/backends/binding.py",
       '        self._bound.pop("past", None)  # a Ctrl-C half-way through leaves some bound, some not: rebind all next time\n',
       "", ("tests/test_decode_step.py",)),
+    M("the binding keeps a finished stream's cache alive", "perf", "edgekv/runtime/backends/binding.py",
+      '        self._bound["past"] = (weakref.ref(cache),)\n', '        self._bound["past"] = (weakref.ref(cache), cache)\n',
+      ("tests/test_runtime.py",)),
     # -- the ort backend's Cast for the cache reads (issue 11)
     M("cache reads cast to the wrong type", "perf", "edgekv/graph/passes/cache_reads.py",
       "to = consts[node.input[1]].data_type", "to = onnx.TensorProto.FLOAT16", CAST_READS),

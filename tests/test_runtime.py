@@ -202,3 +202,23 @@ def test_a_stream_takes_exactly_its_room(tiny_bundle_int8):
         assert s.seq.n == 20 and s.seq.room() == 12
         assert s.prefill(ids(12, seed=4)).shape == (rt.bundle.model["vocab_size"],)
         assert s.seq.n == 32 and s.seq.room() == 0
+
+
+@pytest.mark.parametrize("fixture", ["tiny_bundle_int8", "tiny_bundle_int8_static"])
+def test_a_finished_streams_cache_is_freed_with_it(fixture, request):
+    """The backend binds a stream's cache by address; once the stream is dropped its buffers go
+    too (bench and eval open one stream per capacity: each would otherwise stay until the next
+    bound), and a new stream on the same backend runs as the first did."""
+    import weakref
+
+    from edgekv.runtime.assemble import open_runtime
+
+    with open_runtime(request.getfixturevalue(fixture), 64, "ort-cpu", 1, log=None) as rt:
+        s = rt.stream()
+        first = s.prefill(ids(10, seed=5))
+        s.decode_step(7)
+        cache = weakref.ref(s.cache)
+        del s
+        assert cache() is None
+        again = rt.stream()
+        np.testing.assert_array_equal(again.prefill(ids(10, seed=5)), first)

@@ -2,13 +2,22 @@
 (docs/runtime.md, "The decode step"). It owns the binding and every array bound by address: the
 small inputs, the one-token call's present.* staging arrays, the logits, the fused calls' feeds.
 Each part is keyed by what it holds; a key is dropped before rebinding, so a Ctrl-C half-way
-through leaves that part to be bound whole on the next call, never taken for done."""
+through leaves that part to be bound whole on the next call, never taken for done. A cache is
+held by a weak reference: a finished stream's cache is freed with it, not kept by the last
+binding (45 MiB at 4,096 cells of the default model), and a dead one matches no later cache."""
 from __future__ import annotations
+
+import weakref
 
 import numpy as np
 
 from edgekv.format.bundle import LOCAL_MASK
 from edgekv.runtime.cache import KVCache
+
+
+def _gone() -> None:
+    """What a weak reference to a freed cache returns: the key of nothing bound yet."""
+    return None
 
 
 class Binding:
@@ -19,7 +28,7 @@ class Binding:
         self.logits = np.empty((1, max(1, rows), vocab), np.float32)
         self._bound: dict[str, tuple | None] = {}  # part -> what it holds: small, past, present, logits
         self._small: dict[str, np.ndarray] = {}
-        self._stage: tuple = (None,)  # the last cache, its present.* staging arrays [1, 1, Hkv, D|-], their copies
+        self._stage: tuple = (_gone,)  # the last cache, its present.* staging arrays [1, 1, Hkv, D|-], their copies
         self._feeds: dict[str, np.ndarray] = {}
 
     def run(self, session) -> None:
@@ -60,11 +69,10 @@ class Binding:
         return self._small
 
     def past(self, cache: KVCache, past: int, local_past: int | None = None) -> None:
-        """past.* as the first `past` slots of every buffer (the cache is held in the key, so
-        its identity cannot be taken by another one while bound); a windowed cache's local
-        layers as their first `local_past` slots."""
+        """past.* as the first `past` slots of every buffer; a windowed cache's local layers as
+        their first `local_past` slots."""
         bound = self._bound.get("past")
-        if bound and bound[0] is cache and bound[1:] == (past, local_past):
+        if bound and bound[0]() is cache and bound[1:] == (past, local_past):
             return
         self._bound.pop("past", None)  # a Ctrl-C half-way through leaves some bound, some not: rebind all next time
         local = set(cache.local_names)
@@ -72,7 +80,7 @@ class Binding:
             count = local_past if name in local else past
             self.io.bind_input(name, self.device, 0, cache.dtypes[name], cache.slots_shape(name, count),
                                cache.ptr(name, 0))
-        self._bound["past"] = (cache, past, local_past)
+        self._bound["past"] = (weakref.ref(cache), past, local_past)
 
     def present_at(self, cache: KVCache, w: int, s: int) -> dict[str, np.ndarray]:
         """present.* straight into the cache at the write slot: the graph writes it in place. A
@@ -93,19 +101,19 @@ class Binding:
         """present.* of a one-token call into staging arrays, bound once per cache; returns what
         the copy after the run needs: (buffer address, bytes per slot, staging address, whether
         the buffer is a local layer's ring) each."""
-        if self._stage[0] is not cache:
+        if self._stage[0]() is not cache:
             arrays = {name: np.zeros(cache.slots_shape(name, 1), cache.dtypes[name]) for name in cache.names}
             local = set(cache.local_names)
             copies = [(cache.ptr(name, 0), cache.row_bytes[name], a.ctypes.data, name in local)
                       for name, a in arrays.items()]
-            self._stage = (cache, arrays, copies)
+            self._stage = (weakref.ref(cache), arrays, copies)
         _, arrays, copies = self._stage
         bound = self._bound.get("present")
-        if not (bound and bound[0] is cache):
+        if not (bound and bound[0]() is cache):
             self._bound.pop("present", None)
             for name, st in arrays.items():
                 self._host_output("present" + name[4:], st)
-            self._bound["present"] = (cache,)
+            self._bound["present"] = (weakref.ref(cache),)
         return copies
 
     # -- the fused graph: host arrays of each call, and the cache bound as past and present at once
@@ -117,7 +125,7 @@ class Binding:
     def whole_cache(self, cache: KVCache) -> None:
         """Every buffer whole as both its past and its present (one buffer, one address)."""
         bound = self._bound.get("past")
-        if bound and bound[0] is cache:
+        if bound and bound[0]() is cache:
             return
         self._bound.pop("past", None)
         memory = cache.memory
@@ -128,11 +136,11 @@ class Binding:
             ptr, dtype = memory.ptr(buf), cache.dtypes[name]
             self.io.bind_input(name, memory.device, 0, dtype, shape, ptr)
             self.io.bind_output("present" + name[4:], memory.device, 0, dtype, shape, ptr)
-        self._bound["past"] = (cache,)
+        self._bound["past"] = (weakref.ref(cache),)
 
     def slot_block(self, cache: KVCache, first: int, count: int) -> None:
         """past.* and present.* as slots [first, first + count) of every buffer (one address each)."""
-        key = (cache, first, count)
+        key = (weakref.ref(cache), first, count)  # weak refs compare equal while their object lives
         if self._bound.get("past") == key:
             return
         self._bound.pop("past", None)
