@@ -165,7 +165,7 @@ class Sequence:
             raise ContextOverflow(f"snapshot holds {n} tokens, more than the cache capacity {self.capacity}",
                                   setting="capacity", fix="raise {}")
         if len(ids) != n:  # slot i holds the token fed at position i
-            raise EdgeKVError(f"snapshot holds {n} slots but {len(ids)} token ids")
+            raise EdgeKVError(f"snapshot holds {n} cells but {len(ids)} token ids")
         if len(ids) > self.max_positions:
             raise ContextOverflow(f"snapshot holds {len(ids)} positions, more than the {self.max_positions} "
                                   f"this bundle was verified for")
@@ -203,7 +203,7 @@ def run_stream(backend, cache: KVCache, seq: Sequence, ids: np.ndarray, logits_i
 
 def reference(rt, capacity: int | None = None, prefill_chunk: int = PREFILL_CHUNK, cache: KVCache | None = None):
     """A reference generator over a new sequence of the runtime `rt`: in `cache`, or in a new
-    windowed cache of `capacity` slots (where the bundle and the backend allow it)."""
+    windowed cache of `capacity` cells (where the bundle and the backend allow it)."""
     if cache is None:
         windowed = getattr(rt.backend, "windows_cache", False)
         cache = KVCache(rt.bundle, capacity or rt.capacity, memory=rt.backend.memory, windowed=windowed)

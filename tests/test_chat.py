@@ -81,7 +81,7 @@ def test_long_piped_conversation_on_small_ctx_ends_normally(tiny_bundle_int8, co
                    "--context", context, "--json", input=lines)
     assert r.returncode == 0, r.stderr
     turns = [json.loads(l) for l in r.stdout.splitlines()]
-    assert len(turns) == 40 and all(t["kv_slots"] <= 96 for t in turns)
+    assert len(turns) == 40 and all(t["kv_cells"] <= 96 for t in turns)
     # the tiny bundle is verified for 256 positions: ~1,500 tokens of talk cross it several times
     assert all(t["position"] <= 256 for t in turns) and turns[-1]["dropped_turns"] > 0
     if context == "ring":  # the ring overwrote before it ever had to drop a turn

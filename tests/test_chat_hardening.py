@@ -163,7 +163,7 @@ def test_piped_chat_keeps_a_users_file_and_refuses_a_foreign_load(tiny_bundle_in
     assert notes.read_text() == "my notes\n"
     turns = [json.loads(l) for l in r.stdout.splitlines()]
     assert [t["user"] for t in turns] == [lines[0], lines[3]]
-    assert turns[1]["kv_slots"] > turns[0]["kv_slots"]  # the conversation went on
+    assert turns[1]["kv_cells"] > turns[0]["kv_cells"]  # the conversation went on
 
 
 # -- 2. Ctrl-C in /save or /load cancels the command; the chat goes on ---------------------------------
@@ -330,7 +330,7 @@ def test_real_sigint_in_save_and_load_cancels_them_and_the_chat_goes_on(tiny_bun
                           env=dict(os.environ, PYTHONPATH=str(ROOT)), encoding="utf-8", timeout=120)
     try:
         child.sendline("What is the capital of France?")
-        child.expect(r'"kv_slots": (\d+)')
+        child.expect(r'"kv_cells": (\d+)')
         slots = int(child.match.group(1))
         child.sendline("/save new.npz")
         child.expect("SAVING")
@@ -341,7 +341,7 @@ def test_real_sigint_in_save_and_load_cancels_them_and_the_chat_goes_on(tiny_bun
         child.kill(signal.SIGINT)
         child.expect(r"\(/load cancelled[^\r\n]*")
         child.sendline("/stats")
-        child.expect(r"KV \d+/256 slots")
+        child.expect(r"KV \d+/256 cells")
         stats = child.after
         child.sendline("And of Germany?")
         child.expect(r'\{"user": "And of Germany\?"[^\r\n]*')
@@ -352,10 +352,10 @@ def test_real_sigint_in_save_and_load_cancels_them_and_the_chat_goes_on(tiny_bun
         child.close(force=True)
     assert child.exitstatus == 0
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other.npz", "slow_chat.py"]  # nothing half-written
-    assert stats == f"KV {slots}/256 slots"
+    assert stats == f"KV {slots}/256 cells"
     r = run_edgekv("chat", tiny_bundle_int8, *flags, input="What is the capital of France?\nAnd of Germany?\n")
     want = [json.loads(l) for l in r.stdout.splitlines()]
-    keys = ("text", "kv_slots", "position", "prompt_tokens")
+    keys = ("text", "kv_cells", "position", "prompt_tokens")
     assert {k: got[k] for k in keys} == {k: want[1][k] for k in keys}
 
 
@@ -457,7 +457,7 @@ def test_stats_after_load_and_after_a_stopped_turn(tiny_bundle_int8, tmp_path):
     line = terminal.session_stats(t)
     n, mib = s.seq.n, 2 ** 20
     assert "no turn yet since /load" in line, line
-    assert f"KV {n}/256 slots, {t.cache.used_bytes(n) / mib:.2f} / {t.cache.nbytes / mib:.2f} MiB" in line, line
+    assert f"KV {n}/256 cells, {t.cache.used_bytes(n) / mib:.2f} / {t.cache.nbytes / mib:.2f} MiB" in line, line
     assert "TTFT" not in line and "0.0 tok/s" not in line, line
     _, st = t.reply("And of Germany?")
     assert f"decode {st.new_tokens} tok" in terminal.session_stats(t)

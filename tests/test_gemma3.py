@@ -204,7 +204,7 @@ def test_chat_ring_wrapped_equals_the_ring_oracle_token_by_token(bundles, window
 # -- the windowed cache (format 4): the local layers keep only their last W - 1 positions ------
 
 def run_both(b, prompt, steps, chunk, windowed):
-    """Greedy over a cache of CONTEXT slots, windowed or full (the same backend and past bucket)."""
+    """Greedy over a cache of CONTEXT cells, windowed or full (the same backend and past bucket)."""
     g = Generator(OrtBackend(b, threads=1, past_bucket=4), KVCache(b, CONTEXT, windowed=windowed), prefill_chunk=chunk)
     return greedy(g, prompt, steps), g
 
@@ -246,7 +246,7 @@ def test_the_windowed_cache_reports_its_bytes(bundles):
     seq.advance(ids(20))
     assert win.used_bytes(23) == 23 * kv["global_bytes_per_token"] + kv["local_bytes"]
     line = kv_line(win, seq)
-    assert line.startswith(f"KV 23/{CONTEXT} slots (local layers: last {WINDOW - 1}), ") and "MiB" in line
+    assert line.startswith(f"KV 23/{CONTEXT} cells (local layers: last {WINDOW - 1}), ") and "MiB" in line
     assert "local layers" not in kv_line(full, new_sequence(full))
 
 

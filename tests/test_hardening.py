@@ -241,7 +241,7 @@ def test_piped_chat_survives_every_recoverable_error(tiny_bundle_int8, tmp_path)
     turns = [json.loads(l) for l in r.stdout.decode().splitlines()]
     assert [t["user"] for t in turns] == ["What is the capital of France?", "And of Germany?"]
     # the conversation was kept: the second turn prefilled only its own message
-    assert turns[1]["kv_slots"] > turns[0]["kv_slots"] + turns[1]["prompt_tokens"] - 1
+    assert turns[1]["kv_cells"] > turns[0]["kv_cells"] + turns[1]["prompt_tokens"] - 1
 
 
 def _sigint_chat(bundle, mode):
@@ -255,7 +255,7 @@ def _sigint_chat(bundle, mode):
                           env=env, cwd=str(ROOT), encoding="utf-8", timeout=120)
     try:
         child.sendline("What is the capital of France?")
-        child.expect(r'"kv_slots": \d+')
+        child.expect(r'"kv_cells": \d+')
         if mode == "prefill":  # about 120 tokens: 15 chunks of 8
             child.sendline("SLOW " + "Tell me about robots, trains and tea. " * 12)
             child.expect("CALL prefill 3")
@@ -265,7 +265,7 @@ def _sigint_chat(bundle, mode):
         child.sendintr()  # the pty's Ctrl-C: SIGINT to the process
         child.expect(r'"stop_reason": "interrupted"')
         child.sendline("/stats")
-        child.expect(r"KV \d+/256 slots")
+        child.expect(r"KV \d+/256 cells")
         stats = child.after
         child.sendline("And of Germany?")
         child.expect(r'\{"user": "And of Germany\?"[^\r\n]*')
@@ -292,9 +292,9 @@ def test_real_sigint_leaves_the_conversation_as_before_the_turn(tiny_bundle_int8
     log, stats, status = _sigint_chat(tiny_bundle_int8, mode)
     assert status == 0
     want = uninterrupted_chat
-    assert stats == f"KV {want[0]['kv_slots']}/256 slots"
+    assert stats == f"KV {want[0]['kv_cells']}/256 cells"
     got = log
-    keys = ("text", "kv_slots", "position", "prompt_tokens")
+    keys = ("text", "kv_cells", "position", "prompt_tokens")
     assert {k: got[k] for k in keys} == {k: want[1][k] for k in keys}
 
 

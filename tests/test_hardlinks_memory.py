@@ -267,3 +267,23 @@ def test_generate_under_rlimit_as_refuses_a_large_context_in_one_line(bundle_cop
     need = load_bundle(bundle_copy).kv_bytes_per_token() * ctx
     assert r.returncode == 1 and "Traceback" not in r.stderr and len(lines) == 1, r.stderr
     assert f"needs 576.0 MiB ({need} bytes), only" in lines[0] and "RLIMIT_AS" in lines[0] and "--ctx" in lines[0]
+
+
+def test_host_buffers_are_zeroed_mappings_of_their_own():
+    """HostMemory's buffers: zero-filled, writable, C-contiguous, page-aligned (a mapping each,
+    handed back to the system when freed), and a mapping refused is the MemoryError the cache's
+    one-line refusal reports."""
+    import mmap
+
+    buf = HostMemory().alloc((3, 1, 2, 64), np.int8)
+    assert buf.shape == (3, 1, 2, 64) and not buf.any()
+    assert buf.flags.writeable and buf.flags.c_contiguous and buf.ctypes.data % mmap.PAGESIZE == 0
+    buf[1] = 7
+    assert int(buf.sum()) == 7 * 128
+    script = ("import resource, numpy as np\n"
+              "from edgekv.runtime.memory import HostMemory\n"
+              "resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))\n"
+              "try:\n    HostMemory().alloc((4 << 30,), np.int8)\n"
+              "except MemoryError as e:\n    print('MemoryError', e)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.stdout.startswith("MemoryError Unable to allocate 4294967296 bytes"), out.stdout + out.stderr

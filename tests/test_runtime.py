@@ -27,10 +27,18 @@ def ids(n, seed=0, vocab=300):
     return list(np.random.default_rng(seed).integers(3, vocab, n))
 
 
+def stream(path, capacity=128, chunk=256):
+    """The product's own single stream (a one-request batcher run per call), on one thread."""
+    from edgekv.runtime.assemble import open_runtime
+
+    return open_runtime(path, capacity, "ort-cpu", 1, log=None).stream(prefill_chunk=chunk)
+
+
 def test_float_cached_decode_equals_uncached_forward(tiny_bundle_float):
+    """The product's stream, a prompt then a token a call, against the reference's one pass."""
     seq = ids(40)
     full = runtime(tiny_bundle_float).prefill(seq, all_logits=True)  # one pass, no past
-    g = runtime(tiny_bundle_float)
+    g = stream(tiny_bundle_float)
     cached = [g.prefill(seq[:10], all_logits=True)[-1].copy()]
     cached += [g.decode_step(t).copy() for t in seq[10:]]
     np.testing.assert_allclose(np.stack(cached), full[9:], atol=1e-4, rtol=1e-4)
@@ -39,9 +47,10 @@ def test_float_cached_decode_equals_uncached_forward(tiny_bundle_float):
 
 @pytest.mark.parametrize("chunk", [1, 5, 16])
 def test_int8_chunked_prefill_equals_token_by_token(tiny_bundle_int8, chunk):
+    """The product's stream prefilling in chunks against the reference, a token a call."""
     seq = ids(48, seed=2)
     one = runtime(tiny_bundle_int8, chunk=1).prefill(seq, all_logits=True)
-    got = runtime(tiny_bundle_int8, chunk=chunk).prefill(seq, all_logits=True)
+    got = stream(tiny_bundle_int8, chunk=chunk).prefill(seq, all_logits=True)
     np.testing.assert_allclose(got, one, atol=2e-4, rtol=1e-4)
 
 
@@ -86,7 +95,7 @@ def test_truncate_then_regenerate_matches(tiny_bundle_int8):
 def test_logits_from_returns_exactly_the_tail_rows(tiny_bundle_int8):
     seq = ids(40, seed=4)
     full = runtime(tiny_bundle_int8, chunk=16).prefill(seq, all_logits=True)
-    tail = runtime(tiny_bundle_int8, chunk=16).prefill(seq, all_logits=True, logits_from=21)
+    tail = stream(tiny_bundle_int8, chunk=16).prefill(seq, all_logits=True, logits_from=21)
     assert tail.shape == (19, full.shape[1])
     np.testing.assert_allclose(tail, full[21:], atol=1e-5)
 

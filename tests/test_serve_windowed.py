@@ -91,7 +91,7 @@ def test_serve_takes_the_windowed_pool_where_it_is_smaller_and_says_so(bundles):
     st = e.stats()
     assert (st["kv_bytes"], st["kv_local_rings"], st["kv_prefix_window_bytes"]) == (cache.nbytes, 2, 0)
     line = kv_summary(e, b)
-    assert f"+ 2 rings of {RING} slots" in line and f"--full-kv: every position, {full.nbytes / 2**20:.1f} MiB" in line
+    assert f"+ 2 rings of {RING} cells" in line and f"--full-kv: every position, {full.nbytes / 2**20:.1f} MiB" in line
     # the prefix cache's copies as many as fit with the rings under the full pool: (rings + copies) * 23 < 128
     three, five = serve_engine(b, parallel=3), serve_engine(b, parallel=5)
     assert (three.cache.rings, three.pool.max_prefixes, five.cache.rings, five.pool.max_prefixes) == (3, 2, 5, 0)
@@ -116,7 +116,7 @@ def test_prefix_windows_chooses_the_copies_and_too_many_is_one_line(bundles):
                         explain(e.value))
     with pytest.raises(EdgeKVError) as e:
         serve_engine(b, parallel=6, window=0)
-    assert re.fullmatch(r"0 window copies: 6 rings of 23 slots .* \(the rings alone fill it: .*\)", explain(e.value))
+    assert re.fullmatch(r"0 window copies: 6 rings of 23 cells .* \(the rings alone fill it: .*\)", explain(e.value))
     r = cli("serve", b.path, "--full-kv", "--prefix-windows", "1", "--port", "0")
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == ["edgekv serve: error: --prefix-windows counts a windowed pool's copies; "

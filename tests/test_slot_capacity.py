@@ -55,5 +55,5 @@ def test_a_slot_past_the_verified_context_is_one_line(rt):
 
 def test_the_cell_pool_keeps_the_whole_cache_bound(rt):
     limit = rt.bundle.max_context
-    with pytest.raises(EdgeKVError, match=f"a cache of {limit + 1} slots exceeds the {limit} tokens"):
+    with pytest.raises(EdgeKVError, match=f"a cache of {limit + 1} cells exceeds the {limit} tokens"):
         KVCache(rt.bundle, limit + 1, memory=rt.backend.memory)

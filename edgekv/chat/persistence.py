@@ -195,7 +195,7 @@ def sinks_for(session, meta: dict) -> int | None:
     if sinks is None:
         sinks = sink_count(session.codec, meta["system"])
     if not 0 <= sinks <= session.seq.capacity // 2:
-        raise EdgeKVError(f"the saved system prompt takes {sinks} sink slots; this ring keeps at most "
+        raise EdgeKVError(f"the saved system prompt takes {sinks} sink cells; this ring keeps at most "
                           f"{session.seq.capacity // 2}", setting="capacity", fix="raise {}")
     return sinks
 

@@ -127,7 +127,7 @@ def _eval_context_parser(sub) -> None:
     p.add_argument("--turns", type=int_range(1, 10000), default=24, help="conversation turns (built-in questions)")
     p.add_argument("--reply-tokens", type=int_range(1, TOKENS), default=96, help="longest reply in the reference conversation")
     p.add_argument("--system", default=None, help="system prompt (default: the chat template's own)")
-    p.add_argument("--sinks", type=int_range(0, TOKENS), default=None, help="ring: slots kept at the start (default: the system prompt's tokens)")
+    p.add_argument("--sinks", type=int_range(0, TOKENS), default=None, help="ring: cells kept at the start (default: the system prompt's tokens)")
     p.add_argument("--threads", type=THREADS, default=None, help=CPU_THREADS)
     p.add_argument("--json", default=None, metavar="OUT", help="write the results as JSON")
 

@@ -47,7 +47,7 @@ def serve_pool(bundle: Bundle, backend: Backend, capacity: int, windowed: bool, 
     can = windowed and bundle.windowed and getattr(backend, "windows_cache", False)
     if can and copies is not None and copies > fit:
         held = f"{parallel} rings" + (f" and {copies} window copies" if fit >= 0 else "")
-        raise EdgeKVError(f"{copies} window copies: {held} of {ring} slots are not fewer than the {capacity} cells "
+        raise EdgeKVError(f"{copies} window copies: {held} of {ring} cells are not fewer than the {capacity} cells "
                           "of the full pool", setting="prefix_windows",
                           fix=f"at most {fit} here: {{}} {fit}" if fit >= 0 else
                           "none fit beside the rings: a larger context, fewer parallel requests, or {} 0 and no prefix cache"

@@ -27,7 +27,7 @@ from edgekv.format.bundle import Bundle, io_names, layer_of, local_slots
 from edgekv.runtime.memory import HostMemory, KVMemory, MovesRows, RowMemory, runs
 
 NP_DTYPES = {"int8": np.int8, "uint8": np.uint8, "float16": np.float16, "float32": np.float32}
-DEFAULT_CAPACITY = 2048  # slots, when no --ctx is given (capped at the bundle's verified context)
+DEFAULT_CAPACITY = 2048  # cells, when no --ctx is given (capped at the bundle's verified context)
 
 
 def default_capacity(bundle: Bundle) -> int:
@@ -45,7 +45,7 @@ class KVCache:
         self.memory = memory or HostMemory()
         span = capacity // self.memory.slots  # the most cells one sequence can use
         if span > bundle.max_context:
-            cells = f"a cache of {capacity} slots" if self.memory.slots == 1 else \
+            cells = f"a cache of {capacity} cells" if self.memory.slots == 1 else \
                 f"a sequence slot of {span} cells ({capacity} in {self.memory.slots} slots)"
             raise EdgeKVError(f"{cells} exceeds the {bundle.max_context} tokens this bundle was "
                               f"verified for", setting="max_context", fix="re-export with a larger {}")
@@ -100,7 +100,7 @@ class KVCache:
         why = f": {note}" if note else ""
         left = (f"only {free / 2**20:.1f} MiB free on {self.memory.device} ({free} bytes{why})" if free is not None
                 else f"the allocation failed on {self.memory.device}")
-        return EdgeKVError(f"a KV cache of {capacity} slots needs {need / 2**20:.1f} MiB ({need} bytes), {left}",
+        return EdgeKVError(f"a KV cache of {capacity} cells needs {need / 2**20:.1f} MiB ({need} bytes), {left}",
                            setting="capacity", fix="use a smaller {}")
 
     def slots_of(self, name: str, count: int) -> int:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 import os
 from typing import Any, Protocol, runtime_checkable
 
@@ -210,6 +211,22 @@ def describe_available() -> str:
     return "; ".join(what for _, what in sorted(memory_limits(), key=lambda x: x[0])) or "no limit known"
 
 
+def mapped_zeros(shape: tuple, dtype) -> np.ndarray:
+    """A zero-filled array in a memory mapping of its own: freed, it goes back to the system at
+    once, where one from malloc's heap can stay in it (a 4,096-cell cache's buffers, 768 KiB each
+    for the default model, are below the size glibc maps by itself once its threshold has grown),
+    under the next cache's. Its pages are touched here, so the memory is really ours from the start."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    try:
+        mapped = mmap.mmap(-1, max(n, 1))
+    except OSError as e:  # ENOMEM: the cache's refusal reports a MemoryError in one line
+        raise MemoryError(f"Unable to allocate {n} bytes: {e.strerror}") from None
+    buf = np.frombuffer(mapped, np.uint8, count=n).view(dtype).reshape(shape)
+    buf.fill(0)
+    return buf
+
+
 class HostMemory:
     """KV buffers in host RAM as numpy arrays."""
     device = "cpu"
@@ -224,9 +241,7 @@ class HostMemory:
         return describe_available() if type(self).free_bytes is HostMemory.free_bytes else ""
 
     def alloc(self, shape: tuple, dtype) -> np.ndarray:
-        buf = np.empty(shape, dtype)
-        buf.fill(0)  # np.zeros maps pages lazily; touch them so the memory is really ours from the start
-        return buf
+        return mapped_zeros(shape, dtype)
 
     def ptr(self, buf: np.ndarray) -> int:
         return buf.ctypes.data

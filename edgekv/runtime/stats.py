@@ -38,10 +38,10 @@ def stats_of(req: "Request", t0: float) -> Stats:
 
 
 def kv_line(cache: KVCache, seq: "PoolSequence") -> str:
-    """What the cache holds: slots and bytes used / allocated."""
+    """What the cache holds: cells and bytes used / allocated."""
     mib = 2 ** 20
     ring = f" (local layers: last {cache.local_ring})" if getattr(cache, "local_ring", None) else ""  # a windowed cache
-    return f"KV {seq.n}/{cache.capacity} slots{ring}, {cache.used_bytes(seq.n) / mib:.2f} / {cache.nbytes / mib:.2f} MiB"
+    return f"KV {seq.n}/{cache.capacity} cells{ring}, {cache.used_bytes(seq.n) / mib:.2f} / {cache.nbytes / mib:.2f} MiB"
 
 
 def ring_note(seq: "PoolSequence") -> str:
@@ -55,7 +55,7 @@ def stats_line(st: Stats, cache: KVCache, seq: "PoolSequence") -> str:
 
 def stats_record(st: Stats, cache: KVCache, seq: "PoolSequence") -> dict:
     """The stats of one reply as JSON fields."""
-    return {**asdict(st), "prefill_tps": st.prefill_tps, "decode_tps": st.decode_tps, "kv_slots": seq.n,
+    return {**asdict(st), "prefill_tps": st.prefill_tps, "decode_tps": st.decode_tps, "kv_cells": seq.n,
             "kv_capacity": cache.capacity, "kv_bytes_used": cache.used_bytes(seq.n),
             "kv_bytes_allocated": cache.nbytes, "kv_scheme": cache.scheme.name, "ring_wrapped": seq.wrapped,
             "position": seq.pos}

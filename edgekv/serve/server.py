@@ -139,7 +139,7 @@ def kv_summary(batcher: Batcher, bundle) -> str:
         "no prefix cache (no window copies: --prefix-windows, or no room for one under the full pool's bytes)"
     full = cache.capacity * bundle.kv_bytes_per_token()
     return (f"KV: {cache.nbytes / mib:.1f} MiB: {cache.capacity} cells of the global layers "
-            f"({(cache.nbytes - cache.local_bytes) / mib:.1f} MiB) + {cache.rings} rings of {cache.local_ring} slots "
+            f"({(cache.nbytes - cache.local_bytes) / mib:.1f} MiB) + {cache.rings} rings of {cache.local_ring} cells "
             f"for the local layers ({cache.local_bytes / mib:.1f} MiB, one per running request); {reuse}; "
             f"--full-kv: every position, {full / mib:.1f} MiB, any prefix reused")
 

@@ -121,7 +121,7 @@ class PoolSequence:
             raise EdgeKVError("saved from a ring cache that has wrapped", setting="context_policy",
                               fix="load it with {} ring")
         if len(ids) < n:
-            raise EdgeKVError(f"snapshot holds {n} slots but {len(ids)} token ids")
+            raise EdgeKVError(f"snapshot holds {n} cells but {len(ids)} token ids")
         if len(ids) > self.max_positions:
             raise ContextOverflow(f"snapshot holds {len(ids)} positions, more than the {self.max_positions} "
                                   f"this bundle was verified for")
