@@ -21,14 +21,18 @@ def masked_softmax(scores, allowed, G):
     return torch.softmax(s.float(), dim=-1).to(scores.dtype).view(B, Hkv, GS, -1)
 
 
+# torch >= 2.7 says when torch.export is tracing; without it (2.6) the written form always runs
+_EXPORTING = getattr(torch.compiler, "is_exporting", None)
+
+
 def attend(qg, G, k_all, v_all, allowed):
     """softmax(q.k / sqrt(D)) v: qg [B, Hkv, G*S, D] (a KV head's G query heads stacked), k_all and
     v_all [T, B, Hkv, D], allowed [B, S, T] -> [B, Hkv, G*S, D]. The exported graph gets the
     MatMul/Softmax form (what the graph passes and TensorRT's rules match); eager float32 runs
     torch's fused kernel, which never materializes the [G*S, T] scores: the calibration's float
-    passes over 1,024-token windows take about half the time (docs/export.md). A row that sees no
+    passes over 1,024-token windows take about half the time (docs/benchmarks.md, stop 48). A row that sees no
     key at all (padding) keeps the written form's uniform weights."""
-    if torch.compiler.is_exporting() or qg.dtype != torch.float32 or not bool(allowed.any(-1).all()):
+    if _EXPORTING is None or _EXPORTING() or qg.dtype != torch.float32 or not bool(allowed.any(-1).all()):
         scores = torch.matmul(qg, k_all.permute(1, 2, 3, 0)) * (1.0 / math.sqrt(qg.shape[-1]))
         return torch.matmul(masked_softmax(scores, allowed, G), v_all.permute(1, 2, 0, 3))
     B, Hkv, GS, _ = qg.shape

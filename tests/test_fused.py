@@ -428,5 +428,5 @@ def test_a_moved_call_fits_the_spare_slots(tiny_bundle_float):
     cache = KVCache(b, CAPACITY, memory=be.memory)
     s = be.memory.spare + 1
     mask = np.ones((1, s, CAPACITY + s), np.bool_)
-    with pytest.raises(EdgeKVError, match="spare slots"):
+    with pytest.raises(EdgeKVError, match="spare cells"):
         be.run_cells(cache, CAPACITY, 0, np.zeros((1, s), np.int64), np.arange(s)[None], mask, np.array([[0]]))

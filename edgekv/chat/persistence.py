@@ -221,7 +221,7 @@ def check_meta(meta, path: str) -> None:
     for key in ("w", "sinks"):
         v = meta["ring"].get(key)
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
-            raise bad(f"ring.{key} is not a slot count")
+            raise bad(f"ring.{key} is not a cell count")
     if not isinstance(meta.get("conversation", ""), str):
         raise bad("conversation is not an id")
     origin = meta.get("kv_origin")

@@ -211,6 +211,11 @@ def describe_available() -> str:
     return "; ".join(what for _, what in sorted(memory_limits(), key=lambda x: x[0])) or "no limit known"
 
 
+# private, as malloc's own large blocks: counted in RLIMIT_DATA (memory_limits), copied on fork,
+# eligible for transparent huge pages; shared memory is none of these (POSIX only; elsewhere the default)
+PRIVATE = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_PRIVATE") else {}
+
+
 def mapped_zeros(shape: tuple, dtype) -> np.ndarray:
     """A zero-filled array in a memory mapping of its own: freed, it goes back to the system at
     once, where one from malloc's heap can stay in it (a 4,096-cell cache's buffers, 768 KiB each
@@ -219,7 +224,7 @@ def mapped_zeros(shape: tuple, dtype) -> np.ndarray:
     dtype = np.dtype(dtype)
     n = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     try:
-        mapped = mmap.mmap(-1, max(n, 1))
+        mapped = mmap.mmap(-1, max(n, 1), **PRIVATE)
     except OSError as e:  # ENOMEM: the cache's refusal reports a MemoryError in one line
         raise MemoryError(f"Unable to allocate {n} bytes: {e.strerror}") from None
     buf = np.frombuffer(mapped, np.uint8, count=n).view(dtype).reshape(shape)

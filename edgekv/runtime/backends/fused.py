@@ -247,7 +247,7 @@ class FusedCalls:
         at = past if direct else cache.capacity  # where the op writes
         if not direct and s > be.memory.spare:
             raise EdgeKVError(f"{be.name} (fused attention): a call of {s} tokens written inside the past "
-                              f"exceeds the {be.memory.spare} spare slots (EDGEKV_ATTENTION=plain runs it)")
+                              f"exceeds the {be.memory.spare} spare cells (EDGEKV_ATTENTION=plain runs it)")
         feeds = {"input_ids": np.ascontiguousarray(input_ids, np.int64),
                  "position_ids": np.ascontiguousarray(position_ids, np.int64),
                  "logits_index": np.ascontiguousarray(logits_index, np.int64),

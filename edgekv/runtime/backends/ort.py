@@ -72,14 +72,15 @@ def cast_cache_reads(onnx_path) -> bytes:
 
 
 def session_options(ort, threads: int | None, matmul_accuracy: int):
-    """The CPU session's options, for the graph as written and for derived (fused) graphs alike."""
+    """The CPU session's options, for the graph as written and for derived (fused) graphs alike
+    (the fused session then turns the memory pattern off: OrtBackend.__init__)."""
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads or default_threads()
     opts.inter_op_num_threads = 1
     opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     opts.log_severity_level = 3
-    # a memory plan per input shape: decode steps repeat a few shapes (the past is bound in
-    # buckets), and one planned block per run is ~10 % faster than a node-by-node arena (docs/graph.md)
+    # a memory plan per input shape: the graph as written repeats a few shapes (the past is bound
+    # in buckets), and one planned block per run is ~10 % faster than a node-by-node arena (docs/graph.md)
     opts.enable_mem_pattern = True
     # quantized weights: DequantizeLinear -> MatMul runs fused as MatMulNBits
     opts.add_session_config_entry("session.qdq_matmulnbits_accuracy_level", str(matmul_accuracy))

@@ -105,7 +105,7 @@ class PoolSequence:
     def check_sinks(self, sinks: int) -> None:
         """`enable_ring(sinks)` would accept them (an error saying why not)."""
         if not 0 <= sinks < self.capacity - 1:
-            raise EdgeKVError(f"ring cache: {sinks} sink slots leave no ring in a capacity of {self.capacity}")
+            raise EdgeKVError(f"ring cache: {sinks} sink cells leave no ring in a capacity of {self.capacity}")
 
     def disable_ring(self) -> None:
         if self.ring and self.n:
