@@ -338,6 +338,7 @@ class FleetResult:
     readmitted: float | None
     times: dict
     logdir: Path
+    proxy_exit: int | None = None  # the proxy's exit status if it ended during the run (-N: signal N)
 
 
 def fleet_run(bundle: Path, litellm: str, logdir: Path, n: int = 40, workers: int = 4, kill_after: int = 10,
@@ -394,7 +395,7 @@ def fleet_run(bundle: Path, litellm: str, logdir: Path, n: int = 40, workers: in
         readmitted = None
         extra = n
         deadline = time.monotonic() + readmit_timeout
-        while readmitted is None and time.monotonic() < deadline:
+        while readmitted is None and time.monotonic() < deadline and proxy.proc.poll() is None:
             drive(proxy.url, 2, 2, run, first=extra)
             extra += 2
             with run.lock:
@@ -404,7 +405,7 @@ def fleet_run(bundle: Path, litellm: str, logdir: Path, n: int = 40, workers: in
             else:
                 time.sleep(0.5)
         return FleetResult(run, [b.base for b in boards], t0, ev["killed"], ev["restarted"], ev["ready"], readmitted,
-                           times, logdir)
+                           times, logdir, proxy.proc.poll())
     finally:
         proxy.stop()
         for b in boards:

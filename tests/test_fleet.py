@@ -50,8 +50,15 @@ def fleet_bundle(request, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def fleet(fleet_bundle, tmp_path_factory):
-    res = fleet_run(fleet_bundle, LITELLM, tmp_path_factory.mktemp("fleet"), n=N, workers=4, kill_after=KILL_AFTER,
-                    restart_after=RESTART_AFTER)
+    for attempt in (1, 2):
+        res = fleet_run(fleet_bundle, LITELLM, tmp_path_factory.mktemp("fleet"), n=N, workers=4, kill_after=KILL_AFTER,
+                        restart_after=RESTART_AFTER)
+        # LiteLLM 1.108.7's proxy has segfaulted mid-run (once in a day's runs: a NULL write in
+        # libpython, kernel log): its crash, not a board's; the scenario runs once more, and a
+        # second crash fails the tests as any lost request does
+        if attempt == 2 or res.proxy_exit is None or res.proxy_exit >= 0:
+            break
+        print(f"\nfleet: LiteLLM's proxy died of signal {-res.proxy_exit} mid-run ({res.logdir}): running it again")
     m = measured(res)
     print("\nfleet:", json.dumps(m))
     return res, m
