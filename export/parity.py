@@ -166,8 +166,9 @@ def add_cache_rows(par: Parity, model: Transformer, ref: Transformer | None, run
 
 def layer_cache_diff(model: Transformer, ref: Transformer | None, run: SideBySide, held: dict, i: int, j: int,
                      kv: str) -> tuple[float, float, float]:
-    """Layer i's key (j = 0) or value cache: the runtime's (`held`: runtime_rows) against torch's (dequantized, RMS ratio),
-    torch's against the float twin's (the noise yardstick), and layer 0's largest integer step."""
+    """Layer i's key (j = 0) or value cache: the runtime's (`held`: runtime_rows) against
+    torch's (dequantized, RMS ratio), torch's against the float twin's (the noise yardstick),
+    and layer 0's largest integer step."""
     names = io_names(model.cfg.n_layers, model.scheme)["past"]
     n = len(model.scheme.tensors)
     lo = names.index(f"past.{i}.{kv}")

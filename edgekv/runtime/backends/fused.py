@@ -234,11 +234,11 @@ class FusedCalls:
              key_mask: np.ndarray, logits_index: np.ndarray,
              local_key_mask: np.ndarray | None = None) -> np.ndarray:
         """past = slots [0, past) seen through key_mask [1, S, past + S], the new tokens' K/V to
-        slots [write, write + S). The op writes at the end of what it reads, so a call whose write slot is not `past` (a ring overwriting,
-        a cell run elsewhere in a pool, or a first prompt whose positions do not run on: the op
-        reads only position_ids[0] then) runs over the whole capacity with the rest masked,
-        writes to the spare slots after it and is moved to its cells. local_key_mask [1, S, past + S]:
-        the sliding-window layers' keys (a graph with them needs it), their bias built the same way."""
+        slots [write, write + S). The op writes at the end of what it reads, so a call whose
+        write slot is not `past` (a ring overwriting, a cell run elsewhere in a pool, or a first
+        prompt whose positions do not run on: the op reads only position_ids[0] then) runs over
+        the whole capacity with the rest masked, writes to the spare slots after it and is moved
+        to its cells. local_key_mask [1, S, past + S]: the sliding-window layers' keys (a graph with them needs it), their bias built the same way."""
         be, s = self.be, input_ids.shape[1]
         if be.local_bias and local_key_mask is None:
             raise EdgeKVError(f"{be.name}: this graph has sliding-window layers and needs their {LOCAL_MASK}")
